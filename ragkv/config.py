@@ -1,0 +1,61 @@
+"""Process-wide settings (paths, device, dtype) resolved from environment variables and defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ragkv.errors import RagkvError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Root for converted models, KV stores and calibration files (RAGKV_CACHE_DIR, default ~/.cache/ragkv)."""
+    return Path(os.environ.get("RAGKV_CACHE_DIR", "~/.cache/ragkv")).expanduser()
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("RAGKV_MODELS_DIR", cache_dir() / "models")).expanduser()
+
+
+def data_dir() -> Path:
+    """Shared benchmark data (RAGKV_DATA_DIR, default ../shared/data beside the checkout)."""
+    default = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return Path(os.environ.get("RAGKV_DATA_DIR", default)).expanduser()
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RagkvError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise RagkvError(f"unknown device {name!r}; use auto, cpu or cuda[:N]")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` means bf16 where the hardware runs it fast (CUDA with bf16, CPU with AMX/AVX512-BF16), else fp32."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise RagkvError(f"unknown dtype {name!r}; use auto, float32 or bfloat16")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,94 @@
+"""Block encoding and the block cache: each passage's raw K (before RoPE) and V, computed once.
+
+Block-Attention (Ma et al., ICLR 2025, eq. 2): a block attends only to itself and its K is stored with the
+position standardized to zero, so it can be re-rotated to any later position. APE (Yang et al. 2025, sec. 4.1)
+instead conditions every block on a shared prefix; that conditioning is part of the cache key.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.ops.attention import causal_mask, sdpa
+from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
+
+NO_CONDITIONING = "none"
+
+
+def prefix_conditioning(prefix_ids: list[int]) -> str:
+    return f"prefix:{hash_tokens(prefix_ids)[:32]}"
+
+
+@torch.inference_mode()
+def encode_block(model, ids: list[int], prefix: BlockKV | None = None) -> BlockKV:
+    """Run the block alone (or after `prefix`, whose tokens sit at positions 0..P-1); return raw K and V.
+
+    The block's tokens take positions P..P+T-1 (P = 0 without prefix); K is kept before RoPE.
+    """
+    dev = model.device
+    P = prefix.num_tokens if prefix is not None else 0
+    T = len(ids)
+    pos = torch.arange(P, P + T, device=dev)
+    x = model.embed(torch.tensor([ids], device=dev))
+    mask = causal_mask(T, P + T, dev) if P else None
+    keys, values = [], []
+    layers = model.layers
+    for i, layer in enumerate(layers):
+        q, k, v = layer.project_qkv(x)
+        keys.append(k[0])
+        values.append(v[0])
+        if i == len(layers) - 1:
+            break  # the last layer's output is not part of the KV
+        q, k = model.rope(q, pos), model.rope(k, pos)
+        if prefix is not None:
+            pk = model.rope(prefix.keys[i].unsqueeze(0).to(dev), torch.arange(P, device=dev))
+            k = torch.cat([pk, k], dim=2)
+            v = torch.cat([prefix.values[i].unsqueeze(0).to(dev), v], dim=2)
+        x = layer.finish(x, sdpa(q, k, v, mask=mask, causal=mask is None))
+    return BlockKV(torch.stack(keys), torch.stack(values))
+
+
+@dataclass
+class EnsureResult:
+    keys: list[CacheKey]
+    hits: int
+    misses: int
+    encode_ms: float
+
+
+class BlockCache:
+    """Names blocks by (model fingerprint, conditioning, token hash, namespace) and encodes them on a miss."""
+
+    def __init__(self, model, fingerprint: str, store: KVStore, namespace: str = "default"):
+        self.model, self.fingerprint, self.store, self.namespace = model, fingerprint, store, namespace
+
+    def key(self, ids: list[int], conditioning: str = NO_CONDITIONING, namespace: str | None = None) -> CacheKey:
+        return CacheKey(self.fingerprint, conditioning, hash_tokens(ids), len(ids), namespace or self.namespace)
+
+    def ensure(self, blocks: list[list[int]], conditioning: str = NO_CONDITIONING, prefix_ids: list[int] | None = None,
+               namespace: str | None = None) -> EnsureResult:
+        """Make sure every block is in the store (encoding misses first); return their keys in order."""
+        keys, hits, misses, t0 = [], 0, 0, time.perf_counter()
+        prefix_kv = None
+        for ids in blocks:
+            key = self.key(ids, conditioning, namespace)
+            if self.store.contains(key):
+                hits += 1
+            else:
+                misses += 1
+                if conditioning != NO_CONDITIONING and prefix_kv is None and prefix_ids:
+                    prefix_kv = self.get_or_encode(prefix_ids, namespace=namespace)
+                self.store.put(key, encode_block(self.model, ids, prefix_kv))
+            keys.append(key)
+        return EnsureResult(keys, hits, misses, (time.perf_counter() - t0) * 1000)
+
+    def get_or_encode(self, ids: list[int], namespace: str | None = None) -> BlockKV:
+        key = self.key(ids, NO_CONDITIONING, namespace)
+        kv = self.store.get(key)
+        if kv is None:
+            kv = encode_block(self.model, ids)
+            self.store.put(key, kv)
+        return kv

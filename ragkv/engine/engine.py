@@ -1,0 +1,195 @@
+"""The engine: a request's segments -> cache keys -> store -> re-rotation -> fusion -> decode.
+
+    engine = Engine.load("smollm2")
+    segs = engine.segments("Who wrote X?", [Passage(text, title), ...])
+    answer = engine.generate(segs, FusionOptions(mode="reuse"), GenerationOptions(max_new_tokens=32))
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ragkv.config import dtype_name, resolve_device, resolve_dtype
+from ragkv.engine.ape import ApeAttention
+from ragkv.engine.blend import prefill_blend
+from ragkv.engine.blocks import NO_CONDITIONING, BlockCache, prefix_conditioning
+from ragkv.engine.calibration import load_ape_params
+from ragkv.engine.fusion import prefill_full, prefill_over_context
+from ragkv.engine.generate import Delta, Generation, stream_tokens
+from ragkv.engine.layout import make_layout
+from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
+from ragkv.engine.prefix_cache import prefill_prefix
+from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments
+from ragkv.engine.state import DecodeState
+from ragkv.errors import PromptTooLongError
+from ragkv.models.loader import LoadedModel, load_model
+from ragkv.models.registry import DEFAULT_MODEL
+from ragkv.store.base import KVStore, MemoryStore
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+    first_logits: torch.Tensor  # [V] fp32, the first generated token's distribution
+
+
+class Run:
+    """A request in flight: iterate for text deltas; `stats` and `generation` are complete afterwards."""
+
+    def __init__(self, deltas: Iterator[Delta], generation: Generation, stats: RequestStats, state: DecodeState):
+        self._deltas, self.generation, self.stats = deltas, generation, stats
+        self.first_logits = state.logits.clone()
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self._deltas
+
+    def answer(self) -> Answer:
+        for _ in self._deltas:
+            pass
+        g = self.generation
+        return Answer(g.text, g.token_ids, g.finish_reason, self.stats, self.first_logits)
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids = set()
+    tok = loaded.tokenizer
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(tok.eos_token_id)
+    gen_cfg = loaded.path / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
+                 prompt_format: PromptFormat = PromptFormat()):
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.store = store if store is not None else MemoryStore()
+        self.blocks = BlockCache(self.model, loaded.fingerprint, self.store, namespace)
+        self.namespace = namespace
+        self.prompt_format = prompt_format
+        self.eos_ids = _eos_ids(loaded)
+        self.max_positions = loaded.args.max_positions
+        self.ape_temperature, self.ape_scale, self.ape_source = load_ape_params(loaded.fingerprint)
+        self.lock = threading.RLock()  # the model runs one request at a time
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+             store: KVStore | None = None, namespace: str = "default") -> "Engine":
+        dev = resolve_device(device)
+        return cls(load_model(model, resolve_dtype(dtype, dev), dev), store=store, namespace=namespace)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.model.dtype)
+
+    # -- segments ---------------------------------------------------------------------------------------
+    def segments(self, question: str, passages=(), system: str | None = None,
+                 prompt_format: PromptFormat | None = None) -> Segments:
+        return build_segments(self.tokenizer, question, passages, prompt_format or self.prompt_format, system)
+
+    def chat_segments(self, prompt: str, system: str | None = None) -> Segments:
+        return chat_segments(self.tokenizer, prompt, system)
+
+    def warm(self, segs: Segments, fusion: FusionOptions = FusionOptions(), namespace: str | None = None):
+        """Precompute and store the blocks of `segs` for `fusion.mode` without answering."""
+        if fusion.mode == "ape":
+            self.blocks.ensure([segs.prefix] if segs.prefix else [], NO_CONDITIONING, namespace=namespace)
+            return self.blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, namespace)
+        return self.blocks.ensure(([segs.prefix] if segs.prefix else []) + segs.blocks, namespace=namespace)
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    def _check_length(self, positions: int, what: str = "fused prompt") -> None:
+        if positions > self.max_positions:
+            raise PromptTooLongError(positions, self.max_positions, what)
+
+    def prefill(self, segs: Segments, fusion: FusionOptions = FusionOptions(), max_new_tokens: int = 0,
+                namespace: str | None = None) -> tuple[DecodeState, RequestStats]:
+        """Run `fusion.mode` up to the first token's logits; returns the decode state and statistics."""
+        with self.lock:
+            return self._prefill(segs, fusion, max_new_tokens, namespace)
+
+    def _prefill(self, segs, fusion, max_new_tokens, namespace):
+        stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
+        t_start = time.perf_counter()
+        mode = fusion.mode
+        if not segs.query:
+            raise ValueError("a request needs a non-empty query segment")
+        store = self.store
+        ns = namespace or self.namespace
+        if mode in ("full", "prefix"):
+            self._check_length(segs.num_tokens, "prompt")
+            capacity = segs.num_tokens + max_new_tokens
+            if mode == "full":
+                state = prefill_full(self.model, segs.all_ids(), capacity, stats)
+            else:
+                state = prefill_prefix(self.model, store, self.loaded.fingerprint, ns, segs.all_ids(),
+                                       fusion.prefix_chunk, capacity, stats)
+        else:
+            layout_kind = "shared" if mode == "ape" else "sequential"
+            prefix_blocks = [segs.prefix] if segs.prefix else []
+            layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], layout_kind)
+            self._check_length(layout.query_start + len(segs.query))
+            capacity = segs.num_tokens + max_new_tokens
+            if mode == "ape":
+                pre = self.blocks.ensure(prefix_blocks, NO_CONDITIONING, namespace=ns)
+                blk = self.blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, ns)
+                keys = pre.keys + blk.keys
+                stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
+                stats.encode_ms = pre.encode_ms + blk.encode_ms
+            else:
+                res = self.blocks.ensure(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
+                keys = res.keys
+                stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
+            layer_iter = store.iter_layers(keys, self.model.args.num_layers) if keys else iter(())
+            if mode == "blend":
+                context_ids = segs.prefix + [t for b in segs.blocks for t in b]
+                state = prefill_blend(self.model, layer_iter, layout, context_ids, segs.query, fusion,
+                                      capacity, stats)
+            else:
+                attention = None
+                if mode == "ape":
+                    T = fusion.ape_temperature if fusion.ape_temperature is not None else self.ape_temperature
+                    S = fusion.ape_scale if fusion.ape_scale is not None else self.ape_scale
+                    attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
+                    stats.extra.update(ape_temperature=T, ape_scale=S)
+                state = prefill_over_context(self.model, layer_iter, layout, segs.query, capacity, stats,
+                                             attention)
+        stats.ttft_ms = (time.perf_counter() - t_start) * 1000
+        return state, stats
+
+    # -- generation -------------------------------------------------------------------------------------
+    def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+               gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:
+        """Prefill now; decoding happens as the returned Run is iterated (holding the model lock)."""
+        state, stats = self.prefill(segs, fusion, gen.max_new_tokens, namespace)
+        generation = Generation()
+
+        def deltas():
+            with self.lock:
+                yield from stream_tokens(self.model, self.tokenizer, state, gen, self.eos_ids, stats, generation,
+                                         self.max_positions)
+
+        return Run(deltas(), generation, stats, state)
+
+    def generate(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+                 gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Answer:
+        return self.stream(segs, fusion, gen, namespace).answer()
+
+    def ask(self, question: str, passages=(), fusion: FusionOptions = FusionOptions(),
+            gen: GenerationOptions = GenerationOptions(), **kw) -> Answer:
+        return self.generate(self.segments(question, passages), fusion, gen, **kw)
+
+
+__all__ = ["Engine", "Answer", "Run", "Passage", "FusionOptions", "GenerationOptions", "Segments"]

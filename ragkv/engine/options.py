@@ -1,0 +1,88 @@
+"""Per-request options (fusion mode and its parameters, decoding) and per-request statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ragkv.errors import InvalidRequestError
+
+MODES = ("full", "prefix", "reuse", "ape", "blend")
+
+
+@dataclass(frozen=True)
+class FusionOptions:
+    """How cached blocks become the KV the query attends to (DESIGN "fusion mode")."""
+    mode: str = "reuse"
+    ratio: float = 0.15                   # blend: fraction of block tokens recomputed
+    check_layers: tuple[int, ...] = (1,)  # blend: layers where deviation selects tokens (gradual filtering if >1)
+    deviation: str = "v"                  # blend: "v" (CacheBlend code) or "k" (post-RoPE K, LMCache)
+    gradual: bool = False                 # blend: shrink the selection at each check layer (CacheBlend 4.3)
+    sink_tokens: int = 0                  # blend: always recompute each block's first tokens
+    ape_temperature: float | None = None  # ape: None -> calibrated value or 0.9
+    ape_scale: float | None = None
+    prefix_chunk: int = 32                # prefix: tokens per hash-chained chunk
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise InvalidRequestError(f"blend ratio must be in [0, 1], got {self.ratio}")
+        if self.deviation not in ("k", "v"):
+            raise InvalidRequestError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
+        if not self.check_layers or any(c < 0 for c in self.check_layers) or list(self.check_layers) != sorted(
+                set(self.check_layers)):
+            raise InvalidRequestError(f"check_layers must be increasing non-negative ints, got {self.check_layers}")
+        for name in ("ape_temperature", "ape_scale"):
+            val = getattr(self, name)
+            if val is not None and val <= 0:
+                raise InvalidRequestError(f"{name} must be > 0, got {val}")
+        if self.prefix_chunk < 1:
+            raise InvalidRequestError("prefix_chunk must be >= 1")
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise InvalidRequestError("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p must be in (0, 1]")
+
+
+@dataclass
+class RequestStats:
+    mode: str
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    ttft_ms: float = 0.0
+    encode_ms: float = 0.0         # encoding missed blocks (not reuse: first-time cost)
+    fetch_ms: float = 0.0
+    rerotate_ms: float = 0.0
+    recompute_ms: float = 0.0
+    query_prefill_ms: float = 0.0
+    completion_tokens: int = 0
+    decode_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.completion_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_s"] = round(self.tokens_per_s, 2)
+        for k, v in d.items():
+            if isinstance(v, float):
+                d[k] = round(v, 3)
+        return d

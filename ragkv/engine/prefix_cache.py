@@ -1,0 +1,61 @@
+"""Exact prefix caching: hash-chained fixed-size token chunks (as vLLM's and SGLang's prefix caches).
+
+Chunk j's key hashes chunk j's tokens chained to chunk j-1's hash, so a hit implies the whole prefix matches.
+Chunks hold K already rotated (their positions never change). The longest cached prefix is reused and the
+rest prefilled over it; then the new full chunks are stored. Equal to `full` (DESIGN Invariant 3).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ragkv.engine.kvcache import KVCache
+from ragkv.engine.options import RequestStats
+from ragkv.engine.state import DecodeState
+from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
+
+CHAIN = "chain"
+
+
+def chunk_keys(ids: list[int], chunk: int, fingerprint: str, namespace: str) -> list[CacheKey]:
+    keys, parent = [], ""
+    for start in range(0, len(ids) - chunk + 1, chunk):
+        parent = hash_tokens(ids[start:start + chunk], parent)
+        keys.append(CacheKey(fingerprint, CHAIN, parent, chunk, namespace))
+    return keys
+
+
+@torch.inference_mode()
+def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids: list[int], chunk: int,
+                   capacity: int, stats: RequestStats) -> DecodeState:
+    keys = chunk_keys(ids, chunk, fingerprint, namespace)
+    usable = (len(ids) - 1) // chunk  # keep at least one token to prefill: it yields the logits
+    t0 = time.perf_counter()
+    hit_kvs = []
+    for key in keys[:usable]:
+        kv = store.get(key)
+        if kv is None:
+            break
+        hit_kvs.append(kv)
+    stats.fetch_ms += (time.perf_counter() - t0) * 1000
+    stats.cache_hits += len(hit_kvs)
+    stats.cache_misses += len(keys) - len(hit_kvs)
+    cache = KVCache.for_model(model, max(capacity, len(ids)))
+    reused = len(hit_kvs) * chunk
+    if hit_kvs:
+        for i in range(model.args.num_layers):
+            cache.keys[i][0, :, :reused] = torch.cat([kv.keys[i] for kv in hit_kvs], dim=1)
+            cache.values[i][0, :, :reused] = torch.cat([kv.values[i] for kv in hit_kvs], dim=1)
+        cache.commit(reused)
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([ids[reused:]], device=model.device), cache=cache)[0, -1]
+    stats.query_prefill_ms += (time.perf_counter() - t0) * 1000
+    for j in range(len(hit_kvs), len(keys)):
+        a, b = j * chunk, (j + 1) * chunk
+        store.put(keys[j], BlockKV(torch.stack([k[0, :, a:b] for k in cache.keys]).clone(),
+                                   torch.stack([v[0, :, a:b] for v in cache.values]).clone()))
+    stats.reused_tokens += reused
+    stats.recomputed_tokens += len(ids) - reused
+    return DecodeState(cache, len(ids), logits)

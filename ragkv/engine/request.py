@@ -1,0 +1,107 @@
+"""Requests as segments: prefix (system + instructions), blocks (passages), query (question + template tail).
+
+Each segment is tokenized on its own and `full` sees the concatenation of the same ids. With a chat template,
+the segments are cut from one rendered chat prompt, so their concatenated text is exactly the normal prompt:
+    prefix = <template head up to the user message> ; blocks = passages ; query = question + <template tail>
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ragkv.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\u2063RAGKV_USER_CONTENT\u2063"
+
+
+@dataclass(frozen=True)
+class Passage:
+    text: str
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Default: the Block-Attention prompt, taken from "Lost in the Middle" (instruction, titled passages, question)."""
+    system: str = ("You are an intelligent AI assistant. Please answer questions based on the user's "
+                   "instructions. Below are some reference documents that may help you in answering the "
+                   "user's question.")
+    block_template: str = "- Title: {title}\n{text}\n"
+    untitled_block_template: str = "- {text}\n"
+    query_template: str = ("\nPlease write a high-quality answer for the given question using only the provided "
+                           "search documents (some of which might be irrelevant).\nQuestion: {question}")
+    use_chat_template: bool = True
+
+
+@dataclass
+class Segments:
+    prefix: list[int]
+    blocks: list[list[int]]
+    query: list[int]
+    block_titles: list[str] = field(default_factory=list)
+
+    def all_ids(self) -> list[int]:
+        return self.prefix + [t for b in self.blocks for t in b] + self.query
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefix) + sum(len(b) for b in self.blocks) + len(self.query)
+
+
+def chat_template_parts(tokenizer, system: str | None) -> tuple[str, str]:
+    """Text before and after the user message in the tokenizer's chat template (empty without one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return (system + "\n\n" if system else ""), "\n"
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(_SENTINEL)
+    return head, tail
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def render_passage(p: Passage | str, fmt: PromptFormat) -> str:
+    if isinstance(p, str):
+        p = Passage(text=p)
+    if p.title:
+        return fmt.block_template.format(title=p.title, text=p.text)
+    return fmt.untitled_block_template.format(text=p.text)
+
+
+def build_segments(tokenizer, question: str, passages=(), fmt: PromptFormat = PromptFormat(),
+                   system: str | None = None) -> Segments:
+    """Tokenize prefix, passages and query separately; empty passages are skipped with a warning."""
+    if not question or not question.strip():
+        raise InvalidRequestError("the question is empty; pass a non-empty question")
+    system = fmt.system if system is None else system
+    if fmt.use_chat_template:
+        head, tail = chat_template_parts(tokenizer, system)
+    else:
+        head, tail = (system + "\n\n" if system else ""), "\nAnswer:"
+    blocks, titles = [], []
+    for i, p in enumerate(passages):
+        text = p.text if isinstance(p, Passage) else p
+        if not text or not text.strip():
+            log.warning("passage %d is empty; skipped", i)
+            continue
+        blocks.append(tokenize(tokenizer, render_passage(p, fmt)))
+        titles.append(p.title if isinstance(p, Passage) else "")
+    query = tokenize(tokenizer, fmt.query_template.format(question=question) + tail)
+    return Segments(prefix=tokenize(tokenizer, head), blocks=blocks, query=query, block_titles=titles)
+
+
+def chat_segments(tokenizer, prompt: str, system: str | None = None) -> Segments:
+    """A plain chat prompt (no passages) as one query segment: what `ragkv generate` runs."""
+    if not prompt or not prompt.strip():
+        raise InvalidRequestError("the prompt is empty; pass a non-empty --prompt")
+    if getattr(tokenizer, "chat_template", None):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        text = (system + "\n\n" if system else "") + prompt
+    return Segments(prefix=[], blocks=[], query=tokenize(tokenizer, text))

@@ -1,0 +1,75 @@
+"""Attention kernels: SDPA (fast path), attention that also returns log-sum-exp, LSE merging, masks.
+
+Shapes: q [B, Hq, T, D]; k, v [B, Hkv, S, D] with Hq a multiple of Hkv (grouped-query attention).
+Boolean masks are True where attention is allowed, shaped [T, S] (broadcast over batch and heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+         causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with GQA; `causal` only for square self-attention."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=gqa)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention returning (out [B,Hq,T,D], lse [B,Hq,T]) in fp32 math.
+
+    Scores are q.k / (sqrt(D) * temperature). Meant for the few query rows of a request, where
+    materializing [T, S] scores is cheap. Fully masked rows give lse = -inf and out = 0.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qf = q.float().reshape(B, Hkv, g * T, D)  # heads of one KV group share k, v
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)) / (math.sqrt(D) * temperature)
+    scores = scores.reshape(B, Hkv, g, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, g, T]
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(-1e30))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.matmul(probs.reshape(B, Hkv, g * T, S), v.float()).reshape(B, Hq, T, D)
+    return out, lse.reshape(B, Hq, T)
+
+
+def merge_by_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention over disjoint key sets: softmax over the parts' LSEs weights their outputs.
+
+    Equals one attention over the union of the key sets when the LSEs are unmodified.
+    """
+    stacked = torch.stack(lses, dim=0)  # [P, B, H, T]
+    weights = torch.softmax(stacked, dim=0)
+    weights = torch.nan_to_num(weights, nan=0.0).unsqueeze(-1)  # all parts empty -> 0
+    return sum(w * o for w, o in zip(weights, outs))
+
+
+def causal_mask(q_len: int, k_len: int, device=None) -> torch.Tensor:
+    """Queries are the last q_len of k_len positions: row i sees keys [0, k_len - q_len + i]."""
+    offset = k_len - q_len
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + offset
+    return torch.arange(k_len, device=device).unsqueeze(0) <= rows
+
+
+def block_attention_mask(segment_ids: torch.Tensor, open_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-Attention mask (Ma et al. 2025, sec. 3): causal, and a token of a closed block sees only its block.
+
+    segment_ids: [N] int, non-decreasing block index per token. Tokens whose block is in `open_ids`
+    (the query, and the answer during fine-tuning) attend causally to everything before them.
+    """
+    n = segment_ids.shape[0]
+    causal = causal_mask(n, n, segment_ids.device)
+    same = segment_ids.unsqueeze(1) == segment_ids.unsqueeze(0)
+    if open_ids is None:
+        return causal & same
+    is_open = torch.isin(segment_ids, open_ids).unsqueeze(1)
+    return causal & (same | is_open)

@@ -1,0 +1,49 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import ARCHS, default_model_available, make_tiny  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny(arch, root) for arch in ARCHS}
+
+
+def _load_tiny(path):
+    from ragkv.models import loader
+
+    real = loader.load_tokenizer
+    loader.load_tokenizer = lambda p: None  # tiny models carry no tokenizer; tests feed token ids
+    try:
+        return loader.load_model(str(path))
+    finally:
+        loader.load_tokenizer = real
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dirs):
+    return {arch: _load_tiny(p) for arch, p in tiny_dirs.items()}
+
+
+@pytest.fixture
+def tiny_engine(tiny_loaded):
+    from ragkv.engine.engine import Engine
+
+    def make(arch="llama", **kw):
+        return Engine(tiny_loaded[arch], **kw)
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    if not default_model_available():
+        pytest.skip("default model not converted (run `ragkv models --prepare` or the README set-up)")
+    from ragkv.engine.engine import Engine
+    return Engine.load("smollm2", dtype="float32", device="cpu")

@@ -1,0 +1,191 @@
+"""DESIGN Invariants 1 and 3-8 on tiny random models (fp32, tight tolerances)."""
+
+import pytest
+import torch
+
+from ragkv.engine.ape import ApeAttention
+from ragkv.engine.blocks import encode_block
+from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.kvcache import KVCache
+from ragkv.engine.layout import make_layout
+from ragkv.engine.options import FusionOptions, RequestStats
+from ragkv.engine.request import Segments
+from ragkv.engine.state import decode_step
+from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
+from ragkv.store.base import MemoryStore
+
+TOL = 1e-4
+
+
+def rand_ids(n, seed):
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
+    return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
+                    blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
+                    query=rand_ids(query, seed + 99))
+
+
+def maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_rope_of_raw_k_equals_model_k_at_any_position(tiny_loaded):
+    """Invariant 1: a block's raw K re-rotated to position p equals the K computed with the block at p."""
+    model = tiny_loaded["llama3"].model
+    ids = rand_ids(24, 3)
+    raw = encode_block(model, ids)  # encoded at positions 0..23
+    for p in (0, 37, 300):
+        cache = KVCache.for_model(model)
+        model(torch.tensor([ids]), positions=torch.arange(p, p + 24), cache=cache)
+        for layer in range(model.args.num_layers):
+            rotated = model.rope(raw.keys[layer].unsqueeze(0), torch.arange(p, p + 24))
+            assert maxdiff(rotated, cache.layer(layer)[0]) <= TOL
+            assert maxdiff(raw.values[layer].unsqueeze(0), cache.layer(layer)[1]) <= TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_prefix_mode_equals_full(arch, tiny_engine):
+    eng = tiny_engine(arch)
+    segs = make_segs()
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    opts = FusionOptions(mode="prefix", prefix_chunk=8)
+    cold, s1 = eng.prefill(segs, opts)
+    warm, s2 = eng.prefill(segs, opts)
+    assert s1.reused_tokens == 0 and s2.reused_tokens == (segs.num_tokens - 1) // 8 * 8
+    assert maxdiff(cold.logits, full.logits) <= TOL and maxdiff(warm.logits, full.logits) <= TOL
+    # a different suffix still reuses the shared chunks
+    other = Segments(segs.prefix, segs.blocks[:1], rand_ids(15, 7))
+    ref, _ = eng.prefill(other, FusionOptions(mode="full"))
+    got, s3 = eng.prefill(other, opts)
+    assert s3.reused_tokens > 0 and maxdiff(got.logits, ref.logits) <= TOL
+    for tok in (5, 9):
+        assert maxdiff(decode_step(eng.model, warm, tok), decode_step(eng.model, full, tok)) <= TOL
+
+
+def block_mask_forward(model, segs, extra=()):
+    """One forward of the whole sequence under the Block-Attention mask (query and `extra` see all)."""
+    ids = segs.all_ids() + list(extra)
+    seg = [0] * len(segs.prefix)
+    for i, b in enumerate(segs.blocks):
+        seg += [i + 1] * len(b)
+    open_id = len(segs.blocks) + 1
+    seg += [open_id] * (len(segs.query) + len(extra))
+    mask = block_attention_mask(torch.tensor(seg), torch.tensor([open_id]))
+    return model(torch.tensor([ids]), mask=mask, all_logits=True)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])
+def test_reuse_equals_block_mask_forward(arch, tiny_engine):
+    """Invariant 4: `reuse` == one forward under the block mask, for the prompt and for decoding."""
+    eng = tiny_engine(arch)
+    segs = make_segs()
+    state, stats = eng.prefill(segs, FusionOptions(mode="reuse"))
+    ref = block_mask_forward(eng.model, segs, extra=[42])
+    assert stats.cache_misses == 4 and stats.reused_tokens == segs.num_tokens - len(segs.query)
+    assert maxdiff(state.logits, ref[-2]) <= TOL
+    assert maxdiff(decode_step(eng.model, state, 42), ref[-1]) <= TOL
+    _, again = eng.prefill(segs, FusionOptions(mode="reuse"))
+    assert again.cache_hits == 4 and again.cache_misses == 0
+
+
+def test_reuse_with_one_block_and_no_prefix_equals_full(tiny_engine):
+    """Invariant 5."""
+    eng = tiny_engine("llama")
+    segs = make_segs(prefix=0, blocks=(30,))
+    a, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    b, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    assert maxdiff(a.logits, b.logits) <= TOL
+    assert maxdiff(decode_step(eng.model, a, 11), decode_step(eng.model, b, 11)) <= TOL
+
+
+@pytest.mark.parametrize("deviation", ["v", "k"])
+@pytest.mark.parametrize("checks,gradual", [((1,), False), ((1, 2), True), ((1, 2), False)])
+def test_blend_extremes(tiny_engine, deviation, checks, gradual):
+    """Invariant 6: blend r=1 == full, r=0 == reuse."""
+    eng = tiny_engine("llama")
+    segs = make_segs()
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    kw = dict(mode="blend", deviation=deviation, check_layers=checks, gradual=gradual)
+    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, s0 = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL
+    if gradual or len(checks) == 1:  # non-gradual multi-check recomputes all tokens up to its last check
+        assert maxdiff(zero.logits, reuse.logits) <= TOL
+    assert s1.recomputed_tokens == segs.num_tokens - len(segs.prefix) and s0.recomputed_tokens == len(segs.query)
+    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+
+
+def test_blend_intermediate_ratio_is_between(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(40, 40, 40))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    _, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, sink_tokens=2))
+    assert stats.extra["blend_selected"] >= 30  # 25% of 120 plus forced sinks
+    assert stats.recomputed_tokens == stats.extra["blend_selected"] + len(segs.query)
+
+
+def test_lse_merge_equals_single_attention():
+    """Invariant 7b: attention over disjoint parts merged by LSE equals attention over the concatenation."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    whole = sdpa(q, k, v)
+    parts = [attention_with_lse(q, k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 7), (7, 31), (31, 40))]
+    merged = merge_by_lse([o for o, _ in parts], [lse for _, lse in parts])
+    assert maxdiff(merged, whole) <= 1e-5
+
+
+def test_ape_with_unit_t_s_and_sequential_layout_equals_reuse(tiny_engine):
+    """Invariant 7a: APE's attention with T = S = 1 over the sequential layout is `reuse`."""
+    eng = tiny_engine("llama")
+    segs = make_segs(prefix=10)
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], "sequential")
+    keys = eng.warm(segs).keys
+    ape = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), 1.0, 1.0)
+    state = prefill_over_context(eng.model, eng.store.iter_layers(keys, eng.model.args.num_layers), layout,
+                                 segs.query, 64, RequestStats("ape"), ape)
+    assert maxdiff(state.logits, reuse.logits) <= TOL
+    assert maxdiff(decode_step(eng.model, state, 3), decode_step(eng.model, reuse, 3)) <= TOL
+
+
+def test_ape_mode_uses_shared_layout_and_prefix_conditioning(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30))
+    s1 = eng.prefill(segs, FusionOptions(mode="ape", ape_temperature=0.9, ape_scale=0.9))
+    state, stats = s1
+    assert state.next_position == len(segs.prefix) + 30 + len(segs.query)
+    assert stats.cache_misses == 3  # prefix + 2 prefix-conditioned blocks
+    _, r = eng.prefill(segs, FusionOptions(mode="reuse"))
+    assert r.cache_hits == 1 and r.cache_misses == 2  # prefix shared; blocks differ by conditioning
+    t1, _ = eng.prefill(segs, FusionOptions(mode="ape", ape_temperature=1.0, ape_scale=1.0))
+    assert maxdiff(t1.logits, state.logits) > 1e-4  # T and S matter
+
+
+def test_cache_entries_never_cross_models_or_dtypes(tiny_loaded):
+    """Invariant 8: different weights, RoPE or dtype -> different fingerprints -> no hits."""
+    from ragkv.engine.engine import Engine
+    from ragkv.models.loader import model_fingerprint
+
+    store = MemoryStore()
+    segs = make_segs()
+    Engine(tiny_loaded["llama"], store=store).prefill(segs, FusionOptions(mode="reuse"))
+    _, stats = Engine(tiny_loaded["llama3"], store=store).prefill(segs, FusionOptions(mode="reuse"))
+    assert stats.cache_hits == 0
+    la = tiny_loaded["llama"]
+    from ragkv.models.loader import _weight_files
+    files = _weight_files(la.path)
+    fp32 = model_fingerprint(la.path, la.args, torch.float32, files)
+    bf16 = model_fingerprint(la.path, la.args, torch.bfloat16, files)
+    assert fp32 == la.fingerprint and bf16 != fp32
+
+
+def test_namespaces_do_not_share_blocks(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs()
+    eng.prefill(segs, FusionOptions(mode="reuse"), namespace="a")
+    _, stats = eng.prefill(segs, FusionOptions(mode="reuse"), namespace="b")
+    assert stats.cache_hits == 0

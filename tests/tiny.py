@@ -1,0 +1,49 @@
+"""Tiny random Hugging Face checkpoints (Llama, Llama-3 RoPE scaling, Mistral, Qwen2) for the fast suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ragkv.models.registry import converted_path, is_converted
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64), rope_theta=500000.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+def make_tiny(arch: str, root: Path, seed: int = 0) -> Path:
+    """Save a random tiny model of `arch` with the default model's tokenizer (if converted) or none."""
+    import transformers
+
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**TINY, **extra)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    # Larger-than-init weights make attention patterns sharp, so equivalence tests can fail for real.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    out = root / arch
+    model.save_pretrained(str(out))
+    return out
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def default_model_available() -> bool:
+    return is_converted(converted_path("smollm2"))
