@@ -1,0 +1,95 @@
+"""`ragkv ask`: answer questions over given documents (or retrieved chunks) with a chosen fusion mode."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ragkv.commands.common import (add_fusion_args, add_model_args, add_store_args, engine_from_args,
+                                   fusion_from_args, print_json)
+from ragkv.errors import RagkvError
+
+DOC_SUFFIXES = (".txt", ".md")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ask", help="answer questions over documents, reusing their cached KV")
+    p.add_argument("question_pos", nargs="?", metavar="QUESTION", help="the question (or use --question)")
+    p.add_argument("--question", action="append", default=[], help="a question (repeatable: same passages)")
+    p.add_argument("--doc", action="append", default=[], help="a passage file (repeatable)")
+    p.add_argument("--docs-dir", default=None, help="use every .txt/.md file of this folder as a passage")
+    p.add_argument("--top-k", type=int, default=5, help="without --doc/--docs-dir: chunks retrieved from the index")
+    p.add_argument("--index", default=None, help="index folder of `ragkv ingest` (default: ~/.cache/ragkv/index)")
+    p.add_argument("--system", default=None, help="replace the default instruction")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print answer and statistics as JSON")
+    add_fusion_args(p)
+    add_model_args(p)
+    add_store_args(p)
+    p.set_defaults(func=run_ask)
+
+
+def read_passages(docs: list[str], docs_dir: str | None):
+    from ragkv.engine.request import Passage
+
+    paths = [Path(d) for d in docs]
+    if docs_dir:
+        folder = Path(docs_dir)
+        if not folder.is_dir():
+            raise RagkvError(f"--docs-dir {folder} is not a folder")
+        paths += sorted(p for p in folder.iterdir() if p.suffix.lower() in DOC_SUFFIXES)
+        if not paths:
+            raise RagkvError(f"{folder} holds no .txt or .md files")
+    out = []
+    for p in paths:
+        try:
+            out.append(Passage(text=p.read_text(encoding="utf-8").strip(), title=p.stem.replace("_", " ")))
+        except (OSError, UnicodeDecodeError) as e:
+            raise RagkvError(f"cannot read passage file {p}: {e}") from e
+    return out
+
+
+def run_ask(args) -> int:
+    from ragkv.engine.options import GenerationOptions
+
+    questions = ([args.question_pos] if args.question_pos else []) + args.question
+    if not questions:
+        raise RagkvError("no question: pass QUESTION or --question TEXT")
+    fusion = fusion_from_args(args)
+    engine = engine_from_args(args)
+    passages = read_passages(args.doc, args.docs_dir)
+    retrieved = None
+    if not passages:
+        retrieved = retrieve_for(questions, args, engine)
+    results = []
+    for i, q in enumerate(questions):
+        used = retrieved[i] if retrieved is not None else passages
+        segs = engine.segments(q, [p for p, _ in used] if retrieved is not None else used, system=args.system)
+        ans = engine.generate(segs, fusion, GenerationOptions(max_new_tokens=args.max_new_tokens))
+        rec = {"question": q, "answer": ans.text.strip(), **ans.stats.to_dict(), "blocks": len(segs.blocks)}
+        if retrieved is not None:
+            rec["sources"] = [{"title": p.title, "score": round(float(s), 4), "chunk_id": cid}
+                              for (p, s), cid in zip(used, [getattr(p, "chunk_id", "") for p, _ in used])]
+        results.append(rec)
+        if not args.json:
+            if len(questions) > 1:
+                print(f"Q: {q}\nA: {rec['answer']}")
+            else:
+                print(rec["answer"])
+            if retrieved is not None:
+                print("sources: " + "; ".join(f"{s['title']} ({s['score']})" for s in rec["sources"]))
+            print(f"[{fusion.mode}] ttft {ans.stats.ttft_ms:.0f} ms, blocks hit {ans.stats.cache_hits}/"
+                  f"{ans.stats.cache_hits + ans.stats.cache_misses}, reused {ans.stats.reused_tokens} tokens, "
+                  f"recomputed {ans.stats.recomputed_tokens}", file=sys.stderr)
+    if args.json:
+        print_json(results[0] if len(results) == 1 else results)
+    return 0
+
+
+def retrieve_for(questions, args, engine):
+    """Top-k chunks per question from the persisted index (`ragkv ingest`); [(Passage, score)] each."""
+    try:
+        from ragkv.rag.pipeline import retrieve_passages
+    except ImportError as e:
+        raise RagkvError("no passages: pass --doc FILE or --docs-dir DIR") from e
+    return [retrieve_passages(q, top_k=args.top_k, index_dir=args.index) for q in questions]

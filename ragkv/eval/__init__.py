@@ -1,0 +1,1 @@
+"""Evaluation: data set loaders, metrics, resumable results, harness and benchmarks."""

@@ -1,0 +1,229 @@
+"""Loaders on the real shared files (small limits) and on tiny synthetic files; bad input gives clear errors."""
+
+import gzip
+import json
+
+import pytest
+
+from ragkv.config import data_dir
+from ragkv.engine.request import Passage
+from ragkv.errors import RagkvError
+from ragkv.eval.datasets import (DATASETS, FORMATS, DataFileNotFoundError, Example, MalformedDataError,
+                                 UnknownDatasetError, load_dataset, nq_with_distractors)
+
+needs_data = pytest.mark.skipif(not (data_dir() / "MANIFEST.md").is_file(),
+                                reason="shared data not found; set RAGKV_DATA_DIR")
+
+
+def _jsonl(path, records, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# --- real shared files ---
+
+@needs_data
+@pytest.mark.parametrize("name, task, metric, n_passages", [
+    ("musique", "qa", "f1", 10), ("hotpotqa", "qa", "accuracy", 10), ("hotpotqa-train", "qa", "accuracy", 10),
+    ("multi_news", "summary", "rouge_l", None), ("samsum", "summary", "rouge_l", 1), ("nq", "qa", "accuracy", 1),
+    ("nq-distractors", "qa", "accuracy", 10), ("kv-retrieval", "kv", "accuracy", 75)])
+def test_real_datasets(name, task, metric, n_passages):
+    examples = load_dataset(name, limit=3)
+    assert len(examples) == 3
+    for ex in examples:
+        assert isinstance(ex, Example) and ex.task == task and ex.metric == metric
+        assert ex.question and ex.answers and all(isinstance(a, str) and a for a in ex.answers)
+        assert all(isinstance(p, Passage) and p.text for p in ex.passages)
+        if n_passages:
+            assert len(ex.passages) == n_passages
+    assert len({ex.id for ex in examples}) == 3
+
+
+@needs_data
+def test_real_file_details():
+    musique = load_dataset("musique", limit=1)[0]
+    assert musique.answers == ["Exeter College"] and musique.passages[0].title == ""
+    hotpot = load_dataset("hotpotqa", limit=1)[0]
+    assert hotpot.answers == ["yes"] and hotpot.passages[0].title == "Ed Wood (film)"
+    assert hotpot.passages[0].text.startswith("Ed Wood is a 1994") and "Tim Burton, and starring" in \
+        hotpot.passages[0].text
+    train = load_dataset("hotpotqa-train", limit=1)[0]
+    assert train.id == "5a7a06935542990198eaf050"
+    assert train.passages[0].title == "Radio City (Indian radio station)"
+    assert train.passages[0].text.startswith("Radio City is India's first")  # "Title: " prefix removed
+    news = load_dataset("multi_news", limit=1)[0]
+    assert len(news.passages) == 3 and not any("NEWLINE_CHAR" in p.text for p in news.passages)
+    assert "Photographer)\n\nAbout 100 Occupy Philly" in news.passages[0].text
+    assert not any(p.text.startswith("Passage") for p in news.passages)
+    samsum = load_dataset("samsum")
+    assert len(samsum) == 150 and {e.meta["split"] for e in samsum} == {"test"}
+    assert "\r" not in samsum[0].passages[0].text
+    assert len(load_dataset("samsum", split="train")) == 50
+    assert len(load_dataset("samsum", split="all")) == 250
+    kv = load_dataset("kv-retrieval", limit=1)[0]
+    gold = kv.passages[kv.meta["gold_index"]].text
+    assert kv.answers[0] in gold and json.loads("{" + gold + "}") == {json.loads(kv.question.split("key ")[1][:-1]):
+                                                                       kv.answers[0]}
+
+
+@needs_data
+def test_real_nq_distractors_deterministic_and_positions():
+    a = load_dataset("nq-distractors", limit=12)
+    b = load_dataset("nq-distractors", limit=4)
+    assert a[:4] == b  # the draw does not depend on the limit
+    oracle = load_dataset("nq", limit=12)
+    for i, (ex, orig) in enumerate(zip(a, oracle)):
+        assert ex.meta["gold_index"] == i % 10  # cycles over every position
+        assert ex.passages[ex.meta["gold_index"]] == orig.passages[0]
+        assert len(set(ex.passages)) == 10
+    fixed = load_dataset("nq-distractors", limit=3, gold_position=9, seed=1)
+    assert all(ex.meta["gold_index"] == 9 and ex.passages[9] == o.passages[0] for ex, o in zip(fixed, oracle))
+    assert fixed[0].passages[:9] != a[0].passages[1:]  # another seed, other distractors
+
+
+@needs_data
+def test_real_limit_too_large():
+    with pytest.raises(RagkvError, match="limit 151 is larger than the data.*150"):
+        load_dataset("musique", limit=151)
+    with pytest.raises(RagkvError, match="limit 51.*split 'train'"):
+        load_dataset("samsum", split="train", limit=51)
+
+
+# --- synthetic files in every format ---
+
+def test_cacheblend_both_answer_shapes(tmp_path):
+    recs = [{"question": "q1", "answers": ["a", "b"], "ctxs": [{"title": "T", "text": "x"}, {"text": "y"}]},
+            {"question": "q2", "answers": [["c", "C."], ["d"]], "ctxs": [{"title": "", "text": "z"}]}]
+    path = tmp_path / "set.json"
+    path.write_text(json.dumps(recs))
+    ex = load_dataset(data_file=path, fmt="cacheblend")
+    assert [e.answers for e in ex] == [["a", "b"], ["c", "C.", "d"]]
+    assert ex[0].passages == [Passage(title="T", text="x"), Passage(title="", text="y")]
+    assert [e.id for e in ex] == ["0", "1"]
+    # the same records as JSONL load the same
+    assert load_dataset(data_file=_jsonl(tmp_path / "set.jsonl", recs), fmt="cacheblend") == ex
+
+
+def test_hotpotqa_both_layouts(tmp_path):
+    dev = [{"question": "q", "answer": "yes", "type": "comparison", "level": "hard",
+            "supporting_facts": {"title": ["A"], "sent_id": [0]},
+            "context": {"title": ["A", "B"], "sentences": [["One.", " Two."], ["Three."]]}}]
+    (tmp_path / "dev.json").write_text(json.dumps(dev))
+    ex = load_dataset(data_file=tmp_path / "dev.json", fmt="hotpotqa")[0]
+    assert ex.passages == [Passage(title="A", text="One. Two."), Passage(title="B", text="Three.")]
+    assert ex.answers == ["yes"]
+    assert ex.meta["supporting_titles"] == ["A"]
+    train = [{"id": "x1", "question": "q", "answer": "Ans", "answer_aliases": ["ans alias"],
+              "chunks": [{"id": "c0", "title": "A", "chunk": "A: body text"}], "supporting_facts": []}]
+    ex = load_dataset(data_file=_jsonl(tmp_path / "train.jsonl", train), fmt="hotpotqa")[0]
+    assert ex.id == "x1" and ex.answers == ["Ans", "ans alias"]
+    assert ex.passages == [Passage(title="A", text="body text")]
+
+
+def test_longbench(tmp_path):
+    rec = {"context": "Passage 1:\nFirst NEWLINE_CHAR NEWLINE_CHAR line\nPassage 2:\nSecond\n", "answers": ["sum"],
+           "_id": "abc"}
+    ex = load_dataset(data_file=_jsonl(tmp_path / "mn.jsonl", [rec]), fmt="longbench")[0]
+    assert ex.passages == [Passage(title="", text="First\n\nline"), Passage(title="", text="Second")]
+    assert ex.id == "abc" and ex.answers == ["sum"] and ex.task == "summary"
+
+
+def test_samsum_split(tmp_path):
+    recs = [{"split": "train", "question": "A: hi\r\nB: yo", "answer": "greet"},
+            {"split": "test", "question": "A: bye\r\nB: ok", "answer": "part"}]
+    path = _jsonl(tmp_path / "s.jsonl", recs)
+    ex = load_dataset(data_file=path, fmt="samsum")
+    assert len(ex) == 1 and ex[0].passages == [Passage(title="", text="A: bye\nB: ok")] and ex[0].id == "1"
+    assert [e.answers for e in load_dataset(data_file=path, fmt="samsum", split="train")] == [["greet"]]
+    with pytest.raises(RagkvError, match="splits present: test, train"):
+        load_dataset(data_file=path, fmt="samsum", split="dev")
+
+
+def test_nq_gz_and_distractors(tmp_path):
+    recs = [{"question": f"q{i}", "answers": [f"ans{i}"],
+             "ctxs": [{"title": f"T{i}", "text": f"text ans{i}", "hasanswer": True, "isgold": True}]}
+            for i in range(6)]
+    recs[1]["ctxs"][0]["text"] += " ans2"  # contains the answer of q2: never a distractor for q2
+    path = _jsonl(tmp_path / "nq.jsonl.gz", recs, gz=True)
+    ex = load_dataset(data_file=path, fmt="nq")
+    assert len(ex) == 6 and ex[0].passages == [Passage(title="T0", text="text ans0")]
+    d = load_dataset(data_file=path, fmt="nq", num_passages=4, gold_position=3)
+    assert all(len(e.passages) == 4 and e.passages[3] == ex[i].passages[0] for i, e in enumerate(d))
+    assert Passage(title="T1", text="text ans1 ans2") not in d[2].passages
+    assert nq_with_distractors(ex, 4, seed=5) == nq_with_distractors(ex, 4, seed=5)
+    with pytest.raises(RagkvError, match="gold_position"):
+        load_dataset(data_file=path, fmt="nq", num_passages=4, gold_position=4)
+    with pytest.raises(RagkvError, match="distinct gold passages"):
+        load_dataset(data_file=path, fmt="nq", num_passages=10)
+
+
+def test_kv(tmp_path):
+    rec = {"ordered_kv_records": [["k1", "v1"], ["k2", "v2"]], "key": "k2", "value": "v2"}
+    ex = load_dataset(data_file=_jsonl(tmp_path / "kv.jsonl.gz", [rec], gz=True), fmt="kv")[0]
+    assert ex.passages == [Passage(title="", text='"k1": "v1"'), Passage(title="", text='"k2": "v2"')]
+    assert ex.answers == ["v2"] and ex.meta["gold_index"] == 1 and '"k2"' in ex.question and ex.task == "kv"
+
+
+# --- bad input ---
+
+def test_malformed_jsonl_line_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "q", "answers": ["a"], "ctxs": []}) + "\n\n{not json\n")
+    with pytest.raises(MalformedDataError, match="line 3"):
+        load_dataset(data_file=path, fmt="cacheblend")
+    assert len(load_dataset(data_file=path, fmt="cacheblend", limit=1)) == 1  # stops before the bad line
+
+
+def test_malformed_record_says_what_was_expected(tmp_path):
+    path = _jsonl(tmp_path / "r.jsonl", [{"question": "q", "answers": ["a"], "ctxs": []},
+                                         {"question": "q", "answers": [1], "ctxs": []}])
+    with pytest.raises(MalformedDataError, match=r"line 2: expected 'answers' to be a list of strings"):
+        load_dataset(data_file=path, fmt="cacheblend")
+    arr = tmp_path / "a.json"
+    arr.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "t"}]}]))
+    with pytest.raises(MalformedDataError, match="record 0: expected a field 'text'"):
+        load_dataset(data_file=arr, fmt="cacheblend")
+    with pytest.raises(MalformedDataError, match="line 1: expected a field 'key'"):
+        load_dataset(data_file=_jsonl(tmp_path / "k.jsonl", [{"ordered_kv_records": []}]), fmt="kv")
+    broken = tmp_path / "b.json"
+    broken.write_text('[{"question": "q",\n "answers": }]')
+    with pytest.raises(MalformedDataError, match="line 2: invalid JSON"):
+        load_dataset(data_file=broken, fmt="cacheblend")
+
+
+def test_missing_file_and_unknown_names(tmp_path):
+    with pytest.raises(DataFileNotFoundError, match="nope.json not found"):
+        load_dataset(data_file=tmp_path / "nope.json", fmt="nq")
+    with pytest.raises(UnknownDatasetError, match="known datasets: musique, hotpotqa"):
+        load_dataset("squad")
+    with pytest.raises(UnknownDatasetError, match="known formats: " + ", ".join(FORMATS)):
+        load_dataset(data_file=tmp_path / "x.json", fmt="csv")
+    with pytest.raises(UnknownDatasetError, match="format missing"):
+        load_dataset(data_file=tmp_path / "x.json")
+    with pytest.raises(RagkvError, match="dataset name"):
+        load_dataset()
+    with pytest.raises(RagkvError, match="positive integer"):
+        load_dataset("musique", limit=0)
+    with pytest.raises(RagkvError, match="samsum format only"):
+        load_dataset("musique", split="test")
+
+
+def test_missing_shared_data_says_where_to_point(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGKV_DATA_DIR", str(tmp_path))
+    with pytest.raises(DataFileNotFoundError, match="RAGKV_DATA_DIR"):
+        load_dataset("musique")
+
+
+def test_limit_larger_than_synthetic_data(tmp_path):
+    path = _jsonl(tmp_path / "kv.jsonl", [{"ordered_kv_records": [["k", "v"]], "key": "k", "value": "v"}])
+    with pytest.raises(RagkvError, match="limit 2 is larger than the data.*holds 1 examples"):
+        load_dataset(data_file=path, fmt="kv", limit=2)
+
+
+def test_every_named_dataset_has_a_known_format():
+    assert all(info.fmt in FORMATS for info in DATASETS.values())
