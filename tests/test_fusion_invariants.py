@@ -189,3 +189,16 @@ def test_namespaces_do_not_share_blocks(tiny_engine):
     eng.prefill(segs, FusionOptions(mode="reuse"), namespace="a")
     _, stats = eng.prefill(segs, FusionOptions(mode="reuse"), namespace="b")
     assert stats.cache_hits == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
+    from ragkv.ops.rope import apply_rope, half_tables, rope_into
+
+    model = tiny_loaded["llama3"].model
+    x = torch.randn(1, 2, 300, 16).to(dtype)
+    cos, sin = model.rotary.lookup(torch.arange(100, 400))
+    out = torch.empty_like(x)
+    rope_into(out, x, *half_tables(cos, sin), chunk=128)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert maxdiff(out.float(), apply_rope(x, cos, sin).float()) <= tol

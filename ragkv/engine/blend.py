@@ -22,6 +22,7 @@ from ragkv.engine.layout import Layout
 from ragkv.engine.options import FusionOptions, RequestStats
 from ragkv.engine.state import DecodeState
 from ragkv.ops.attention import sdpa
+from ragkv.ops.rope import half_tables
 
 
 def keep_count(ratio: float, n_block: int) -> int:
@@ -43,7 +44,7 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     N, Tq, P = layout.context_len, len(query_ids), layout.prefix_len
     total = N + Tq
     cache = KVCache.for_model(model, max(capacity, total))
-    cos, sin = model.rotary.lookup(layout.context_positions.to(dev))
+    cos, sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
     positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
     # position of each context token inside its block, for always-recomputed attention sinks
     within = torch.full((total,), -1, device=dev)

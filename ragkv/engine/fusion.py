@@ -16,7 +16,7 @@ from ragkv.engine.layout import Layout
 from ragkv.engine.options import RequestStats
 from ragkv.engine.state import AttentionPolicy, DecodeState
 from ragkv.ops.attention import causal_mask, sdpa
-from ragkv.ops.rope import apply_rope
+from ragkv.ops.rope import half_tables, rope_into
 
 
 def _ms(t0: float) -> float:
@@ -35,13 +35,17 @@ def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats) -> D
 
 
 def write_context_layer(cache: KVCache, layer: int, parts: list[tuple[torch.Tensor, torch.Tensor]],
-                        cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Copy the segments' raw K/V [Hkv, T, D] into cache order and rotate K to the context positions."""
-    n = cos.shape[0]
-    raw = torch.cat([k for k, _ in parts], dim=1).unsqueeze(0) if len(parts) > 1 else parts[0][0].unsqueeze(0)
-    cache.keys[layer][:, :, :n] = apply_rope(raw.to(cache.keys[layer].device), cos, sin)
-    vals = torch.cat([v for _, v in parts], dim=1) if len(parts) > 1 else parts[0][1]
-    cache.values[layer][0, :, :n] = vals
+                        cos_h: torch.Tensor, sin_h: torch.Tensor) -> None:
+    """Write each segment's raw K/V [Hkv, T, D] into its cache slot, K rotated to the context positions
+    (cos_h/sin_h: half tables [N, D/2] of those positions, ragkv.ops.rope.half_tables)."""
+    off = 0
+    dev = cache.keys[layer].device
+    for k, v in parts:
+        n = k.shape[1]
+        rope_into(cache.keys[layer][:, :, off:off + n], k.unsqueeze(0).to(dev), cos_h[off:off + n],
+                  sin_h[off:off + n])
+        cache.values[layer][0, :, off:off + n] = v
+        off += n
 
 
 @torch.inference_mode()
@@ -52,7 +56,7 @@ def prefill_over_context(model, layer_iter, layout: Layout, query_ids: list[int]
     dev = model.device
     N, Tq = layout.context_len, len(query_ids)
     cache = KVCache.for_model(model, max(capacity, N + Tq))
-    cos, sin = model.rotary.lookup(layout.context_positions.to(dev))
+    cos, sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
     qpos = torch.arange(layout.query_start, layout.query_start + Tq, device=dev)
     mask = causal_mask(Tq, N + Tq, dev)
     x = model.embed(torch.tensor([query_ids], device=dev))

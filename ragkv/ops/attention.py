@@ -30,16 +30,22 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, g * T, D)  # heads of one KV group share k, v
-    scores = torch.matmul(qf, k.float().transpose(-1, -2)) / (math.sqrt(D) * temperature)
-    scores = scores.reshape(B, Hkv, g, T, S)
+    qf = q.float().reshape(B, Hkv, g * T, D) * (1.0 / (math.sqrt(D) * temperature))  # one KV group per head set
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)).reshape(B, Hkv, g, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, g, T]
-    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(-1e30))
-    probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs.reshape(B, Hkv, g * T, S), v.float()).reshape(B, Hq, T, D)
-    return out, lse.reshape(B, Hq, T)
+    # One shared max/exp/sum gives both the LSE and the output; normalizing the small output, not the
+    # [T, S] probabilities, keeps this at four passes over the scores.
+    m = scores.amax(dim=-1, keepdim=True)
+    if mask is not None:
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: exp(-inf) = 0
+    scores.sub_(m).exp_()
+    total = scores.sum(dim=-1, keepdim=True)  # [B, Hkv, g, T, 1]
+    out = torch.matmul(scores.reshape(B, Hkv, g * T, S), v.float()).reshape(B, Hkv, g, T, D) / total
+    if mask is not None:
+        out = torch.nan_to_num(out, nan=0.0)
+    lse = (m + total.log()).squeeze(-1)  # [B, Hkv, g, T]
+    return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
 
 
 def merge_by_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up (if needed) and show the engine on the default model: a chat reply, then two questions over the same
+# passages in one process — the second question finds every passage block already cached.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+echo
+echo "== ragkv generate"
+.venv/bin/ragkv generate --prompt "In one sentence, what is a KV cache?" --max-new-tokens 48 --dtype float32
+echo
+echo "== ragkv ask --mode reuse (Block-Attention style reuse): watch 'blocks hit' on the second question"
+.venv/bin/ragkv ask --docs-dir examples/docs --mode reuse --dtype float32 --max-new-tokens 32 \
+    --question "Which paper recomputes a small fraction of tokens?" \
+    --question "What does APE use to align parallel encoding with sequential encoding?"
+echo
+echo "== the same questions with CacheBlend's selective recompute (r = 0.15) and JSON statistics"
+.venv/bin/ragkv ask --docs-dir examples/docs --mode blend --ratio 0.15 --dtype float32 --max-new-tokens 32 --json \
+    --question "Which paper recomputes a small fraction of tokens?"

