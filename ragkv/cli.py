@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "ragkv.commands.generate",
     "ragkv.commands.ask",
     "ragkv.commands.bench",
+    "ragkv.commands.ingest",
     "ragkv.store.commands",
     "ragkv.eval.commands",
     "ragkv.train.commands",

@@ -64,12 +64,11 @@ def run_ask(args) -> int:
     results = []
     for i, q in enumerate(questions):
         used = retrieved[i] if retrieved is not None else passages
-        segs = engine.segments(q, [p for p, _ in used] if retrieved is not None else used, system=args.system)
+        segs = engine.segments(q, [r[0] for r in used] if retrieved is not None else used, system=args.system)
         ans = engine.generate(segs, fusion, GenerationOptions(max_new_tokens=args.max_new_tokens))
         rec = {"question": q, "answer": ans.text.strip(), **ans.stats.to_dict(), "blocks": len(segs.blocks)}
         if retrieved is not None:
-            rec["sources"] = [{"title": p.title, "score": round(float(s), 4), "chunk_id": cid}
-                              for (p, s), cid in zip(used, [getattr(p, "chunk_id", "") for p, _ in used])]
+            rec["sources"] = [{"title": p.title, "score": round(s, 4), "chunk_id": cid} for p, s, cid in used]
         results.append(rec)
         if not args.json:
             if len(questions) > 1:
@@ -87,9 +86,10 @@ def run_ask(args) -> int:
 
 
 def retrieve_for(questions, args, engine):
-    """Top-k chunks per question from the persisted index (`ragkv ingest`); [(Passage, score)] each."""
-    try:
-        from ragkv.rag.pipeline import retrieve_passages
-    except ImportError as e:
-        raise RagkvError("no passages: pass --doc FILE or --docs-dir DIR") from e
-    return [retrieve_passages(q, top_k=args.top_k, index_dir=args.index) for q in questions]
+    """Top-k chunks per question from the persisted index of `ragkv ingest`: [(Passage, score, chunk_id)]."""
+    from ragkv.serve.library import DocumentLibrary
+
+    library = DocumentLibrary(engine, args.index)
+    if not library.documents():
+        raise RagkvError("no passages: pass --doc FILE or --docs-dir DIR, or run `ragkv ingest DIR` first")
+    return [[(r.passage, r.score, r.chunk_id) for r in library.retrieve(q, args.top_k)] for q in questions]

@@ -53,8 +53,8 @@ def make_store(spec: str | None):
     if not spec:
         from ragkv.store.base import MemoryStore
         return MemoryStore()
-    from ragkv.store.spec import parse_store_spec
-    return parse_store_spec(spec)
+    from ragkv.store.spec import open_store
+    return open_store(spec)
 
 
 def engine_from_args(args, store=None):

@@ -52,6 +52,10 @@ class Run:
     def __iter__(self) -> Iterator[Delta]:
         return self._deltas
 
+    def close(self) -> None:
+        """Stop decoding early (client gone, deadline passed) and release the model."""
+        self._deltas.close()
+
     def answer(self) -> Answer:
         for _ in self._deltas:
             pass

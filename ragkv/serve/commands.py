@@ -1,0 +1,32 @@
+"""`ragkv serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+from ragkv.commands.common import add_model_args, add_store_args, engine_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, documents, metrics)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--index", default=None, help="document index folder (default: ~/.cache/ragkv/index)")
+    p.add_argument("--default-mode", default="reuse", help="fusion mode for requests with documents")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
+    add_model_args(p)
+    add_store_args(p)
+    p.set_defaults(func=run_serve, store="memory:2GiB,disk:~/.cache/ragkv/kv:20GiB")
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from ragkv.engine.options import FusionOptions
+    from ragkv.serve.app import Server, create_app
+
+    FusionOptions(mode=args.default_mode)  # fail fast on a bad default
+    engine = engine_from_args(args)
+    server = Server(engine, args.model, args.index, args.max_queue, args.timeout, args.default_mode)
+    print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    return 0

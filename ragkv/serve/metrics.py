@@ -1,0 +1,72 @@
+"""A few Prometheus metrics in the text exposition format (no client library needed for this handful)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+TTFT_BUCKETS_MS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = defaultdict(int)  # (endpoint, status) -> count
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS_MS) + 1)
+        self.ttft_sum = 0.0
+        self.hits = self.misses = 0
+        self.reused = self.recomputed = self.completion = 0
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def observe_stats(self, stats) -> None:
+        with self.lock:
+            i = next((i for i, b in enumerate(TTFT_BUCKETS_MS) if stats.ttft_ms <= b), len(TTFT_BUCKETS_MS))
+            self.ttft_counts[i] += 1
+            self.ttft_sum += stats.ttft_ms / 1000
+            self.hits += stats.cache_hits
+            self.misses += stats.cache_misses
+            self.reused += stats.reused_tokens
+            self.recomputed += stats.recomputed_tokens
+            self.completion += stats.completion_tokens
+
+    def render(self, store_stats: dict, queue_depth: int) -> str:
+        out = ["# HELP ragkv_requests_total HTTP requests by endpoint and status.", "# TYPE ragkv_requests_total counter"]
+        with self.lock:
+            for (ep, status), n in sorted(self.requests.items()):
+                out.append(f'ragkv_requests_total{{endpoint="{ep}",status="{status}"}} {n}')
+            out += ["# HELP ragkv_ttft_seconds Time to first token.", "# TYPE ragkv_ttft_seconds histogram"]
+            cum = 0
+            for b, n in zip(TTFT_BUCKETS_MS, self.ttft_counts):
+                cum += n
+                out.append(f'ragkv_ttft_seconds_bucket{{le="{b / 1000}"}} {cum}')
+            cum += self.ttft_counts[-1]
+            out += [f'ragkv_ttft_seconds_bucket{{le="+Inf"}} {cum}', f"ragkv_ttft_seconds_sum {self.ttft_sum:.6f}",
+                    f"ragkv_ttft_seconds_count {cum}"]
+            total = self.hits + self.misses
+            out += ["# TYPE ragkv_block_cache_hits_total counter", f"ragkv_block_cache_hits_total {self.hits}",
+                    "# TYPE ragkv_block_cache_misses_total counter", f"ragkv_block_cache_misses_total {self.misses}",
+                    "# HELP ragkv_block_cache_hit_ratio Block cache hits over lookups since start.",
+                    "# TYPE ragkv_block_cache_hit_ratio gauge",
+                    f"ragkv_block_cache_hit_ratio {self.hits / total if total else 0:.6f}",
+                    "# TYPE ragkv_reused_tokens_total counter", f"ragkv_reused_tokens_total {self.reused}",
+                    "# TYPE ragkv_recomputed_tokens_total counter", f"ragkv_recomputed_tokens_total {self.recomputed}",
+                    "# TYPE ragkv_completion_tokens_total counter", f"ragkv_completion_tokens_total {self.completion}"]
+        out += ["# TYPE ragkv_queue_depth gauge", f"ragkv_queue_depth {queue_depth}",
+                "# HELP ragkv_store_bytes Bytes held per KV store tier.", "# TYPE ragkv_store_bytes gauge"]
+        for tier, val in flatten_store_bytes(store_stats).items():
+            out.append(f'ragkv_store_bytes{{tier="{tier}"}} {val}')
+        return "\n".join(out) + "\n"
+
+
+def flatten_store_bytes(stats: dict, prefix: str = "") -> dict[str, int]:
+    """Find `bytes` figures in a (possibly nested) store stats dict, keyed by the tier path."""
+    out = {}
+    for k, v in stats.items():
+        if k == "bytes" and isinstance(v, (int, float)):
+            out[prefix or "store"] = int(v)
+        elif isinstance(v, dict) and k not in ("namespaces",):
+            out.update(flatten_store_bytes(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
