@@ -105,6 +105,14 @@ class LayerReader:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         raise NotImplementedError
 
+    def batch_group(self) -> object:
+        """Readers returning equal groups can be served together by `read_many` (e.g. one Redis round trip)."""
+        return id(self)
+
+    @staticmethod
+    def read_many(readers: list["LayerReader"], layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return [r.read(layer) for r in readers]
+
     def close(self) -> None:
         pass
 
@@ -180,7 +188,7 @@ class KVStore(ABC):
 
 
 class MemoryStore(KVStore):
-    """Unbounded in-process dict; the tiered store (ragkv.store.tiers) adds byte-bounded LRU and persistence."""
+    """Unbounded in-process dict; ragkv.store.spec.open_store builds byte-bounded LRU, disk and Redis tiers."""
 
     def __init__(self):
         self._data: dict[CacheKey, BlockKV] = {}

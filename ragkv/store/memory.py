@@ -1,0 +1,99 @@
+"""In-process tier: least-recently-used eviction bounded by bytes, safe to share between threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+from ragkv.store.base import BlockKV, CacheKey, KVStore, check_namespace
+from ragkv.store.sizes import format_size
+
+log = logging.getLogger(__name__)
+
+
+class LRUMemoryStore(KVStore):
+    """Holds BlockKV objects (no serialization) up to `capacity_bytes` of tensor data.
+
+    An entry larger than the whole capacity is refused with a warning instead of evicting everything.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ValueError(f"memory tier capacity must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._data: OrderedDict[CacheKey, BlockKV] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.RLock()
+        self.counters = dict(hits=0, misses=0, puts=0, evictions=0, refused=0)
+
+    def describe(self) -> str:
+        return f"memory:{format_size(self.capacity_bytes)}"
+
+    def get(self, key):
+        with self._lock:
+            kv = self._data.get(key)
+            if kv is None:
+                self.counters["misses"] += 1
+                return None
+            self._data.move_to_end(key)
+            self.counters["hits"] += 1
+            return kv
+
+    def put(self, key, kv):
+        check_namespace(key.namespace)
+        size = kv.nbytes
+        if size > self.capacity_bytes:
+            log.warning("memory tier: block %s (%s) exceeds the tier's whole capacity (%s); not cached in memory. "
+                        "Raise the memory size in --store.", key.digest(), format_size(size),
+                        format_size(self.capacity_bytes))
+            self.counters["refused"] += 1
+            return
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            while self._data and self._bytes + size > self.capacity_bytes:
+                _, evicted = self._data.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.counters["evictions"] += 1
+            self._data[key] = kv
+            self._bytes += size
+            self.counters["puts"] += 1
+
+    def contains(self, key):
+        with self._lock:
+            return key in self._data
+
+    def delete(self, key):
+        with self._lock:
+            kv = self._data.pop(key, None)
+            if kv is None:
+                return False
+            self._bytes -= kv.nbytes
+            return True
+
+    def clear(self, namespace=None):
+        with self._lock:
+            doomed = [k for k in self._data if namespace is None or k.namespace == namespace]
+            for k in doomed:
+                self._bytes -= self._data.pop(k).nbytes
+            return len(doomed)
+
+    def entries(self) -> list[tuple[CacheKey, int]]:
+        """(key, bytes) from least to most recently used."""
+        with self._lock:
+            return [(k, kv.nbytes) for k, kv in self._data.items()]
+
+    def stats(self):
+        namespaces: dict[str, dict] = {}
+        for key, size in self.entries():
+            ns = namespaces.setdefault(key.namespace, {"entries": 0, "bytes": 0})
+            ns["entries"] += 1
+            ns["bytes"] += size
+        with self._lock:
+            return {"tier": self.name, "describe": self.describe(), "entries": len(self._data),
+                    "bytes": self._bytes, "capacity_bytes": self.capacity_bytes, "namespaces": namespaces,
+                    **self.counters}

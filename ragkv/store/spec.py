@@ -1,0 +1,159 @@
+"""The `--store` option: a comma-separated list of tiers, fastest first, turned into a TieredStore.
+
+    memory[:SIZE]                       in-process LRU (SIZE default 2GiB)
+    disk:PATH[:SIZE]                    one file per block under PATH (SIZE default 20GiB)
+    redis://HOST:PORT/DB[?ttl=S&prefix=P]   a Redis database (also rediss://, unix://)
+
+Example: `memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0?ttl=3600`.
+Sizes take B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ragkv.store.errors import StoreSpecError
+from ragkv.store.sizes import parse_size
+from ragkv.store.tiered import TieredStore
+
+DEFAULT_SPEC = "memory:2GiB"
+DEFAULT_MEMORY = "2GiB"
+DEFAULT_DISK = "20GiB"
+SYNTAX = ("use a comma-separated list of memory[:SIZE], disk:PATH[:SIZE] and redis://HOST:PORT/DB[?ttl=SECONDS], "
+          "fastest first, e.g. memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class MemoryTierSpec:
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class DiskTierSpec:
+    path: Path
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class RedisTierSpec:
+    url: str                 # without ragkv's own query parameters
+    ttl_s: int | None = None
+    prefix: str | None = None
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    tiers: tuple
+    text: str
+
+    def __post_init__(self):
+        if not self.tiers:
+            raise StoreSpecError(f"store spec {self.text!r} names no tier; {SYNTAX}")
+        kinds = [type(t) for t in self.tiers]
+        if kinds.count(MemoryTierSpec) > 1:
+            raise StoreSpecError(f"store spec {self.text!r} has several memory tiers; keep one")
+        if MemoryTierSpec in kinds and kinds[0] is not MemoryTierSpec:
+            raise StoreSpecError(f"store spec {self.text!r}: put the memory tier first (tiers are read fastest "
+                                 "first)")
+        seen = set()
+        for t in self.tiers:
+            ident = t.path if isinstance(t, DiskTierSpec) else t.url if isinstance(t, RedisTierSpec) else None
+            if ident is not None and ident in seen:
+                raise StoreSpecError(f"store spec {self.text!r} lists {ident} twice")
+            seen.add(ident)
+
+
+def _parse_memory(rest: str, text: str) -> MemoryTierSpec:
+    return MemoryTierSpec(parse_size(rest or DEFAULT_MEMORY))
+
+
+def _parse_disk(rest: str, text: str) -> DiskTierSpec:
+    if not rest:
+        raise StoreSpecError(f"disk tier in {text!r} needs a directory: disk:PATH[:SIZE], e.g. "
+                             "disk:~/.cache/ragkv/kv:20GiB")
+    path, size = rest, DEFAULT_DISK
+    if ":" in rest:
+        head, tail = rest.rsplit(":", 1)
+        if tail and tail[0].isdigit():  # a trailing size (directories rarely start with a digit after a ':')
+            path, size = head, tail
+    if not path:
+        raise StoreSpecError(f"disk tier in {text!r} needs a directory before the size: disk:PATH:SIZE")
+    return DiskTierSpec(Path(path).expanduser(), parse_size(size))
+
+
+def _parse_redis(part: str, text: str) -> RedisTierSpec:
+    u = urlsplit(part)
+    if u.scheme != "unix" and not u.hostname:
+        raise StoreSpecError(f"redis tier {part!r} has no host; write redis://HOST:PORT/DB, e.g. "
+                             "redis://127.0.0.1:6379/0")
+    try:
+        u.port
+    except ValueError as e:
+        raise StoreSpecError(f"redis tier {part!r}: {e}; write redis://HOST:PORT/DB") from e
+    ttl, prefix, others = None, None, []
+    for name, value in parse_qsl(u.query, keep_blank_values=True):
+        if name == "ttl":
+            try:
+                ttl = int(value)
+            except ValueError:
+                ttl = 0
+            if ttl <= 0:
+                raise StoreSpecError(f"redis ttl {value!r} in {part!r} must be a positive whole number of seconds, "
+                                     "e.g. ?ttl=3600")
+        elif name == "prefix":
+            prefix = value
+        else:
+            others.append((name, value))  # left to redis-py (e.g. socket options)
+    return RedisTierSpec(urlunsplit(u._replace(query=urlencode(others))), ttl, prefix)
+
+
+def parse_spec(text: str | None) -> StoreSpec:
+    """Parse a store spec (None or "" -> DEFAULT_SPEC) without touching any tier.
+
+    Raises:
+        StoreSpecError: unknown tier, bad size, missing path/host, memory tier not first, duplicates.
+    """
+    text = (text or DEFAULT_SPEC).strip()
+    tiers = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise StoreSpecError(f"empty tier in store spec {text!r}; {SYNTAX}")
+        scheme, _, rest = part.partition(":")
+        scheme = scheme.lower()
+        if scheme == "memory":
+            tiers.append(_parse_memory(rest, text))
+        elif scheme == "disk":
+            tiers.append(_parse_disk(rest, text))
+        elif scheme in REDIS_SCHEMES:
+            tiers.append(_parse_redis(part, text))
+        else:
+            raise StoreSpecError(f"unknown store tier {scheme!r} in {text!r}; {SYNTAX}")
+    return StoreSpec(tuple(tiers), text)
+
+
+def build_tier(t):
+    """Construct one tier; raises StoreUnavailableError when it cannot be used (see each tier)."""
+    if isinstance(t, MemoryTierSpec):
+        from ragkv.store.memory import LRUMemoryStore
+        return LRUMemoryStore(t.capacity_bytes)
+    if isinstance(t, DiskTierSpec):
+        from ragkv.store.disk import DiskStore
+        return DiskStore(t.path, t.capacity_bytes)
+    if isinstance(t, RedisTierSpec):
+        from ragkv.store.redis_store import DEFAULT_PREFIX, RedisStore
+        return RedisStore(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
+    raise TypeError(f"not a tier spec: {t!r}")
+
+
+def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True) -> TieredStore:
+    """A TieredStore from a spec string (None -> DEFAULT_SPEC).
+
+    Raises:
+        StoreSpecError: the spec does not parse.
+        StoreUnavailableError: a tier cannot be used (unwritable directory, unreachable Redis).
+    """
+    parsed = spec if isinstance(spec, StoreSpec) else parse_spec(spec)
+    return TieredStore([build_tier(t) for t in parsed.tiers], pipelined=pipelined, promote=promote)

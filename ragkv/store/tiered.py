@@ -1,0 +1,294 @@
+"""Tiers composed fastest first: read-through with promotion, write-through, pipelined per-layer loading."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from ragkv.store.base import BlockKV, CacheKey, KVStore, LayerReader, check_namespace
+from ragkv.store.errors import MissingBlockError
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore(KVStore):
+    """Several tiers behind one KVStore, fastest first (memory, disk, redis).
+
+    Args:
+        tiers: the tiers, fastest first.
+        pipelined: `iter_layers` prefetches layer i+1 in a background thread while the caller computes on
+            layer i (CacheBlend sec. 5); False reads each layer when asked (benchmark baseline).
+        promote: a hit in a slower tier is copied into every faster tier.
+    """
+
+    name = "tiered"
+
+    def __init__(self, tiers: Sequence[KVStore], pipelined: bool = True, promote: bool = True):
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers, self.pipelined, self.promote = list(tiers), pipelined, promote
+        self.counters = dict(misses=0, promotions=0, hits={t.describe(): 0 for t in self.tiers})
+
+    def describe(self) -> str:
+        return ",".join(t.describe() for t in self.tiers)
+
+    def tier(self, name: str) -> KVStore:
+        """The tier whose kind (memory, disk, redis) or description is `name`."""
+        for t in self.tiers:
+            if name in (t.name, t.describe()):
+                return t
+        raise KeyError(f"no tier {name!r} in store {self.describe()}")
+
+    def _promote(self, key: CacheKey, kv: BlockKV, found_at: int) -> None:
+        if not self.promote:
+            return
+        for faster in self.tiers[:found_at]:
+            faster.put(key, kv)
+        if found_at:
+            self.counters["promotions"] += 1
+
+    def get(self, key):
+        check_namespace(key.namespace)
+        for i, t in enumerate(self.tiers):
+            kv = t.get(key)
+            if kv is not None:
+                self.counters["hits"][t.describe()] += 1
+                self._promote(key, kv, i)
+                return kv
+        self.counters["misses"] += 1
+        return None
+
+    def put(self, key, kv):
+        check_namespace(key.namespace)
+        for t in self.tiers:
+            t.put(key, kv)
+
+    def contains(self, key):
+        return self.locate(key) is not None
+
+    def locate(self, key: CacheKey) -> str | None:
+        """Kind of the fastest tier holding `key` (memory, disk, redis), or None."""
+        check_namespace(key.namespace)
+        for t in self.tiers:
+            if t.contains(key):
+                return t.name
+        return None
+
+    def delete(self, key):
+        return any([t.delete(key) for t in self.tiers])
+
+    def clear(self, namespace=None):
+        if namespace is not None:
+            check_namespace(namespace)
+        return sum(t.clear(namespace) for t in self.tiers)
+
+    def open_layers(self, key):
+        for t in self.tiers:
+            reader = t.open_layers(key)
+            if reader is not None:
+                return reader
+        return None
+
+    def get_layer(self, key, layer):
+        reader = self.open_layers(key)
+        if reader is None:
+            return None
+        with reader:
+            return reader.read(layer)
+
+    def iter_layers(self, keys, num_layers, tier: str | None = None) -> "LayerStream":
+        """Per layer, every key's (K [Hkv, T, D], V), in order. Readers open now (a missing block raises
+        MissingBlockError at once); with `pipelined`, loading starts at once in a background thread.
+        `tier` forces reading from that tier (benchmarks); otherwise each block comes from its fastest tier."""
+        for key in keys:
+            check_namespace(key.namespace)
+        start = [self.tiers.index(self.tier(tier))] if tier is not None else None
+        fetcher = _Fetcher(self, list(keys), start)
+        short = [r.key.digest() for r in fetcher.readers if r.num_layers < num_layers]
+        if short:
+            fetcher.close()
+            raise ValueError(f"{num_layers} layers requested but blocks {short} have fewer; their keys should "
+                             "carry another model fingerprint")
+        return LayerStream(fetcher, num_layers, self.pipelined and not fetcher.instant)
+
+    def stats(self):
+        return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters}
+
+
+class _Fetcher:
+    """Reads one layer of every block, falling back to slower tiers when a reader fails part-way, and
+    collects the layers of blocks found in slower tiers to promote them at the end."""
+
+    def __init__(self, store: TieredStore, keys: list[CacheKey], only: list[int] | None):
+        self.store, self.keys = store, keys
+        self.load_ms = 0.0
+        self.readers: list[LayerReader] = []
+        self.found_at: list[int] = []
+        try:
+            for key in keys:
+                reader, at = self._open(key, only or range(len(store.tiers)))
+                if reader is None:
+                    raise MissingBlockError(f"block {key.digest()} is in no tier of {store.describe()}; "
+                                            "encode it (store.put) before reading its layers")
+                self.readers.append(reader)
+                self.found_at.append(at)
+                store.counters["hits"][store.tiers[at].describe()] += 1
+        except BaseException:
+            self.close()
+            raise
+        collect = store.promote and only is None
+        self.layers = [[] if collect and at > 0 else None for at in self.found_at]
+        self.instant = all(r.instant for r in self.readers)
+
+    def _open(self, key, tier_ids) -> tuple[LayerReader | None, int]:
+        for i in tier_ids:
+            reader = self.store.tiers[i].open_layers(key)
+            if reader is not None:
+                return reader, i
+        return None, -1
+
+    def read(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t0 = time.perf_counter()
+        try:
+            return self._read(layer)
+        finally:
+            self.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _read(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        groups: dict[object, list[int]] = {}
+        for j, r in enumerate(self.readers):
+            groups.setdefault(r.batch_group(), []).append(j)
+        out: list = [None] * len(self.readers)
+        for idx in groups.values():
+            rs = [self.readers[j] for j in idx]
+            for j, kv in zip(idx, type(rs[0]).read_many(rs, layer)):
+                out[j] = kv
+        for j, kv in enumerate(out):
+            if kv is None:
+                out[j] = self._fallback(j, layer)
+            if self.layers[j] is not None:
+                self.layers[j].append(out[j])
+        return out
+
+    def _fallback(self, j: int, layer: int):
+        """Reader j failed at `layer` (evicted, expired, corrupt): continue from a slower tier."""
+        key = self.keys[j]
+        self.readers[j].close()
+        reader, at = self._open(key, range(self.found_at[j] + 1, len(self.store.tiers)))
+        kv = reader.read(layer) if reader is not None else None
+        if kv is None:
+            if reader is not None:
+                reader.close()
+            raise MissingBlockError(f"block {key.digest()} vanished from the store while its layers were read "
+                                    f"(layer {layer}); encode it again")
+        log.info("block %s: continuing from the %s tier at layer %d", key.digest(), self.store.tiers[at].name, layer)
+        self.readers[j], self.found_at[j] = reader, at
+        return kv
+
+    def promote(self) -> None:
+        for key, at, layers in zip(self.keys, self.found_at, self.layers):
+            if layers:
+                kv = BlockKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]))
+                self.store._promote(key, kv, at)
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+class LayerStream:
+    """Iterator over layers returned by TieredStore.iter_layers.
+
+    Pipelined (CacheBlend sec. 5): a background thread reads layer i+1 for every block while the caller
+    computes on layer i, at most one finished layer ahead. `wait_ms` is the time the caller spent blocked on
+    loading (near 0 when compute hides it); `load_ms` the time spent reading.
+    """
+
+    def __init__(self, fetcher: _Fetcher, num_layers: int, pipelined: bool):
+        self.fetcher, self.num_layers, self.pipelined = fetcher, num_layers, pipelined
+        self.wait_ms = 0.0
+        self._next = 0
+        self._closed = False
+        if pipelined:
+            self._queue: queue.Queue = queue.Queue(maxsize=1)
+            self._stop = threading.Event()
+            # the thread must not reference the stream, so that dropping the stream stops the thread
+            self._thread = threading.Thread(target=_produce, args=(fetcher, num_layers, self._queue, self._stop),
+                                            name="ragkv-layer-prefetch", daemon=True)
+            self._thread.start()
+
+    @property
+    def load_ms(self) -> float:
+        return self.fetcher.load_ms
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next >= self.num_layers or self._closed:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if self.pipelined:
+            kind, value = self._queue.get()
+            self.wait_ms += (time.perf_counter() - t0) * 1000
+            if kind == "error":
+                self.close()
+                raise value
+        else:
+            try:
+                value = self.fetcher.read(self._next)
+            except BaseException:
+                self.close()
+                raise
+            self.wait_ms += (time.perf_counter() - t0) * 1000
+            if self._next == self.num_layers - 1:
+                self.fetcher.close()
+                self.fetcher.promote()
+        self._next += 1
+        return value
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.pipelined:
+            self._stop.set()
+        else:
+            self.fetcher.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _produce(fetcher: _Fetcher, num_layers: int, q: queue.Queue, stop: threading.Event) -> None:
+    """Prefetch thread: read every layer in order, hand each to the caller, then promote off its critical path."""
+
+    def offer(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for i in range(num_layers):
+            item = ("layer", fetcher.read(i))
+            if i == num_layers - 1:
+                fetcher.close()
+            if not offer(item):
+                return
+        fetcher.promote()
+    except BaseException as e:  # re-raised in the caller's thread
+        offer(("error", e))
+    finally:
+        fetcher.close()

@@ -1,0 +1,193 @@
+"""The official `openai` client against real `ragkv serve` processes on 127.0.0.1 (default model, fp32)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from redis_fixture import free_port, redis_server  # noqa: F401
+from ragkv.models.registry import converted_path
+from tiny import default_model_available
+
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(not default_model_available(), reason="default model not converted")]
+openai = pytest.importorskip("openai")
+
+DOCS = [{"title": "Alpaca Farm", "text": "The Alpaca Farm in Lintwick keeps forty-two alpacas named after rivers."},
+        {"title": "Lintwick Tower", "text": "Lintwick Tower was built in 1893 from red sandstone by Ada Morrow."}]
+QUESTION = "Who built Lintwick Tower?"
+
+
+class ServerProcess:
+    def __init__(self, tmp: Path, store: str, extra=()):
+        self.port = free_port()
+        env = dict(os.environ, RAGKV_CACHE_DIR=str(tmp), RAGKV_MODELS_DIR=str(converted_path("smollm2").parent))
+        self.log = open(tmp / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ragkv.cli", "serve", "--port", str(self.port),
+                                      "--dtype", "float32", "--device", "cpu", "--store", store,
+                                      "--index", str(tmp / "index"), *extra],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (tmp / f"server-{self.port}.log").read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("server did not come up")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    s = ServerProcess(workdir, f"memory:512MiB,disk:{workdir}/kv:2GiB")
+    yield s
+    s.stop()
+
+
+def ask_docs(client, mode="reuse", stream=False, max_tokens=12, **kw):
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, stream=stream,
+        extra_body={"ragkv": {"mode": mode, "documents": DOCS, **kw}})
+
+
+def test_models_and_plain_chat(server):
+    assert [m.id for m in server.client.models.list()] == ["smollm2"]
+    r = server.client.chat.completions.create(model="smollm2", max_tokens=8,
+                                              messages=[{"role": "user", "content": "Say hello."}])
+    assert r.choices[0].message.content and r.usage.completion_tokens > 0
+    assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stream_equals_non_stream_with_inline_documents(server):
+    whole = ask_docs(server.client, mode="blend")
+    pieces = [c.choices[0].delta.content or "" for c in ask_docs(server.client, mode="blend", stream=True)
+              if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    extra = whole.model_extra["ragkv"]["stats"]
+    assert extra["mode"] == "blend" and whole.usage.model_extra["reused_tokens"] > 0
+
+
+def test_completions_endpoint(server):
+    r = server.client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5)
+    assert r.choices[0].text and r.usage.completion_tokens <= 5
+
+
+def test_documents_and_retrieval(server):
+    resp = httpx.post(server.url + "/v1/documents", json={"documents": [{**d, "id": d["title"]} for d in DOCS]},
+                      timeout=120)
+    assert resp.status_code == 200 and resp.json()["added_chunks"] == 2
+    listed = httpx.get(server.url + "/v1/documents").json()["data"]
+    assert {d["doc_id"] for d in listed} >= {"Alpaca Farm", "Lintwick Tower"}
+    r = server.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+        extra_body={"ragkv": {"retrieval": {"top_k": 1}}})
+    sources = r.model_extra["ragkv"]["sources"]
+    assert sources[0]["doc_id"] == "Lintwick Tower"
+    assert r.model_extra["ragkv"]["stats"]["cache_misses"] == 0  # precomputed when the document was added
+    assert httpx.delete(server.url + "/v1/documents/Alpaca%20Farm").status_code == 200
+    assert httpx.delete(server.url + "/v1/documents/Alpaca%20Farm").status_code == 404
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{not json", 400, None),
+    (b'{"model": "smollm2"}', 400, None),
+    (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model_not_found"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "warp", "documents": ["a"]}}', 400, None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "ragkv": {"ratio": 3, "mode": "blend", "documents": ["a"]}}',
+     400, None),
+])
+def test_malformed_requests_get_openai_errors(server, body, status, code):
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == code
+
+
+def test_overlong_prompt_is_refused_and_server_keeps_serving(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model="smollm2", max_tokens=4,
+                                              messages=[{"role": "user", "content": "word " * 9000}])
+    assert e.value.body["code"] == "context_length_exceeded" and "8192" in e.value.body["message"]
+    assert server.client.chat.completions.create(model="smollm2", max_tokens=2,
+                                                 messages=[{"role": "user", "content": "Hi"}]).choices
+
+
+def test_sixteen_concurrent_clients(server):
+    results, errors = [], []
+
+    def one(i):
+        try:
+            r = ask_docs(server.client, mode=("reuse", "blend", "ape", "full")[i % 4], max_tokens=4)
+            results.append(r.choices[0].message.content)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    assert not errors and len(results) == 16
+
+
+def test_disconnect_mid_stream_frees_the_model(server):
+    def completion_tokens():
+        text = httpx.get(server.url + "/metrics").text
+        return int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("ragkv_completion_tokens_total")))
+
+    before = completion_tokens()
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "smollm2", "stream": True, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # the client goes away
+    r2 = server.client.chat.completions.create(model="smollm2", max_tokens=2,
+                                               messages=[{"role": "user", "content": "Hi"}])
+    assert r2.choices
+    assert completion_tokens() - before < 100  # the abandoned stream stopped long before 400 tokens
+
+
+def test_restarted_server_hits_the_disk_cache(workdir, server):
+    ask_docs(server.client, mode="reuse")  # computed (or already there) and written through to disk
+    again = ServerProcess(workdir, f"memory:512MiB,disk:{workdir}/kv:2GiB")
+    try:
+        stats = ask_docs(again.client, mode="reuse").model_extra["ragkv"]["stats"]
+        assert stats["cache_misses"] == 0 and stats["cache_hits"] == 3  # prefix + 2 passages
+    finally:
+        again.stop()
+
+
+@pytest.mark.redis
+def test_two_servers_share_the_redis_tier(tmp_path, redis_server):  # noqa: F811
+    a = ServerProcess(tmp_path, f"memory:256MiB,{redis_server}")
+    try:
+        first = ask_docs(a.client, mode="blend").model_extra["ragkv"]["stats"]
+        assert first["cache_misses"] == 3
+    finally:
+        a.stop()
+    (tmp_path / "b").mkdir()
+    b = ServerProcess(tmp_path / "b", f"memory:256MiB,{redis_server}")
+    try:
+        second = ask_docs(b.client, mode="blend").model_extra["ragkv"]["stats"]
+        assert second["cache_misses"] == 0 and second["cache_hits"] == 3
+    finally:
+        b.stop()

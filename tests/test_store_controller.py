@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from ragkv.store.controller import (LoadPlan, TierProfile, choose_ratio, choose_tier, hidden_ratio, load_seconds,
+                                    measure_bandwidth, plan_load, profile_tiers, recompute_seconds)
+from ragkv.store.disk import DiskStore
+from ragkv.store.memory import LRUMemoryStore
+
+MB = 1e6
+TIERS = [TierProfile("memory", 10_000 * MB), TierProfile("disk", 1_000 * MB), TierProfile("redis", 100 * MB)]
+
+
+def test_cost_model():
+    assert load_seconds(2 * MB, 1000 * MB) == pytest.approx(2e-3)
+    assert recompute_seconds(0.15, 1000, 1e-5) == pytest.approx(1.5e-3)
+    assert hidden_ratio(1.5e-3, 1000, 1e-5) == pytest.approx(0.15)
+    assert hidden_ratio(1.0, 1000, 1e-5) == 1.0 and hidden_ratio(0.0, 1000, 1e-5) == 0.0
+    assert hidden_ratio(1e-3, 0, 1e-5) == 1.0           # nothing to recompute: any ratio is free
+
+
+def test_ratio_is_max_of_r_min_and_what_loading_hides():
+    """CacheBlend sec. 5.1: r = max(r_min, r whose recompute time equals the load time)."""
+    assert choose_ratio(1e-3, 1000, 1e-5, r_min=0.15) == 0.15     # loading hides only r = 0.1
+    assert choose_ratio(3e-3, 1000, 1e-5, r_min=0.15) == pytest.approx(0.3)
+    assert choose_ratio(1.0, 1000, 1e-5, r_min=0.15) == 1.0
+    with pytest.raises(ValueError):
+        choose_ratio(1e-3, 1000, 1e-5, r_min=1.5)
+
+
+def test_tier_is_the_cheapest_that_loading_hides():
+    # 2 MB per layer; recompute at r_min: 0.15 * 2000 tokens * 1e-5 s = 3 ms
+    #   memory 0.2 ms, disk 2 ms, redis 20 ms -> disk is the slowest tier that adds no latency
+    tier, hidden = choose_tier(TIERS, 2 * MB, 3e-3)
+    assert tier.name == "disk" and hidden
+    tier, hidden = choose_tier(TIERS, 2 * MB, 30e-3)
+    assert tier.name == "redis" and hidden
+    tier, hidden = choose_tier(TIERS, 2 * MB, 0.1e-3)
+    assert tier.name == "memory" and not hidden
+
+
+def test_plan_when_a_tier_hides_loading():
+    plan = plan_load(TIERS, 2 * MB, 2000, 1e-5, r_min=0.15)
+    assert isinstance(plan, LoadPlan)
+    assert plan.tier == "disk" and plan.ratio == 0.15
+    assert plan.load_ms_per_layer == pytest.approx(2.0) and plan.recompute_ms_per_layer == pytest.approx(3.0)
+    assert "cheapest" in plan.reason
+    assert json.loads(json.dumps(plan.as_dict()))["tier"] == "disk"
+
+
+def test_plan_raises_ratio_when_only_slow_tiers_hold_the_blocks():
+    plan = plan_load([TierProfile("redis", 100 * MB)], 2 * MB, 2000, 1e-5, r_min=0.15)
+    # loading takes 20 ms per layer: recomputing 100% (20 ms) is hidden by it
+    assert plan.tier == "redis" and plan.ratio == 1.0
+    assert plan.recompute_ms_per_layer == pytest.approx(20.0) and "raised" in plan.reason
+    plan = plan_load([TierProfile("redis", 100 * MB)], 1 * MB, 2000, 1e-5, r_min=0.15)
+    assert plan.ratio == pytest.approx(0.5)
+    plan = plan_load([TierProfile("redis", 10 * MB)], 2 * MB, 2000, 1e-5, r_min=0.15)
+    assert plan.ratio == 1.0 and "still adds" in plan.reason
+
+
+def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
+    tiers = [LRUMemoryStore(8 << 20), DiskStore(tmp_path / "kv", 64 << 20)]
+    bw = measure_bandwidth(tiers[1], nbytes=1 << 20)
+    assert bw > 0 and tiers[1].stats()["entries"] == 0             # the probe entry is gone again
+    path = tmp_path / "profile.json"
+    first = profile_tiers(tiers, path=path)
+    assert [p.name for p in first] == ["memory", "disk"] and all(p.bytes_per_s > 0 for p in first)
+    saved = json.loads(path.read_text())
+    assert set(saved) == {"memory", f"disk:{tmp_path / 'kv'}"}
+    monkeypatch.setattr("ragkv.store.controller.measure_bandwidth", lambda *a, **k: pytest.fail("re-measured"))
+    assert profile_tiers(tiers, path=path) == first                 # profiled once, then read from the file
+
+
+def test_unreadable_profile_file_is_measured_again(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("{not json")
+    profiles = profile_tiers([LRUMemoryStore(4 << 20)], path=path)
+    assert profiles[0].bytes_per_s > 0 and "memory" in json.loads(path.read_text())
+
+
+def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    profile_tiers([LRUMemoryStore(4 << 20)])
+    assert (tmp_path / "store_bandwidth.json").exists()
