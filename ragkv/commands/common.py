@@ -27,7 +27,8 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
 def add_fusion_args(p: argparse.ArgumentParser, default_mode: str = "reuse") -> None:
     g = p.add_argument_group("fusion")
     g.add_argument("--mode", default=default_mode, choices=MODES)
-    g.add_argument("--ratio", type=float, default=0.15, help="blend: recompute ratio r in [0, 1]")
+    g.add_argument("--ratio", default="0.15",
+                   help="blend: recompute ratio r in [0, 1], or 'auto' (loading controller, r >= 0.15)")
     g.add_argument("--check-layers", default="1", help="blend: comma-separated check layers")
     g.add_argument("--deviation", default="v", choices=("v", "k"), help="blend: deviation measured on V or K")
     g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")
@@ -44,7 +45,13 @@ def fusion_from_args(args, mode: str | None = None):
         checks = tuple(int(c) for c in str(args.check_layers).split(",") if c.strip())
     except ValueError:
         raise InvalidRequestError(f"--check-layers wants comma-separated integers, got {args.check_layers!r}")
-    return FusionOptions(mode=mode or args.mode, ratio=args.ratio, check_layers=checks, deviation=args.deviation,
+    auto = str(args.ratio) == "auto"
+    try:
+        ratio = 0.15 if auto else float(args.ratio)
+    except ValueError:
+        raise InvalidRequestError(f"--ratio wants a number in [0, 1] or 'auto', got {args.ratio!r}")
+    return FusionOptions(mode=mode or args.mode, ratio=ratio, auto_ratio=auto, check_layers=checks,
+                         deviation=args.deviation,
                          gradual=args.gradual, sink_tokens=args.sink_tokens,
                          ape_temperature=args.ape_temperature, ape_scale=args.ape_scale)
 

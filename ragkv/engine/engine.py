@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -23,6 +23,7 @@ from ragkv.engine.calibration import load_ape_params
 from ragkv.engine.fusion import prefill_full, prefill_over_context
 from ragkv.engine.generate import Delta, Generation, stream_tokens
 from ragkv.engine.layout import make_layout
+from ragkv.engine.loading import LoadingPlanner
 from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
 from ragkv.engine.prefix_cache import prefill_prefix
 from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments
@@ -87,6 +88,7 @@ class Engine:
         self.max_positions = loaded.args.max_positions
         self.ape_temperature, self.ape_scale, self.ape_source = load_ape_params(loaded.fingerprint)
         self.lock = threading.RLock()  # the model runs one request at a time
+        self.planner = LoadingPlanner(self)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -156,8 +158,13 @@ class Engine:
                 res = self.blocks.ensure(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
                 keys = res.keys
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
-            layer_iter = store.iter_layers(keys, self.model.args.num_layers) if keys else iter(())
+            layer_iter = self._layer_stream(keys, segs, fusion, ns)
             if mode == "blend":
+                plan = self.planner.plan(keys, fusion.ratio)
+                if plan is not None:
+                    stats.extra["loading_plan"] = plan.as_dict()
+                    if fusion.auto_ratio:
+                        fusion = replace(fusion, ratio=plan.ratio)
                 context_ids = segs.prefix + [t for b in segs.blocks for t in b]
                 state = prefill_blend(self.model, layer_iter, layout, context_ids, segs.query, fusion,
                                       capacity, stats)
@@ -171,7 +178,21 @@ class Engine:
                 state = prefill_over_context(self.model, layer_iter, layout, segs.query, capacity, stats,
                                              attention)
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
+        if hasattr(layer_iter := locals().get("layer_iter"), "wait_ms"):
+            stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state, stats
+
+    def _layer_stream(self, keys, segs, fusion, namespace):
+        """Per-layer KV of `keys` from the store; a block evicted since `ensure` is encoded again (once)."""
+        from ragkv.store.errors import MissingBlockError
+
+        if not keys:
+            return iter(())
+        try:
+            return self.store.iter_layers(keys, self.model.args.num_layers)
+        except (MissingBlockError, KeyError):
+            self.warm(segs, fusion, namespace)
+            return self.store.iter_layers(keys, self.model.args.num_layers)
 
     # -- generation -------------------------------------------------------------------------------------
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),

@@ -13,7 +13,8 @@ MODES = ("full", "prefix", "reuse", "ape", "blend")
 class FusionOptions:
     """How cached blocks become the KV the query attends to (DESIGN "fusion mode")."""
     mode: str = "reuse"
-    ratio: float = 0.15                   # blend: fraction of block tokens recomputed
+    ratio: float = 0.15                   # blend: fraction of block tokens recomputed (r_min when auto_ratio)
+    auto_ratio: bool = False              # blend: the loading controller raises r to what loading hides
     check_layers: tuple[int, ...] = (1,)  # blend: layers where deviation selects tokens (gradual filtering if >1)
     deviation: str = "v"                  # blend: "v" (CacheBlend code) or "k" (post-RoPE K, LMCache)
     gradual: bool = False                 # blend: shrink the selection at each check layer (CacheBlend 4.3)
