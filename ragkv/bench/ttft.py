@@ -18,10 +18,11 @@ from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Segments
 
 
-def build_request(engine, passages, question: str, context_tokens: int, query_tokens: int) -> Segments:
+def build_request(engine, passages, question: str, context_tokens: int, query_tokens: int,
+                  filler_passage: int = -1) -> Segments:
     base = engine.segments(question, passages[:1])
     prefix, query = base.prefix, base.query
-    filler = engine.segments("x", passages[-1:]).blocks[0]
+    filler = engine.segments("x", [passages[filler_passage]]).blocks[0]
     if len(query) < query_tokens:  # pad in front of the question with real text
         query = filler[: query_tokens - len(query)] + query
     query = query[-query_tokens:]
@@ -56,7 +57,7 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
     rows = []
     for n in contexts:
         segs = build_request(engine, passages, questions[0], n, query_tokens)
-        other = build_request(engine, passages, questions[1], n, query_tokens)
+        other = build_request(engine, passages, questions[1], n, query_tokens, filler_passage=-2)
         floor = query_floor_ms(engine, segs, repeats)
         full_ms = None
         for mode in modes:

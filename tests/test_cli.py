@@ -1,0 +1,73 @@
+"""The command line: every subcommand listed, bad input answered with one line and exit code 2."""
+
+import json
+
+import pytest
+
+from ragkv.cli import main
+from tiny import default_model_available
+
+needs_model = pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("generate", "models", "ask", "bench", "store", "ingest", "serve"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
+    (["generate", "--prompt", "hi", "--device", "tpu"], "unknown device"),
+    (["generate", "--prompt", "hi", "--model", "/no/such/folder"], "not a known name"),
+    (["ask", "--doc", "/no/such/file.txt", "--question", "q", "--dtype", "float32"], "cannot read passage"),
+    (["ask", "--question", "q", "--mode", "blend", "--ratio", "1.5", "--doc", "x"], "ratio"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_model_folder_problems(capsys, tmp_path, tiny_dirs):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--model", str(tmp_path / "empty"))
+    assert code == 2 and "config.json" in err
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--model", str(gpt2))
+    assert code == 2 and "llama, mistral, qwen2" in err
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--model", str(tiny_dirs["llama"]))
+    assert code == 2 and "tokenizer" in err  # the tiny checkpoint has weights but no tokenizer
+
+
+@needs_model
+@pytest.mark.model
+def test_generate_json_and_overlong_prompt(capsys):
+    code, out, _ = run(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "4", "--json",
+                       "--dtype", "float32")
+    rec = json.loads(out)
+    assert code == 0 and {"text", "prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s", "model",
+                          "dtype"} <= rec.keys() and rec["dtype"] == "float32"
+    code, _, err = run(capsys, "generate", "--prompt", "word " * 9000, "--dtype", "float32")
+    assert code == 2 and "8192" in err and "90" in err
+
+
+@needs_model
+@pytest.mark.model
+def test_ask_two_questions_second_hits_every_block(capsys):
+    code, out, _ = run(capsys, "ask", "--docs-dir", "examples/docs", "--question", "What does APE scale?",
+                       "--question", "What does CacheBlend recompute?", "--json", "--max-new-tokens", "4",
+                       "--dtype", "float32", "--mode", "reuse")
+    first, second = json.loads(out)
+    assert code == 0 and first["cache_misses"] == 4 and second["cache_hits"] == 4 and second["cache_misses"] == 0
+    assert {"answer", "mode", "ttft_ms", "prompt_tokens", "reused_tokens", "recomputed_tokens", "fetch_ms",
+            "rerotate_ms", "recompute_ms", "query_prefill_ms"} <= second.keys()
