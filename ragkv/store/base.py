@@ -167,9 +167,12 @@ class KVStore(ABC):
     def delete(self, key: CacheKey) -> bool: ...
 
     def get_layer(self, key: CacheKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One layer's (raw K [Hkv, T, D], V); tiers that can read a layer alone override this."""
-        kv = self.get(key)
-        return None if kv is None else kv.layer(layer)
+        """One layer's (raw K [Hkv, T, D], V), through `open_layers` (which tiers specialize)."""
+        reader = self.open_layers(key)
+        if reader is None:
+            return None
+        with reader:
+            return reader.read(layer)
 
     def iter_layers(self, keys: list[CacheKey], num_layers: int) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Yield, per layer, every key's (K, V). Pipelined tiers override this to prefetch layer i+1

@@ -212,13 +212,6 @@ class DiskStore(KVStore):
         self.counters["hits"] += 1
         return DiskLayerReader(self, key, f, h, st.st_ino)
 
-    def get_layer(self, key, layer):
-        reader = self.open_layers(key)
-        if reader is None:
-            return None
-        with reader:
-            return reader.read(layer)
-
     # --- writes -------------------------------------------------------------------------------------------
 
     def put(self, key, kv):

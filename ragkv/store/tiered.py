@@ -94,13 +94,6 @@ class TieredStore(KVStore):
                 return reader
         return None
 
-    def get_layer(self, key, layer):
-        reader = self.open_layers(key)
-        if reader is None:
-            return None
-        with reader:
-            return reader.read(layer)
-
     def iter_layers(self, keys, num_layers, tier: str | None = None) -> "LayerStream":
         """Per layer, every key's (K [Hkv, T, D], V), in order. Readers open now (a missing block raises
         MissingBlockError at once); with `pipelined`, loading starts at once in a background thread.
