@@ -9,7 +9,7 @@ import sys
 
 from ragkv.errors import RagkvError
 
-# (module, attribute) registering subcommands; a module that is absent is skipped.
+# Modules that each register their subcommands with `register(subparsers)`.
 SUBCOMMANDS = [
     "ragkv.commands.generate",
     "ragkv.commands.ask",
@@ -18,7 +18,6 @@ SUBCOMMANDS = [
     "ragkv.store.commands",
     "ragkv.eval.commands",
     "ragkv.train.commands",
-    "ragkv.rag.commands",
     "ragkv.serve.commands",
 ]
 
@@ -29,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine` (+ `store` and `serve` when those subsystems provide them)."""
+"""`ragkv bench ttft|engine`; the store and serve subsystems register `bench store` and `bench serve`."""
 
 from __future__ import annotations
 
@@ -38,12 +38,8 @@ def register(sub) -> None:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=run_engine)
 
-    for name in ("ragkv.store.bench", "ragkv.serve.bench"):  # optional subsystems add their own benchmarks
-        try:
-            importlib.import_module(name).register(bsub)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
+    for name in ("ragkv.store.bench", "ragkv.serve.bench"):  # those subsystems own their benchmarks
+        importlib.import_module(name).register(bsub)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 

@@ -1,0 +1,327 @@
+"""`ragkv eval`, `ragkv sweep`, `ragkv calibrate`, `ragkv report` (heavy imports stay inside the handlers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ragkv.errors import RagkvError
+
+DEFAULT_MODES = "full,prefix,reuse,ape,blend"
+# data sets that evaluation reports on: calibrating on them would tune APE on the test data
+EVAL_DATASETS = ("musique", "hotpotqa", "multi_news", "samsum", "nq", "nq-distractors", "kv-retrieval")
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise RagkvError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise RagkvError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _data_args(p, default: str | None, limit: int | None) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=None, help=f"a named data set (default: {default})")
+    g.add_argument("--data-file", default=None, help="any file in one of the loader formats (with --format)")
+    g.add_argument("--format", default=None, help="cacheblend | hotpotqa | longbench | samsum | nq | kv")
+    g.add_argument("--limit", type=int, default=limit, help="first N examples" + (f" (default {limit})" if limit
+                                                                                    else " (default: all)"))
+    g.add_argument("--num-passages", type=int, default=None, help="nq: gold passage + N-1 distractors")
+    g.add_argument("--split", default=None, help="samsum: test (default) | train | validation | all")
+    p.set_defaults(default_dataset=default)
+
+
+def _model_args(p) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="smollm2", help="known name (smollm2) or a local Hugging Face folder")
+    g.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | auto")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+
+
+def _fusion_args(p) -> None:
+    g = p.add_argument_group("defaults for bare mode keys (a key's own parameters win)")
+    g.add_argument("--ratio", type=float, default=0.15, help="blend: recompute ratio r")
+    g.add_argument("--check-layers", default="1", help="blend: comma-separated check layers")
+    g.add_argument("--deviation", default="v", choices=("v", "k"), help="blend: deviation on V or post-RoPE K")
+    g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")
+    g.add_argument("--sink-tokens", type=int, default=0, help="blend: always recompute each block's first N tokens")
+    g.add_argument("--ape-temperature", type=float, default=None, help="ape: T (default: calibrated, else 0.9)")
+    g.add_argument("--ape-scale", type=float, default=None, help="ape: S (default: calibrated, else 0.9)")
+
+
+def _run_args(p, output_help: str) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (0: first token only)")
+    p.add_argument("--overwrite", action="store_true", help="replace a results file of another configuration")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--output", default=None, help=output_help)
+
+
+def register(sub) -> None:
+    e = sub.add_parser("eval", help="quality of each fusion mode on a benchmark: task metric, fidelity to full, TTFT",
+                       description="Greedy evaluation of fusion modes on a data set. Mode keys: full, prefix, reuse, "
+                       "ape, blend, with parameters like ape:T=0.8,S=0.9 or blend:r=0.3,dev=k,check=1+4,gradual=1,"
+                       "sink=4. `full` always runs first per example (the fidelity reference). Records are "
+                       "appended to a JSONL file; rerunning the same command resumes it.")
+    _data_args(e, "required", None)
+    e.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated mode keys (default {DEFAULT_MODES})")
+    _model_args(e)
+    _fusion_args(e)
+    _run_args(e, "results JSONL (default runs/eval-<dataset>-<model>.jsonl)")
+    e.set_defaults(func=run_eval_cmd)
+
+    s = sub.add_parser("sweep", help="blend ratio, APE T x S grid or passage-count sweep: JSON + PNG")
+    s.add_argument("--kind", required=True, choices=("blend-ratio", "ape-grid", "passages"))
+    _data_args(s, "musique (blend-ratio), hotpotqa (ape-grid), nq-distractors (passages)", 10)
+    s.add_argument("--ratios", default="0,0.05,0.1,0.15,0.2,0.3,0.5,1.0", help="blend-ratio: values of r")
+    s.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape-grid: values of T")
+    s.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape-grid: values of S")
+    s.add_argument("--counts", default="1,3,5,10", help="passages: numbers of passages")
+    s.add_argument("--modes", default="full,reuse,ape,blend", help="passages: mode keys")
+    s.add_argument("--output-dir", default="runs/sweeps", help="where the JSON and PNG go")
+    s.add_argument("--results-dir", default="runs", help="where the resumable JSONL records go")
+    _model_args(s)
+    _fusion_args(s)
+    _run_args(s, argparse.SUPPRESS)
+    s.set_defaults(func=run_sweep_cmd)
+
+    c = sub.add_parser("calibrate", help="choose APE's T and S by first-token KL to full on held-out data",
+                       description="Grid search of APE's temperature T and scale S minimizing the mean KL of the "
+                       "first-token distribution to `full`, on a calibration split that is not evaluation data "
+                       "(default hotpotqa-train). The result is stored per model fingerprint and becomes the "
+                       "default of `ape` everywhere.")
+    _data_args(c, "hotpotqa-train", 20)
+    c.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0")
+    c.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0")
+    c.add_argument("--allow-eval-data", action="store_true", help="calibrate on an evaluation data set anyway")
+    c.add_argument("--output-dir", default="runs/calibration", help="where the grid JSON and heatmap go")
+    c.add_argument("--results-dir", default="runs", help="where the resumable JSONL records go")
+    _model_args(c)
+    _run_args(c, argparse.SUPPRESS)
+    c.set_defaults(func=run_calibrate_cmd)
+
+    r = sub.add_parser("report", help="render docs/results/README.md from eval runs, sweeps and bench ttft")
+    r.add_argument("runs", nargs="*", help="eval results JSONL files (default: runs/eval-*.jsonl)")
+    r.add_argument("--bench", default="bench_out/ttft.json", help="`ragkv bench ttft` JSON")
+    r.add_argument("--output-dir", default="docs/results", help="page, PNGs and summary.json; also where sweep "
+                   "and calibration JSON are looked up, and notes.md is read")
+    r.set_defaults(func=run_report_cmd)
+
+
+# -- shared plumbing --------------------------------------------------------------------------------------
+
+def _base_fusion(args):
+    from ragkv.engine.options import FusionOptions
+
+    return FusionOptions(mode="full", ratio=getattr(args, "ratio", 0.15),
+                         check_layers=_ints(getattr(args, "check_layers", "1")) or (1,),
+                         deviation=getattr(args, "deviation", "v"), gradual=getattr(args, "gradual", False),
+                         sink_tokens=getattr(args, "sink_tokens", 0),
+                         ape_temperature=getattr(args, "ape_temperature", None),
+                         ape_scale=getattr(args, "ape_scale", None))
+
+
+def _dataset(args, name: str | None) -> tuple[str, dict, dict]:
+    """(label, description for the results config, load_dataset keyword arguments)."""
+    if args.data_file and args.dataset:
+        raise RagkvError("pass either --dataset or --data-file (with --format), not both")
+    name = None if args.data_file else (args.dataset or name)
+    if name is None and not args.data_file:
+        raise RagkvError("no data: pass --dataset NAME or --data-file PATH --format F")
+    label = name or Path(args.data_file).stem
+    if args.num_passages:
+        label += f"-k{args.num_passages}"
+    desc = {"dataset": name, "data_file": str(Path(args.data_file).resolve()) if args.data_file else None,
+            "format": args.format, "num_passages": args.num_passages, "split": args.split}
+    kw = {"name": name, "data_file": args.data_file, "fmt": args.format, "num_passages": args.num_passages,
+          "split": args.split}
+    return label, desc, kw
+
+
+def _load(kw: dict, limit):
+    from ragkv.eval.datasets import load_dataset
+
+    return load_dataset(kw["name"], kw["data_file"], kw["fmt"], limit, split=kw["split"],
+                        num_passages=kw["num_passages"])
+
+
+def _engine(args):
+    from ragkv.engine.engine import Engine
+
+    return Engine.load(args.model, dtype=args.dtype, device=args.device)
+
+
+def _model_label(args) -> str:
+    return Path(args.model).name
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- handlers ---------------------------------------------------------------------------------------------
+
+def run_eval_cmd(args) -> int:
+    from ragkv.commands.common import print_json
+    from ragkv.eval.harness import results_config, run_eval
+    from ragkv.eval.modes import parse_mode_key, resolve_modes, split_mode_list
+    from ragkv.eval.results import ResultsFile
+    from ragkv.eval.summary import summarize, text_table
+
+    base = _base_fusion(args)
+    keys = split_mode_list(args.modes)
+    for k in keys:  # fail on a bad key before loading anything
+        parse_mode_key(k, base)
+    label, desc, kw = _dataset(args, None)
+    examples = _load(kw, args.limit)
+    max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
+    engine = _engine(args)
+    modes = resolve_modes(keys, base, engine.ape_temperature, engine.ape_scale)
+    if any(m.mode == "ape" and m.key == "ape" for m in modes):
+        _say(f"ape: T={engine.ape_temperature:g}, S={engine.ape_scale:g} ({engine.ape_source})")
+    output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
+    results = ResultsFile(output, results_config(engine, desc, max_new), args.overwrite)
+    done = len(results.done_keys())
+    if done:
+        _say(f"resuming {output}: {done} records already there")
+    run = run_eval(engine, examples, modes, results, max_new_tokens=max_new, progress=not args.no_progress,
+                   desc=label)
+    summary = summarize(run["records"], keys)
+    if run["skipped"]:
+        _say(f"skipped {len(run['skipped'])} examples longer than the model's {engine.max_positions} positions")
+    if args.json:
+        print_json({"summary": summary, "dataset": label, "n_examples": len(examples) - len(run["skipped"]),
+                    "skipped": run["skipped"], "results_file": str(output)})
+    else:
+        print(f"{label}: {len(examples) - len(run['skipped'])} examples, {engine.loaded.name} {engine.dtype_name} "
+              f"on {engine.model.device.type}; records in {output}\n")
+        print(text_table(summary))
+    return 0
+
+
+def _sweep_run(args, label, desc, engine, out_dir, max_new):
+    from ragkv.eval.sweeps import SweepRun
+
+    return SweepRun(engine, Path(out_dir), Path(args.results_dir), label, desc, max_new,
+                    _base_fusion(args), args.overwrite, not args.no_progress)
+
+
+def run_sweep_cmd(args) -> int:
+    from ragkv.commands.common import print_json
+    from ragkv.eval import sweeps
+
+    default = {"blend-ratio": "musique", "ape-grid": "hotpotqa", "passages": "nq-distractors"}[args.kind]
+    if args.kind == "passages" and args.num_passages:
+        raise RagkvError("--num-passages does not apply to the passages sweep; use --counts")
+    label, desc, kw = _dataset(args, default)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (0 if args.kind == "ape-grid" else 32)
+    if args.kind == "passages":
+        counts = _ints(args.counts)
+        if not counts or min(counts) < 1:
+            raise RagkvError(f"--counts wants positive integers, got {args.counts!r}")
+        from ragkv.eval.modes import parse_mode_key, split_mode_list
+
+        keys = split_mode_list(args.modes)
+        for k in keys:
+            parse_mode_key(k)
+        from dataclasses import replace
+
+        from ragkv.eval.datasets import DATASETS
+
+        nq = (kw["fmt"] or DATASETS[kw["name"]].fmt if kw["name"] in DATASETS else kw["fmt"]) == "nq"
+        first = None if nq else _load(kw, args.limit)
+
+        def load(k: int):  # nq: gold + k-1 distractors; other formats: the first k passages of each example
+            if nq:
+                return _load({**kw, "num_passages": k}, args.limit)
+            return [replace(ex, passages=ex.passages[:k]) for ex in first]
+        engine = _engine(args)
+        result = sweeps.passages_sweep(_sweep_run(args, label, desc, engine, args.output_dir, max_new), load,
+                                       counts, tuple(keys))
+    else:
+        examples = _load(kw, args.limit)
+        engine = _engine(args)
+        sw = _sweep_run(args, label, desc, engine, args.output_dir, max_new)
+        if args.kind == "blend-ratio":
+            ratios = _floats(args.ratios)
+            if not ratios or not all(0 <= r <= 1 for r in ratios):
+                raise RagkvError(f"--ratios wants values in [0, 1], got {args.ratios!r}")
+            result = sweeps.blend_ratio_sweep(sw, examples, ratios)
+        else:
+            result = sweeps.ape_grid_sweep(sw, examples, _floats(args.temperatures), _floats(args.scales))
+    if args.json:
+        print_json(result)
+    else:
+        _say(f"wrote {Path(args.output_dir)}/sweep-{args.kind}-{label}.json and .png")
+        _print_sweep(result)
+    return 0
+
+
+def _print_sweep(s: dict) -> None:
+    if s["kind"] == "blend-ratio":
+        m = s["metric"]
+        print(f"{'r':>6} {'KL mean':>9} {'KL med':>9} {'top-1':>6} {'greedy':>6} {m:>8} {'TTFT ms':>9}")
+        for r in s["rows"]:
+            print(f"{r['ratio']:>6g} {r['first_token_kl']:>9.4f} {r['first_token_kl_median']:>9.4f} "
+                  f"{r['top1_agreement']:>6.2f} {r.get('greedy_agreement') or 0:>6.2f} {r.get(m) or 0:>8.3f} "
+                  f"{r['ttft_ms']:>9.0f}")
+    elif s["kind"] in ("ape-grid", "calibrate"):
+        print("mean first-token KL to full (rows T, columns S)")
+        print("T \\ S " + " ".join(f"{x:>7g}" for x in s["scales"]))
+        for t, row in zip(s["temperatures"], s["first_token_kl"]):
+            print(f"{t:>5g} " + " ".join(f"{v:>7.4f}" for v in row))
+    else:
+        for r in s["rows"]:
+            print(f"{r['num_passages']:>3} passages: " + ", ".join(
+                f"{m} {v.get(s['metric']) or 0:.3f}" for m, v in r["modes"].items()))
+
+
+def run_calibrate_cmd(args) -> int:
+    from ragkv.commands.common import print_json
+    from ragkv.eval import sweeps
+
+    if args.dataset in EVAL_DATASETS and not args.allow_eval_data:
+        raise RagkvError(f"{args.dataset!r} is evaluation data: calibrating on it would tune APE on the test set; "
+                         "use the default hotpotqa-train or a --data-file (or --allow-eval-data)")
+    label, desc, kw = _dataset(args, "hotpotqa-train")
+    examples = _load(kw, args.limit)
+    temps, scales = _floats(args.temperatures), _floats(args.scales)
+    if not temps or not scales or min(temps + scales) <= 0:
+        raise RagkvError("--temperatures and --scales want positive numbers")
+    engine = _engine(args)
+    max_new = args.max_new_tokens or 0
+    sw = _sweep_run(args, label, desc, engine, args.output_dir, max_new)
+    grid = sweeps.calibrate_ape(sw, examples, temps, scales)
+    if args.json:
+        print_json(grid)
+        return 0
+    _print_sweep(grid)
+    b, d = grid["best"], grid.get("default")
+    print(f"\ncalibrated T={b['temperature']:g}, S={b['scale']:g}: mean KL {b['first_token_kl']:.4f} "
+          f"(median {b['first_token_kl_median']:.4f}, top-1 {b['top1_agreement']:.2f}) on {label}, "
+          f"n={grid['n_examples']}")
+    if d:
+        print(f"default    T=0.9, S=0.9: mean KL {d['first_token_kl']:.4f} (median {d['first_token_kl_median']:.4f}, "
+              f"top-1 {d['top1_agreement']:.2f})")
+    print(f"saved to {grid['saved_to']}; `ape` now uses it by default for this model")
+    return 0
+
+
+def run_report_cmd(args) -> int:
+    from ragkv.eval.report import render_report
+
+    paths = [Path(p) for p in args.runs] or sorted(Path("runs").glob("eval-*.jsonl"))
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise RagkvError(f"results file(s) not found: {', '.join(missing)}")
+    path = render_report(paths, Path(args.bench) if args.bench else None, Path(args.output_dir))
+    print(path)
+    return 0

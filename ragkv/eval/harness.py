@@ -1,0 +1,169 @@
+"""The evaluation loop: every example x every mode, greedy, scored on the task and against `full`.
+
+Per example, `full` runs first and is the reference for fidelity (first-token KL, top-1 agreement, greedy
+agreement over the first 32 tokens). Records are appended one by one to a `ResultsFile`, so an interrupted
+run resumes. The reference is not stored: an example with pending modes re-runs `full` (deterministic), which
+costs one extra `full` only for the example cut short (or for every example when modes are added to an old
+file). That keeps fidelity exact, instead of approximating it from a stored top-k of the distribution.
+
+TTFT of the reuse modes is measured with the blocks already cached, as a serving system has them; the one-time
+cost of encoding the example's blocks is recorded beside it as `encode_ms`. `prefix` is not warmed: only what
+earlier examples left in the cache (the shared system prompt) can hit, as in serving.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from typing import Iterable
+
+from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.errors import RagkvError
+from ragkv.eval.datasets import Example
+from ragkv.eval.metrics import (first_token_kl, greedy_agreement, parse_generation, prefix_agreement, score,
+                                top1_agreement)
+from ragkv.eval.modes import ModeSpec
+from ragkv.eval.results import ResultsFile
+
+HARNESS_VERSION = 1
+FIDELITY_TOKENS = 32  # greedy agreement is judged on the first 32 generated tokens (issue 5)
+FULL = FusionOptions(mode="full")
+
+# metrics reported per task on top of the example's own metric; F1 and EM score the first line only
+TASK_METRICS = {"qa": ("accuracy", "f1"), "kv": ("accuracy", "exact_match"), "summary": ("rouge_l",)}
+FIRST_LINE_METRICS = ("f1", "exact_match")
+
+
+def task_scores(ex: Example, text: str) -> dict[str, float]:
+    """Accuracy: a gold answer inside the whole output (Lost in the Middle); F1/EM on its first line (CacheBlend's
+    parse_generation); Rouge-L on the whole output."""
+    names = dict.fromkeys(TASK_METRICS.get(ex.task, ()) + (ex.metric,))
+    return {n: score(n, parse_generation(text) if n in FIRST_LINE_METRICS else text, ex.answers) for n in names}
+
+
+def fidelity(ref, ans, n: int = FIDELITY_TOKENS) -> dict:
+    """Distance of an Answer to the `full` reference Answer on the same example."""
+    out = {"first_token_kl": first_token_kl(ref.first_logits, ans.first_logits),
+           "top1_agreement": top1_agreement(ref.first_logits, ans.first_logits)}
+    if ref.token_ids or ans.token_ids:
+        out["greedy_agreement"] = greedy_agreement(ref.token_ids, ans.token_ids, n)
+        out["prefix_agreement"] = prefix_agreement(ref.token_ids, ans.token_ids, n)
+    return out
+
+
+def results_config(engine, dataset: dict, max_new_tokens: int) -> dict:
+    """What every record of one results file shares (modes and limit excluded: they may grow on resume)."""
+    import torch
+
+    return {"harness": HARNESS_VERSION, **dataset, "model": engine.loaded.name,
+            "fingerprint": engine.loaded.fingerprint, "dtype": engine.dtype_name,
+            "device": engine.model.device.type, "threads": torch.get_num_threads(),
+            "max_new_tokens": max_new_tokens,
+            "prompt_format": asdict(engine.prompt_format)}
+
+
+def check_mode_params(records: Iterable[dict], modes: list[ModeSpec]) -> None:
+    """A mode key already in the file must have been run with the same options."""
+    want = {m.key: m.params for m in modes}
+    for r in records:
+        key = r.get("mode_key")
+        if key in want and r.get("params") != want[key]:
+            raise RagkvError(f"mode {key!r} was run with {r.get('params')} in this results file but now resolves "
+                             f"to {want[key]} (changed flags or APE calibration); name the parameters in the key "
+                             "(e.g. ape:T=0.9,S=0.9), pass another --output, or --overwrite")
+
+
+def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int):
+    if max_new_tokens:
+        return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens))
+    from ragkv.engine.engine import Answer  # first-token fidelity only: no decoding
+
+    state, stats = engine.prefill(segs, fusion)
+    return Answer("", [], "length", stats, state.logits)
+
+
+def _warm_group(mode: str) -> str | None:
+    return {"reuse": "plain", "blend": "plain", "ape": "ape"}.get(mode)
+
+
+def forget_example(engine, segs, chunk: int = FusionOptions().prefix_chunk) -> None:
+    """Drop the example's blocks and prefix-cache chunks from the store (keeping the shared system prompt's), so
+    memory stays flat over hundreds of examples."""
+    from ragkv.engine.blocks import NO_CONDITIONING, prefix_conditioning
+    from ragkv.engine.prefix_cache import chunk_keys
+
+    for cond in (NO_CONDITIONING, prefix_conditioning(segs.prefix)):
+        for ids in segs.blocks:
+            engine.store.delete(engine.blocks.key(ids, cond))
+    keys = chunk_keys(segs.all_ids(), chunk, engine.loaded.fingerprint, engine.namespace)
+    for key in keys[len(segs.prefix) // chunk:]:
+        engine.store.delete(key)
+
+
+def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n_fid: int) -> dict:
+    s = ans.stats
+    rec = {"example_id": ex.id, "mode_key": spec.key, "mode": spec.mode, "params": spec.params,
+           "task": ex.task, "metric": ex.metric, "prediction": ans.text, "token_ids": list(ans.token_ids),
+           "finish_reason": ans.finish_reason, "scores": task_scores(ex, ans.text) if n_fid else {},
+           "fidelity": fidelity(ref, ans, n_fid), "ttft_ms": round(s.ttft_ms, 3), "encode_ms": round(encode_ms, 3),
+           "reused_tokens": s.reused_tokens, "recomputed_tokens": s.recomputed_tokens,
+           "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
+           "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra}
+    if ex.task != "summary":
+        rec["answers"] = ex.answers
+    return rec
+
+
+def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: ResultsFile | None = None, *,
+             max_new_tokens: int = 32, progress: bool = True, desc: str = "eval", keep_cache: bool = False) -> dict:
+    """Evaluate `modes` on `examples`, skipping (example, mode) pairs already in `results`.
+
+    Returns {"records": this run's records of these examples and modes, old and new, "skipped": ids of examples
+    too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume}.
+    """
+    from tqdm import tqdm
+
+    if max_new_tokens < 0:
+        raise RagkvError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    old = results.records() if results is not None else []
+    check_mode_params(old, modes)
+    done = {(r["example_id"], r["mode_key"]) for r in old}
+    n_fid = min(FIDELITY_TOKENS, max_new_tokens)
+    todo = [(ex, [m for m in modes if (ex.id, m.key) not in done]) for ex in examples]
+    skipped, rerun = [], 0
+    bar = tqdm(total=sum(len(p) for _, p in todo), desc=desc, unit="run", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    new = []
+    for ex, pending in todo:
+        if not pending:
+            continue
+        segs = engine.segments(ex.question, ex.passages)
+        if segs.num_tokens + max_new_tokens > engine.max_positions:
+            skipped.append(ex.id)
+            bar.update(len(pending))
+            continue
+        bar.set_postfix_str(f"{ex.id[:12]} full")
+        ref = _answer(engine, segs, FULL, max_new_tokens)
+        rerun += any((ex.id, m.key) in done for m in modes if m.mode == "full")
+        encode: dict[str, float] = {}
+        for spec in pending:
+            bar.set_postfix_str(f"{ex.id[:12]} {spec.key}")
+            if spec.mode == "full":
+                ans = ref  # the reference run is the `full` row: fidelity exactly zero by construction
+            else:
+                group = _warm_group(spec.mode)
+                if group and group not in encode:
+                    encode[group] = engine.warm(segs, spec.fusion).encode_ms
+                ans = _answer(engine, segs, spec.fusion, max_new_tokens)
+            rec = make_record(ex, spec, ans, ref, segs, encode.get(_warm_group(spec.mode), 0.0), n_fid)
+            if results is not None:
+                results.append(rec)
+            new.append(rec)
+            bar.update(1)
+        if not keep_cache:
+            forget_example(engine, segs)
+    bar.close()
+    ids = {ex.id for ex in examples}
+    keys = {m.key for m in modes}
+    mine = [r for r in old if r["example_id"] in ids and r["mode_key"] in keys] + new
+    return {"records": mine, "skipped": skipped, "recomputed_references": rerun}

@@ -1,0 +1,120 @@
+"""Mode keys: one string per fusion configuration under evaluation, e.g. `full`, `ape:T=0.8,S=0.9`,
+`blend:r=0.15,dev=k,check=1+4,gradual=1,sink=4`. A bare key takes its parameters from the CLI defaults
+(blend ratio, APE T and S: the calibrated values when there are any)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ragkv.engine.options import MODES, FusionOptions
+from ragkv.errors import InvalidRequestError, RagkvError
+
+
+class ModeKeyError(RagkvError):
+    """A mode key cannot be parsed; the message lists what is accepted."""
+
+
+# parameter name in a key -> (FusionOptions field, parser); per mode
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.replace("/", "+").split("+") if x)
+
+
+PARAMS = {
+    "prefix": {"chunk": ("prefix_chunk", int)},
+    "ape": {"T": ("ape_temperature", float), "S": ("ape_scale", float)},
+    "blend": {"r": ("ratio", float), "dev": ("deviation", str), "check": ("check_layers", _layers),
+              "gradual": ("gradual", _bool), "sink": ("sink_tokens", int)},
+}
+
+# the FusionOptions fields each mode depends on: what a record stores and what must match on resume
+MODE_FIELDS = {
+    "full": (), "reuse": (), "prefix": ("prefix_chunk",), "ape": ("ape_temperature", "ape_scale"),
+    "blend": ("ratio", "check_layers", "deviation", "gradual", "sink_tokens"),
+}
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    key: str                 # as the user wrote it: the results' mode_key
+    fusion: FusionOptions    # fully resolved (APE T and S filled in)
+
+    @property
+    def mode(self) -> str:
+        return self.fusion.mode
+
+    @property
+    def params(self) -> dict:
+        """The options this mode depends on, JSON-ready (stored in every record)."""
+        out = {}
+        for name in MODE_FIELDS[self.mode]:
+            val = getattr(self.fusion, name)
+            out[name] = list(val) if isinstance(val, tuple) else val
+        return out
+
+
+def split_mode_list(text: str) -> list[str]:
+    """'full,ape:T=0.8,S=0.9,blend' -> ['full', 'ape:T=0.8,S=0.9', 'blend']: a comma-separated item holding
+    '=' but no ':' continues the previous key's parameters."""
+    keys: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and ":" not in item and keys and ":" in keys[-1]:
+            keys[-1] += "," + item
+        else:
+            keys.append(item)
+    if not keys:
+        raise ModeKeyError(f"no modes given; pass e.g. --modes {','.join(MODES)}")
+    return list(dict.fromkeys(keys))  # drop repeats, keep order
+
+
+def parse_mode_key(key: str, base: FusionOptions = FusionOptions(mode="full")) -> FusionOptions:
+    """FusionOptions for `key`; parameters missing from the key come from `base` (the CLI flags)."""
+    name, _, rest = key.partition(":")
+    if name not in MODES:
+        raise ModeKeyError(f"unknown mode {name!r} in {key!r}; choose from {', '.join(MODES)} "
+                           "(with parameters e.g. ape:T=0.8,S=0.9 or blend:r=0.15)")
+    allowed = PARAMS.get(name, {})
+    changes = {"mode": name}
+    for item in filter(None, rest.split(",")):
+        pname, eq, val = item.partition("=")
+        if not eq or pname not in allowed:
+            hint = ", ".join(allowed) if allowed else "none"
+            raise ModeKeyError(f"bad parameter {item!r} in mode key {key!r}; {name} takes: {hint}")
+        field, conv = allowed[pname]
+        try:
+            changes[field] = conv(val)
+        except ValueError as e:
+            raise ModeKeyError(f"bad value in mode key {key!r}: {pname}={val!r} ({e})") from None
+    try:
+        return replace(base, **changes)
+    except InvalidRequestError as e:
+        raise ModeKeyError(f"mode key {key!r}: {e}") from None
+
+
+def resolve_modes(keys: list[str], base: FusionOptions, ape_temperature: float, ape_scale: float) -> list[ModeSpec]:
+    """Mode specs with APE's T and S filled in (from the key, else `base`, else the engine's defaults)."""
+    out = []
+    for key in keys:
+        f = parse_mode_key(key, base)
+        if f.mode == "ape":
+            f = replace(f, ape_temperature=f.ape_temperature if f.ape_temperature is not None else ape_temperature,
+                        ape_scale=f.ape_scale if f.ape_scale is not None else ape_scale)
+        out.append(ModeSpec(key, f))
+    return out
+
+
+def ape_key(t: float, s: float) -> str:
+    return f"ape:T={t:g},S={s:g}"
+
+
+def blend_key(r: float) -> str:
+    return f"blend:r={r:g}"

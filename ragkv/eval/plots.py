@@ -1,0 +1,80 @@
+"""PNG plots of sweeps and of the quality table (matplotlib, Agg backend, imported only when plotting)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def plot_panels(path: Path, x: list[float], panels: list[tuple[str, dict[str, list]]], xlabel: str, title: str,
+                hlines: dict[int, dict[str, float]] | None = None) -> Path:
+    """One row of panels, each (ylabel, {series: ys}); `hlines[i]` adds dashed reference lines to panel i."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0))
+    axes = [axes] if len(panels) == 1 else list(axes)
+    for i, (ax, (ylabel, series)) in enumerate(zip(axes, panels)):
+        for name, ys in series.items():
+            pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        for name, y in (hlines or {}).get(i, {}).items():
+            ax.axhline(y, linestyle="--", color="gray", label=name)
+        ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_heatmap(path: Path, rows: list[float], cols: list[float], values: list[list[float]], row_label: str,
+                 col_label: str, title: str, mark: tuple[int, int] | None = None, fmt: str = "{:.3f}") -> Path:
+    """A grid of values (rows x cols) with each cell printed; `mark` outlines one cell (the chosen one)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1.0 * len(cols) + 2.5, 0.8 * len(rows) + 1.8))
+    im = ax.imshow(values, cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(cols)), [f"{c:g}" for c in cols])
+    ax.set_yticks(range(len(rows)), [f"{r:g}" for r in rows])
+    ax.set_xlabel(col_label), ax.set_ylabel(row_label), ax.set_title(title)
+    hi = max(max(r) for r in values)
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=7,
+                    color="white" if v > hi * 0.55 else "black")
+    if mark is not None:
+        ax.add_patch(plt.Rectangle((mark[1] - 0.5, mark[0] - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    fig.colorbar(im, ax=ax)
+    return _save(fig, path)
+
+
+def plot_grouped_bars(path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str,
+                      title: str, logy: bool = False) -> Path:
+    """Bars per group (e.g. data set) and series (e.g. mode)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) * max(1, len(series)) / 3), 4.2))
+    width = 0.8 / max(1, len(series))
+    for k, (name, ys) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [y if y is not None else 0 for y in ys], width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    if logy:
+        ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_ylabel(ylabel), ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    return _save(fig, path)

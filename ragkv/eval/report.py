@@ -1,0 +1,177 @@
+"""`ragkv report`: one markdown page (plus PNGs and a small summary JSON) from the latest runs: the quality table
+per mode and data set (eval JSONL files), the TTFT/FLOPs table of `ragkv bench ttft`, APE calibration and sweeps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from ragkv.eval.results import read_results
+from ragkv.eval.summary import markdown_table, summarize
+
+NOTES = "notes.md"  # hand-written analysis beside the page, included verbatim (the page itself is generated)
+
+
+def _label(config: dict) -> str:
+    name = config.get("dataset") or Path(str(config.get("data_file") or "data")).stem
+    return f"{name}-k{config['num_passages']}" if config.get("num_passages") else name
+
+
+def _params_line(summary: dict) -> str:
+    parts = [f"`{m}`: " + ", ".join(f"{k}={v}" for k, v in s["params"].items())
+             for m, s in summary.items() if s.get("params")]
+    return ("Mode parameters: " + "; ".join(parts) + ".") if parts else ""
+
+
+def _command(config: dict, summary: dict, n: int) -> str:
+    src = (f"--dataset {config['dataset']}" if config.get("dataset")
+           else f"--data-file {config.get('data_file')} --format {config.get('format')}")
+    if config.get("num_passages"):
+        src += f" --num-passages {config['num_passages']}"
+    env = f"OMP_NUM_THREADS={config['threads']} " if config.get("threads") else ""
+    return (f"{env}ragkv eval {src} --modes {','.join(summary)} --limit {n} --max-new-tokens {config['max_new_tokens']} "
+            f"--model {config['model']} --dtype {config['dtype']} --device {config['device']}")
+
+
+def load_eval(paths: list[Path]) -> list[dict]:
+    out = []
+    for path in paths:
+        config, records = read_results(path)
+        if not records:
+            continue
+        summary = summarize(records)
+        n = len({r["example_id"] for r in records})
+        out.append({"path": str(path), "label": _label(config), "config": config, "n_examples": n,
+                    "summary": summary})
+    labels = [e["label"] for e in out]
+    for e in out:  # same data set from several models / dtypes: tell them apart
+        if labels.count(e["label"]) > 1:
+            e["label"] += f" ({e['config']['model']}, {e['config']['dtype']})"
+    return out
+
+
+def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
+    from ragkv.eval.plots import plot_grouped_bars
+
+    lines = ["## Quality per mode and data set", ""]
+    if not evals:
+        return lines + ["No evaluation results found (run `ragkv eval`, results go to runs/).", ""]
+    lines += ["Columns: task metrics (accuracy = a normalized gold answer appears in the output, F1 = SQuAD token "
+              "F1 of the first output line, Rouge-L for summaries); fidelity to `full` on the same example: "
+              "first-token KL(full || mode) mean and median, top-1 = same first token, greedy= = the first 32 "
+              "greedy tokens identical, prefix len = leading tokens shared; TTFT with the example's blocks already "
+              "cached (mean, and relative to `full` over the same examples); encode ms = one-time cost of encoding "
+              "the example's blocks (not part of TTFT); reused / recomputed tokens at prefill.", ""]
+    for e in evals:
+        c = e["config"]
+        lines += [f"### {e['label']}", "",
+                  f"{e['n_examples']} examples, {c['model']} {c['dtype']} on {c['device']} "
+                  f"({c.get('threads', '?')} threads), greedy, "
+                  f"{c['max_new_tokens']} new tokens max. Results: `{e['path']}`.", "",
+                  markdown_table(e["summary"]), ""]
+        params = _params_line(e["summary"])
+        lines += ([params, ""] if params else []) + ["```", _command(c, e["summary"], e["n_examples"]), "```", ""]
+    modes = list(dict.fromkeys(m for e in evals for m in e["summary"] if m != "full"))
+    groups = [e["label"] for e in evals]
+    for key, ylabel, name in (("first_token_kl", "mean first-token KL to full", "quality-kl.png"),
+                              ("greedy_agreement", "greedy output = full (32 tokens)", "quality-greedy.png")):
+        series = {m: [e["summary"].get(m, {}).get(key) for e in evals] for m in modes}
+        plot_grouped_bars(out_dir / name, groups, series, ylabel, f"{ylabel}, per mode and data set")
+        lines += [f"![{key}]({name})", ""]
+    return lines
+
+
+def _bench_section(bench: Path | None, out_dir: Path) -> list[str]:
+    lines = ["## TTFT and FLOPs to first token (`ragkv bench ttft`)", ""]
+    if bench is None or not bench.is_file():
+        where = f" at `{bench}`" if bench is not None else ""
+        return lines + [f"No `ragkv bench ttft` output found{where}; run `ragkv bench ttft --output-dir bench_out` "
+                        "and render again.", ""]
+    from ragkv.bench.ttft import render_ttft_markdown
+
+    result = json.loads(bench.read_text())
+    lines += [f"From `{bench}`.", "", render_ttft_markdown(result)]
+    png = bench.with_suffix(".png")
+    if png.is_file():
+        shutil.copyfile(png, out_dir / "ttft.png")
+        lines += ["![TTFT vs context](ttft.png)", ""]
+    return lines
+
+
+def _calibration_section(out_dir: Path) -> list[str]:
+    files = sorted(out_dir.glob("calibration-*.json"))
+    if not files:
+        return []
+    lines = ["## APE calibration (`ragkv calibrate`)", ""]
+    for f in files:
+        g = json.loads(f.read_text())
+        b = g["best"]
+        lines += [f"Calibration split `{g['dataset']}` ({g['n_examples']} examples, first-token KL to `full`, "
+                  f"grid T, S in {g['temperatures']}): chosen **T={b['temperature']:g}, S={b['scale']:g}**.", "",
+                  "| T, S | KL mean | KL median | top-1 |", "|---|---|---|---|"]
+        for tag, row in (("calibrated", b), ("default", g.get("default")), ("plain (no APE scaling)", g.get("plain"))):
+            if row:
+                lines.append(f"| {tag}: {row['temperature']:g}, {row['scale']:g} | {row['first_token_kl']:.4f} | "
+                             f"{row['first_token_kl_median']:.4f} | {row['top1_agreement']:.2f} |")
+        lines += ["", f"![calibration grid]({f.with_suffix('.png').name})", ""]
+    return lines
+
+
+def _sweep_section(out_dir: Path) -> list[str]:
+    lines = []
+    for f in sorted(out_dir.glob("sweep-*.json")):
+        s = json.loads(f.read_text())
+        png = f.with_suffix(".png").name
+        title = {"blend-ratio": "CacheBlend recompute ratio", "ape-grid": "APE T x S grid",
+                 "passages": "Number of passages"}.get(s["kind"], s["kind"])
+        lines += [f"## Sweep: {title} ({s['dataset']}, n={s['n_examples']})", ""]
+        if s["kind"] == "blend-ratio":
+            m = s["metric"]
+            lines += [f"| r | KL mean | KL median | top-1 | greedy= | {m} | TTFT ms | vs full | recomputed |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            full = s.get("full") or {}
+            if full:
+                lines.append(f"| full | 0 | 0 | 1.00 | 1.00 | {full.get(m, 0):.3f} | {full['ttft_ms']:.0f} | 100% | "
+                             f"{full['recomputed_tokens']:.0f} |")
+            for r in s["rows"]:
+                lines.append(f"| {r['ratio']:g} | {r['first_token_kl']:.4f} | {r['first_token_kl_median']:.4f} | "
+                             f"{r['top1_agreement']:.2f} | {r.get('greedy_agreement', 0):.2f} | {r.get(m, 0):.3f} | "
+                             f"{r['ttft_ms']:.0f} | {100 * r.get('ttft_vs_full', 0):.1f}% | "
+                             f"{r['recomputed_tokens']:.0f} |")
+        elif s["kind"] == "ape-grid":
+            b = s["best"]
+            lines.append(f"Lowest mean KL at T={b['temperature']:g}, S={b['scale']:g}: {b['first_token_kl']:.4f}.")
+        elif s["kind"] == "passages":
+            modes = list(s["rows"][0]["modes"]) if s["rows"] else []
+            lines += ["| passages | " + " | ".join(f"{m} {s['metric']}" for m in modes) + " |",
+                      "|---|" + "---|" * len(modes)]
+            for r in s["rows"]:
+                lines.append(f"| {r['num_passages']} | " + " | ".join(
+                    f"{r['modes'][m].get(s['metric'], 0):.3f}" for m in modes) + " |")
+        lines += ["", f"![{s['kind']}]({png})", ""]
+    return lines
+
+
+def render_report(eval_paths: list[Path], bench: Path | None, out_dir: Path) -> Path:
+    """Write `out_dir/README.md` and `out_dir/summary.json`; returns the README path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    evals = load_eval(eval_paths)
+    lines = ["# ragkv results", "",
+             f"_Generated by `ragkv report` on {time.strftime('%Y-%m-%d')} from the runs listed below; "
+             f"the analysis is `{NOTES}` in this folder, included as is. Edit that, not this page._", ""]
+    notes = out_dir / NOTES
+    if notes.is_file():
+        lines += [notes.read_text().rstrip(), ""]
+    lines += _quality_section(evals, out_dir)
+    lines += _calibration_section(out_dir)
+    lines += _sweep_section(out_dir)
+    lines += _bench_section(bench, out_dir)
+    (out_dir / "summary.json").write_text(json.dumps(
+        {"datasets": {e["label"]: {k: e[k] for k in ("path", "config", "n_examples", "summary")} for e in evals},
+         "bench": str(bench) if bench is not None and bench.is_file() else None}, indent=1) + "\n")
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path

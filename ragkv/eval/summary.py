@@ -1,0 +1,94 @@
+"""Per-mode summaries of evaluation records, and their rendering as a plain-text or markdown table."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable
+
+TASK_KEYS = ("accuracy", "f1", "exact_match", "rouge_l")
+MEAN_KEYS = ("ttft_ms", "encode_ms", "reused_tokens", "recomputed_tokens", "prompt_tokens", "completion_tokens")
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 6) if xs else None
+
+
+def summarize_mode(records: list[dict]) -> dict:
+    """Means over one mode's records (task metrics only where the task defines them)."""
+    out: dict = {"n": len(records)}
+    for k in TASK_KEYS:
+        vals = [r["scores"][k] for r in records if k in r.get("scores", {})]
+        if vals:
+            out[k] = _mean(vals)
+    kl = [r["fidelity"]["first_token_kl"] for r in records]
+    out["first_token_kl"] = _mean(kl)
+    out["first_token_kl_median"] = round(statistics.median(kl), 6) if kl else None
+    out["first_token_kl_max"] = round(max(kl), 6) if kl else None
+    out["top1_agreement"] = _mean([r["fidelity"]["top1_agreement"] for r in records])
+    for k in ("greedy_agreement", "prefix_agreement"):
+        vals = [r["fidelity"][k] for r in records if k in r["fidelity"]]
+        if vals:
+            out[k] = _mean(vals)
+    for k in MEAN_KEYS:
+        out[k] = _mean([r[k] for r in records if k in r])
+    ttft = [r["ttft_ms"] for r in records]
+    out["ttft_ms_median"] = round(statistics.median(ttft), 3) if ttft else None
+    params = records[0].get("params") if records else None
+    if params:
+        out["params"] = params
+    return out
+
+
+def summarize(records: Iterable[dict], modes: list[str] | None = None) -> dict[str, dict]:
+    """{mode_key: summary} in the order of `modes` (default: first appearance), plus TTFT relative to `full`
+    over the same examples when `full` is among the records."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if modes is None or r["mode_key"] in modes:
+            groups.setdefault(r["mode_key"], []).append(r)
+    order = [m for m in (modes or list(groups)) if m in groups]
+    out = {m: summarize_mode(groups[m]) for m in order}
+    full = {r["example_id"]: r["ttft_ms"] for r in groups.get("full", [])}
+    for m in order:
+        pairs = [(r["ttft_ms"], full[r["example_id"]]) for r in groups[m] if r["example_id"] in full]
+        if pairs and sum(f for _, f in pairs) > 0:
+            out[m]["ttft_vs_full"] = round(sum(t for t, _ in pairs) / sum(f for _, f in pairs), 4)
+    return out
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table_rows(summary: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    """Column headers and rows shared by the CLI table and the report."""
+    tasks = [k for k in TASK_KEYS if any(k in s for s in summary.values())]
+    headers = (["mode", "n"] + tasks + ["KL mean", "KL median", "top-1", "greedy=", "prefix len", "TTFT ms",
+                                        "vs full", "encode ms", "reused", "recomputed"])
+    rows = []
+    for mode, s in summary.items():
+        rows.append([mode, str(s["n"])] + [_fmt(s.get(k)) for k in tasks] + [
+            _fmt(s["first_token_kl"], 4), _fmt(s["first_token_kl_median"], 4), _fmt(s["top1_agreement"], 2),
+            _fmt(s.get("greedy_agreement"), 2), _fmt(s.get("prefix_agreement"), 1), _fmt(s["ttft_ms"], 0),
+            f"{100 * s['ttft_vs_full']:.1f}%" if "ttft_vs_full" in s else "-", _fmt(s["encode_ms"], 0),
+            _fmt(s["reused_tokens"], 0), _fmt(s["recomputed_tokens"], 0)])
+    return headers, rows
+
+
+def text_table(summary: dict[str, dict]) -> str:
+    headers, rows = table_rows(summary)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def markdown_table(summary: dict[str, dict]) -> str:
+    headers, rows = table_rows(summary)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

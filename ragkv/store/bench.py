@@ -1,0 +1,327 @@
+"""`ragkv bench store`: load throughput per tier, and TTFT with a request's blocks in memory, on disk or in Redis.
+
+The request is the TTFT benchmark's (real MuSiQue passages up to `--context` tokens). Its blocks are encoded
+once and copied into each tier; every configuration then has its own single-tier store, so the tier being timed
+is the one read (disk-only and Redis-only stores have no memory tier in front). TTFT runs go round-robin over
+the configurations, so drift in a shared machine's load hits them alike, against `full` in the same run.
+DESIGN target: disk-tier TTFT <= 1.3x memory-tier TTFT with pipelined per-layer loading (CacheBlend sec. 5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ragkv.commands.common import add_model_args, print_json
+
+NAMESPACE = "bench-store"  # the benchmark's entries, cleared afterwards (a given --redis keeps everything else)
+DISK_TARGET = 1.3
+
+
+def register(bsub) -> None:
+    s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
+    s.add_argument("--context", type=int, default=4096, help="context tokens of the request")
+    s.add_argument("--modes", default="reuse,blend", help="fusion modes reading the blocks (reuse, ape, blend)")
+    s.add_argument("--query-tokens", type=int, default=50)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    s.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server on "
+                   "a free port for the run; the Redis rows are skipped if redis-server is not installed)")
+    s.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary directory "
+                   "under $RAGKV_CACHE_DIR/bench, removed afterwards)")
+    s.add_argument("--output-dir", default="bench_out")
+    s.add_argument("--json", action="store_true")
+    add_model_args(s)
+    s.set_defaults(func=run_store_cmd, dtype="float32")
+
+
+def run_store_cmd(args) -> int:
+    from ragkv.errors import RagkvError
+
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("reuse", "ape", "blend") for m in modes):
+        raise RagkvError(f"--modes {args.modes!r}: choose among reuse, ape, blend (full is always measured)")
+    if args.repeats < 1 or args.context < 64:
+        raise RagkvError("--repeats must be >= 1 and --context >= 64")
+    result = run_store_bench(args, modes, lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.json:
+        print_json(result)
+    else:
+        print((Path(args.output_dir) / "store_bench.md").read_text())
+    return 0
+
+
+@dataclass
+class Config:
+    mode: str
+    tier: str                                # memory | disk | disk (cold) | redis
+    pipelined: bool | None                   # None: in-memory views, nothing to pipeline
+    engine: object
+    before: Callable[[], None] = lambda: None  # untimed, before each request (drop the page cache)
+    runs: list = field(default_factory=list)
+    waits: list = field(default_factory=list)
+    plan: dict | None = None                 # blend: the loading controller's decision
+    read_from: set = field(default_factory=set)  # tiers whose hit counters moved: proof of what was read
+
+
+def run_store_bench(args, modes: list[str], progress=print) -> dict:
+    from ragkv.bench.common import real_passages, save_json
+    from ragkv.bench.ttft import build_request
+    from ragkv.engine.engine import Engine
+    from ragkv.engine.options import FusionOptions
+    from ragkv.store.spec import open_store
+
+    mem = open_store("memory:64GiB")
+    engine = Engine.load(args.model, dtype=args.dtype, device=args.device, store=mem, namespace=NAMESPACE)
+    passages, questions = real_passages()
+    segs = build_request(engine, passages, questions[0], args.context, args.query_tokens)
+    keys = engine.warm(segs).keys  # reuse and blend read the same blocks; ape's are added below
+    if "ape" in modes:
+        keys = list(dict.fromkeys(keys + engine.warm(segs, FusionOptions(mode="ape")).keys))
+    kvs = [mem.get(k) for k in keys]
+    nbytes = sum(kv.nbytes for kv in kvs)
+    L = engine.model.args.num_layers
+    progress(f"request: {segs.num_tokens} tokens, {len(segs.blocks)} blocks, {nbytes / 1e6:.1f} MB of KV "
+             f"({engine.dtype_name})")
+
+    def engine_on(spec, pipelined=True):
+        store = open_store(spec, pipelined=pipelined)
+        for k, kv in zip(keys, kvs):
+            store.put(k, kv)
+        return Engine(engine.loaded, store=store, namespace=NAMESPACE)
+
+    with contextlib.ExitStack() as stack:
+        disk_dir = Path(args.disk_dir).expanduser() if args.disk_dir else stack.enter_context(_temp_dir())
+        disk_spec = f"disk:{disk_dir}:{max(4 << 30, 4 * nbytes)}B"
+        redis_url = args.redis or stack.enter_context(_private_redis(progress))
+        engines = {("memory", None): engine}
+        stack.callback(lambda: [e.store.clear(NAMESPACE) for (t, _), e in engines.items() if t != "memory"])
+        for tier, spec in (("disk", disk_spec), ("redis", redis_url)):
+            for pipelined in (True, False) if spec else ():
+                engines[tier, pipelined] = engine_on(spec, pipelined)
+        disk = engines["disk", True].store.tiers[0]
+        throwaway = [t for given, t in ((args.disk_dir, "disk"), (args.redis, "redis")) if not given]
+        stack.callback(_forget_profiles, [e.store.tiers[0] for (t, p), e in engines.items() if t in throwaway and p])
+        drop = lambda: [disk.drop_page_cache(k) for k in keys]  # noqa: E731
+
+        loads = measure_loads(engines, keys, L, nbytes, drop, args.repeats)
+        for row in loads:
+            progress(f"  load {row['tier']:<28s} {row['GBps']:9.2f} GB/s  {row['ms']:8.1f} ms")
+        configs = [Config("full", "memory", None, engine)]
+        for mode in modes:
+            for (tier, pipelined), e in engines.items():
+                configs.append(Config(mode, tier, pipelined, e))
+                if tier == "disk":
+                    configs.append(Config(mode, "disk (cold)", pipelined, e, drop))
+        time_configs(configs, segs, args.ratio, args.repeats, progress)
+    result = {"model": engine.loaded.name, "dtype": engine.dtype_name, "device": str(engine.model.device),
+              "threads": torch.get_num_threads(), "context_tokens": args.context, "prompt_tokens": segs.num_tokens,
+              "blocks": len(keys), "kv_bytes": nbytes, "repeats": args.repeats, "ratio": args.ratio,
+              "redis": "given" if args.redis else ("private redis-server" if redis_url else "skipped"),
+              "argv": sys.argv[1:],
+              "loads": loads, "ttft": summarize(configs)}
+    out = Path(args.output_dir)
+    save_json(out / "store_bench.json", result)
+    (out / "store_bench.md").write_text(render_markdown(result))
+    _plot(out / "store_bench.png", result)
+    return result
+
+
+def measure_loads(engines, keys, num_layers, nbytes, drop, repeats) -> list[dict]:
+    """GB/s of reading every layer of every block (no pipelining, nothing to hide behind), per tier."""
+    rows = []
+    cases = [("memory (in-process views)", engines["memory", None], lambda: None),
+             ("disk, page cache dropped", engines["disk", False], drop),
+             ("disk, page cache warm", engines["disk", False], lambda: None)]
+    if ("redis", False) in engines:
+        cases.append(("redis (localhost)", engines["redis", False], lambda: None))
+    for name, e, before in cases:
+        times = []
+        for _ in range(repeats):
+            before()
+            t0 = time.perf_counter()
+            for _layer in e.store.iter_layers(keys, num_layers):
+                pass
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1000
+        rows.append({"tier": name, "ms": round(ms, 2), "GBps": round(nbytes / ms / 1e6, 3)})
+    chunk = bytearray(8 << 20)  # the checksum every disk/Redis layer read verifies, alone on one core
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        zlib.crc32(chunk)
+        times.append(time.perf_counter() - t0)
+    crc = len(chunk) / min(times) / 1e9
+    rows.append({"tier": "crc32 alone (zlib, 1 core)", "ms": round(nbytes / crc / 1e6, 2), "GBps": round(crc, 3)})
+    return rows
+
+
+def time_configs(configs: list[Config], segs, ratio: float, repeats: int, progress) -> None:
+    """One untimed request per configuration (profiles, allocations), then `repeats` rounds over all of them."""
+    from ragkv.engine.options import FusionOptions
+
+    def request(c: Config):
+        c.before()
+        hits = dict(c.engine.store.counters["hits"])
+        t0 = time.perf_counter()
+        _, stats = c.engine.prefill(segs, FusionOptions(mode=c.mode, ratio=ratio))
+        ms = (time.perf_counter() - t0) * 1000
+        c.read_from |= {t for t, n in c.engine.store.counters["hits"].items() if n > hits[t]}
+        return ms, stats
+
+    for c in configs:
+        _, stats = request(c)
+        if stats.cache_misses:
+            raise RuntimeError(f"{c.mode} on {c.tier}: {stats.cache_misses} blocks missed; the bench is broken")
+        c.plan = stats.extra.get("loading_plan")
+    for r in range(repeats):
+        for c in configs:
+            ms, stats = request(c)
+            c.runs.append(ms)
+            c.waits.append(stats.extra.get("load_wait_ms", 0.0))
+        progress(f"  round {r + 1}/{repeats} (ms): " + ", ".join(
+            f"{c.mode}/{c.tier}/{_pipe(c.pipelined)} {c.runs[-1]:.0f}" for c in configs))
+
+
+def _pipe(pipelined: bool | None) -> str:
+    return "n/a" if pipelined is None else "on" if pipelined else "off"
+
+
+def summarize(configs: list[Config]) -> list[dict]:
+    rows = [{"mode": c.mode, "tier": c.tier, "pipelined": c.pipelined, "ttft_ms": round(statistics.median(c.runs), 2),
+             "best_ms": round(min(c.runs), 2),
+             "runs_ms": [round(t, 2) for t in c.runs], "load_wait_ms": round(statistics.median(c.waits), 2),
+             "loading_plan": c.plan, "read_from": sorted(c.read_from)} for c in configs]
+    full = rows[0]["ttft_ms"]
+    memory = {r["mode"]: r for r in rows if r["tier"] == "memory"}
+    for r in rows:
+        r["vs_full"] = round(r["ttft_ms"] / full, 4)
+        r["vs_memory"] = round(r["ttft_ms"] / memory[r["mode"]]["ttft_ms"], 3)
+        r["best_vs_memory"] = round(r["best_ms"] / memory[r["mode"]]["best_ms"], 3)  # fastest runs, less noise
+        if r["tier"].startswith("disk") and r["pipelined"]:
+            r["meets_disk_target"] = r["vs_memory"] <= DISK_TARGET
+    return rows
+
+
+def render_markdown(res: dict) -> str:
+    from ragkv.bench.common import markdown_table
+
+    head = (f"Store benchmark on {res['model']} ({res['dtype']}, {res['device']}, {res['threads']} threads): "
+            f"{res['prompt_tokens']}-token request ({res['context_tokens']} context tokens, {res['blocks']} cached "
+            f"blocks, {res['kv_bytes'] / 1e6:.1f} MB of KV), median of {res['repeats']} round-robin runs, blend "
+            f"r={res['ratio']}, Redis: {res['redis']}.\n\n")
+    loads = markdown_table(["load path (all layers, no compute)", "GB/s", "ms for the request's KV"],
+                           [[r["tier"], f"{r['GBps']:.2f}", f"{r['ms']:.1f}"] for r in res["loads"]])
+    rows = [[r["mode"], r["tier"], _pipe(r["pipelined"]), f"{r['ttft_ms']:.1f}", f"{r['vs_memory']:.2f}x",
+             f"{r['best_ms']:.1f}", f"{r['best_vs_memory']:.2f}x", f"{100 * r['vs_full']:.1f}%",
+             f"{r['load_wait_ms']:.1f}"] for r in res["ttft"]]
+    ttft = markdown_table(["mode", "blocks in", "pipelined", "TTFT ms (median)", "vs memory", "best ms",
+                           "best vs memory", "vs full", "load wait ms"], rows)
+    verdicts = [f"- {r['mode']} from {r['tier']}: {r['vs_memory']:.2f}x memory with pipelining "
+                f"({'meets' if r['meets_disk_target'] else 'misses'} the <= {DISK_TARGET}x target; fastest runs: "
+                f"{r['best_vs_memory']:.2f}x)"
+                for r in res["ttft"] if "meets_disk_target" in r]
+    plans = {(r["tier"], r["pipelined"]): r["loading_plan"] for r in res["ttft"] if r["loading_plan"]}
+    plans = [f"- blend, blocks in {t}{' (no pipelining)' if p is False else ''}: the loading controller planned "
+             f"r={lp['ratio']:.2f}, {lp['load_ms_per_layer']:.2f} ms/layer loading vs "
+             f"{lp['recompute_ms_per_layer']:.2f} ms/layer recompute" for (t, p), lp in plans.items() if p is not False]
+    return head + loads + "\n\n" + ttft + "\n\n" + "\n".join(verdicts + plans) + "\n"
+
+
+def _plot(path: Path, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["ttft"] if r["mode"] != "full"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['mode']}\n{r['tier']}\n{_pipe(r['pipelined'])}" for r in rows]
+    ax.bar(range(len(rows)), [r["ttft_ms"] for r in rows], color=["C0" if r["tier"] == "memory" else "C1"
+                                                                  if r["pipelined"] else "C7" for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(f"TTFT by tier, {res['model']} {res['dtype']}, {res['context_tokens']} tokens "
+                 f"(full: {res['ttft'][0]['ttft_ms']:.0f} ms)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _forget_profiles(tiers) -> None:
+    """Drop the bandwidth profiles the loading controller saved for this run's throwaway tiers (a temporary
+    directory, a private Redis port), so they do not pile up in the profile file."""
+    from ragkv.config import cache_dir
+    from ragkv.store.controller import PROFILE_FILE, _read_json, _write_json, profile_id
+
+    path, ids = cache_dir() / PROFILE_FILE, {profile_id(t) for t in tiers}
+    saved = _read_json(path)
+    if ids & saved.keys():
+        _write_json(path, {k: v for k, v in saved.items() if k not in ids})
+
+
+@contextlib.contextmanager
+def _temp_dir():
+    from ragkv.config import cache_dir
+
+    root = cache_dir() / "bench"
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="store-", dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _private_redis(progress):
+    """URL of a redis-server started for the run (no persistence), or None if none is installed."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        progress("redis-server is not installed: skipping the Redis tier (scripts/install_redis.sh, or --redis URL)")
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", workdir, "--daemonize", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url, deadline = f"redis://127.0.0.1:{port}/0", time.monotonic() + 10
+            client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        progress(f"redis-server did not start on port {port}: skipping the Redis tier")
+                        url = None
+                        break
+                    time.sleep(0.05)
+            client.close()
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,135 @@
+"""The fine-tuning table (Block-Attention table 1 layout) and accuracy-vs-steps plot (its figure 4) from
+`ragkv eval` results files of the base model, the fine-tuned models and their checkpoints.
+
+    python -m ragkv.train.report --row base=runs/base.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
+        --row block-ft=runs/block.jsonl --curve vanilla-ft:25=runs/v25.jsonl ... --plot docs/results/finetune_curve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROWS = [("base", "full"), ("base", "reuse"), ("vanilla-ft", "full"), ("vanilla-ft", "reuse"),
+        ("block-ft", "reuse"), ("block-ft", "full")]
+
+
+def load_scores(path: Path, limit: int | None = None) -> dict[str, dict[str, dict]]:
+    """{mode_key: {example_id: record}} of a results file, keeping its first `limit` examples."""
+    from ragkv.eval.results import read_results
+
+    _, records = read_results(path)
+    order: list[str] = []
+    out: dict[str, dict[str, dict]] = {}
+    for r in records:
+        if r["example_id"] not in order:
+            order.append(r["example_id"])
+        out.setdefault(r["mode_key"], {})[r["example_id"]] = r
+    keep = set(order[:limit]) if limit else set(order)
+    return {m: {i: r for i, r in recs.items() if i in keep} for m, recs in out.items()}
+
+
+def mean(xs) -> float | None:
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else None
+
+
+def row_stats(recs: dict[str, dict]) -> dict:
+    return {"n": len(recs), "accuracy": mean(r["scores"]["accuracy"] for r in recs.values()),
+            "f1": mean(r["scores"]["f1"] for r in recs.values()),
+            "kl": mean(r["fidelity"]["first_token_kl"] for r in recs.values()),
+            "tokens": mean(r["completion_tokens"] for r in recs.values())}
+
+
+def table(rows: dict[str, Path], limit: int | None) -> str:
+    lines = ["| model / mode | accuracy | F1 | first-token KL to the same model's `full` | answer tokens | n |",
+             "|---|---|---|---|---|---|"]
+    for model, mode in ROWS:
+        if model not in rows:
+            continue
+        recs = load_scores(rows[model], limit).get(mode)
+        if not recs:
+            continue
+        s = row_stats(recs)
+        lines.append(f"| {model} / {mode} | {100 * s['accuracy']:.1f}% | {100 * s['f1']:.1f} | {s['kl']:.3f} | "
+                     f"{s['tokens']:.1f} | {s['n']} |")
+    return "\n".join(lines)
+
+
+def curve(points: dict[str, dict[int, Path]], limit: int | None) -> dict[str, dict[int, float]]:
+    """{"model/mode": {step: accuracy}} over the checkpoints' results files."""
+    out: dict[str, dict[int, float]] = {}
+    for model, by_step in points.items():
+        for step, path in sorted(by_step.items()):
+            for mode, recs in load_scores(path, limit).items():
+                if mode in ("full", "reuse") and recs:
+                    out.setdefault(f"{model} / {mode}", {})[step] = 100 * row_stats(recs)["accuracy"]
+    return out
+
+
+def plot_curve(series: dict[str, dict[int, float]], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, pts in series.items():
+        steps = sorted(pts)
+        style = "-" if name.endswith("reuse") else "--"
+        ax.plot(steps, [pts[s] for s in steps], style, marker="o", label=name)
+    ax.set_xlabel("training steps (0 = base model)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pairs(items: list[str], flag: str) -> list[tuple[str, Path]]:
+    out = []
+    for item in items:
+        key, sep, path = item.partition("=")
+        if not sep:
+            sys.exit(f"{flag} wants KEY=FILE, got {item!r}")
+        out.append((key, Path(path)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ragkv.train.report", description=__doc__.splitlines()[0])
+    p.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft)")
+    p.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
+    p.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
+    p.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
+    p.add_argument("--plot", default=None, help="PNG path of the accuracy-vs-steps curve")
+    p.add_argument("--title", default="HotpotQA dev accuracy vs fine-tuning steps (SmolLM2-135M)")
+    args = p.parse_args(argv)
+    rows = dict(_pairs(args.row, "--row"))
+    if rows:
+        print(table(rows, args.limit))
+    if args.curve:
+        points: dict[str, dict[int, Path]] = {}
+        for key, path in _pairs(args.curve, "--curve"):
+            model, _, step = key.partition(":")
+            points.setdefault(model, {})[int(step)] = path
+        series = curve(points, args.curve_limit)
+        print()
+        steps = sorted({s for pts in series.values() for s in pts})
+        print("| curve | " + " | ".join(str(s) for s in steps) + " |")
+        print("|---|" + "---|" * len(steps))
+        for name, pts in series.items():
+            print(f"| {name} | " + " | ".join(f"{pts[s]:.1f}" if s in pts else "" for s in steps) + " |")
+        if args.plot:
+            print(f"\nplot: {plot_curve(series, Path(args.plot), args.title)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Evaluation harness: fidelity of `full` to itself, resume after interruption, summaries, sweeps, calibration,
+report and bad input. A tiny random model with a word-hashing tokenizer stands in for the real one; the CLI
+round trip uses the default model on a two-passage file when it is converted."""
+
+import json
+import zlib
+
+import pytest
+
+from ragkv.cli import main
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request import Passage
+from ragkv.errors import RagkvError
+from ragkv.eval.datasets import Example
+from ragkv.eval.harness import fidelity, run_eval, task_scores
+from ragkv.eval.modes import ModeKeyError, parse_mode_key, resolve_modes, split_mode_list
+from ragkv.eval.results import ResultsFile, read_results
+from ragkv.eval.summary import summarize, text_table
+
+from tiny import default_model_available  # noqa: E402 (conftest puts tests/ on sys.path)
+
+
+class WordTokenizer:
+    """Whitespace words hashed into the tiny vocabulary; decodes to 'w<id>' words."""
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [10 + zlib.crc32(w.encode()) % 300 for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture
+def engine(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))  # calibration files stay in the test
+    eng = tiny_engine("llama")
+    eng.tokenizer = WordTokenizer()
+    eng.eos_ids = set()  # always generate max_new_tokens: deterministic lengths
+    return eng
+
+
+def _examples(n=2, words=12):
+    out = []
+    for i in range(n):
+        passages = [Passage(text=" ".join(f"fact{i}_{j}_{k}" for k in range(words)), title=f"T{j}") for j in range(3)]
+        out.append(Example(f"ex{i}", f"what is thing {i} ?", passages, [f"w{10 + i}", "answer"], "qa", "accuracy"))
+    return out
+
+
+def _modes(engine, keys):
+    return resolve_modes(split_mode_list(keys), FusionOptions(mode="full"), engine.ape_temperature, engine.ape_scale)
+
+
+def test_full_is_exactly_faithful_to_itself(engine):
+    run = run_eval(engine, _examples(), _modes(engine, "full,prefix,reuse"), max_new_tokens=6, progress=False)
+    by = {(r["example_id"], r["mode_key"]): r for r in run["records"]}
+    for ex in ("ex0", "ex1"):
+        f = by[(ex, "full")]["fidelity"]
+        assert f == {"first_token_kl": 0.0, "top1_agreement": 1.0, "greedy_agreement": 1.0, "prefix_agreement": 6}
+        assert by[(ex, "prefix")]["fidelity"]["first_token_kl"] < 1e-6  # exact mode (DESIGN Invariant 3)
+        assert by[(ex, "prefix")]["prediction"] == by[(ex, "full")]["prediction"]
+        assert by[(ex, "reuse")]["fidelity"]["first_token_kl"] > 0  # blocks lost their cross attention
+    ans = engine.generate(engine.segments("q ?", [Passage("a b c")]), FusionOptions(mode="full"))
+    assert fidelity(ans, ans)["first_token_kl"] == 0.0
+
+
+def test_resume_after_interruption_gives_the_same_records(engine, tmp_path):
+    exs, modes = _examples(3), _modes(engine, "full,reuse,blend:r=0.5")
+    clean = run_eval(engine, exs, modes, ResultsFile(tmp_path / "clean.jsonl", {"c": 1}), max_new_tokens=4,
+                     progress=False)["records"]
+
+    path = tmp_path / "run.jsonl"
+    results = ResultsFile(path, {"c": 1})
+    real_append = results.append
+
+    def append_then_die(rec):
+        real_append(rec)
+        if len(results.records()) == 4:  # interrupted inside example 2, after its `full` row
+            raise KeyboardInterrupt
+    results.append = append_then_die
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(engine, exs, modes, results, max_new_tokens=4, progress=False)
+
+    calls = []
+    real_generate = engine.generate
+    engine.generate = lambda segs, fusion, gen: calls.append(fusion.mode) or real_generate(segs, fusion, gen)
+    resumed = ResultsFile(path, {"c": 1})
+    run = run_eval(engine, exs, modes, resumed, max_new_tokens=4, progress=False)
+    # example 2 re-runs its `full` reference only for fidelity; example 3 runs everything once
+    assert calls == ["full", "reuse", "blend", "full", "reuse", "blend"] and run["recomputed_references"] == 1
+    _, records = read_results(path)
+    assert sorted((r["example_id"], r["mode_key"]) for r in records) == sorted(
+        (r["example_id"], r["mode_key"]) for r in clean)
+    key = lambda r: (r["example_id"], r["mode_key"])  # noqa: E731
+    for a, b in zip(sorted(records, key=key), sorted(clean, key=key)):
+        assert a["prediction"] == b["prediction"] and a["scores"] == b["scores"]
+        assert a["fidelity"]["first_token_kl"] == pytest.approx(b["fidelity"]["first_token_kl"], abs=1e-9)
+    # nothing left to do: a third run computes nothing
+    engine.generate = lambda *a, **k: pytest.fail("should not run")
+    assert len(run_eval(engine, exs, modes, ResultsFile(path, {"c": 1}), max_new_tokens=4,
+                        progress=False)["records"]) == 9
+
+
+def test_changed_mode_parameters_refuse_to_resume(engine, tmp_path):
+    path = tmp_path / "r.jsonl"
+    run_eval(engine, _examples(1), _modes(engine, "full,blend"), ResultsFile(path, {}), max_new_tokens=2,
+             progress=False)
+    other = resolve_modes(["blend"], FusionOptions(mode="full", ratio=0.3), 0.9, 0.9)
+    with pytest.raises(RagkvError, match="blend.*--overwrite"):
+        run_eval(engine, _examples(2), other, ResultsFile(path, {}), max_new_tokens=2, progress=False)
+
+
+def test_too_long_examples_are_skipped_and_first_token_only_runs(engine):
+    long_ex = Example("long", "q ?", [Passage(" ".join(["x"] * 600))], ["a"], "qa", "accuracy")
+    run = run_eval(engine, _examples(1) + [long_ex], _modes(engine, "full,ape"), max_new_tokens=0, progress=False)
+    assert run["skipped"] == ["long"] and len(run["records"]) == 2
+    rec = next(r for r in run["records"] if r["mode_key"] == "ape")
+    assert rec["scores"] == {} and "greedy_agreement" not in rec["fidelity"] and rec["params"] == {
+        "ape_temperature": 0.9, "ape_scale": 0.9}
+
+
+def _rec(ex, mode, kl, top1, greedy, ttft, scores):
+    return {"example_id": ex, "mode_key": mode, "scores": scores, "ttft_ms": ttft, "encode_ms": 0.0,
+            "reused_tokens": 10, "recomputed_tokens": 5, "prompt_tokens": 15, "completion_tokens": 4,
+            "fidelity": {"first_token_kl": kl, "top1_agreement": top1, "greedy_agreement": greedy,
+                         "prefix_agreement": 4 * greedy}}
+
+
+def test_summary_means_medians_and_ttft_ratio():
+    recs = [_rec("a", "full", 0.0, 1.0, 1.0, 100.0, {"accuracy": 1.0, "f1": 0.5}),
+            _rec("b", "full", 0.0, 1.0, 1.0, 300.0, {"accuracy": 0.0, "f1": 0.0}),
+            _rec("a", "reuse", 0.1, 1.0, 0.0, 10.0, {"accuracy": 1.0, "f1": 1.0}),
+            _rec("b", "reuse", 0.5, 0.0, 0.0, 30.0, {"accuracy": 0.0, "f1": 0.0}),
+            _rec("c", "reuse", 0.3, 1.0, 1.0, 20.0, {"accuracy": 1.0, "f1": 0.5}),
+            _rec("s", "other", 0.2, 1.0, 1.0, 20.0, {"rouge_l": 0.25})]
+    s = summarize(recs, ["full", "reuse"])
+    assert list(s) == ["full", "reuse"]
+    assert s["full"]["accuracy"] == 0.5 and s["full"]["first_token_kl"] == 0.0 and s["full"]["ttft_vs_full"] == 1.0
+    r = s["reuse"]
+    assert r["n"] == 3 and r["accuracy"] == pytest.approx(2 / 3) and r["f1"] == 0.5
+    assert r["first_token_kl"] == pytest.approx(0.3) and r["first_token_kl_median"] == 0.3
+    assert r["top1_agreement"] == pytest.approx(2 / 3) and r["greedy_agreement"] == pytest.approx(1 / 3)
+    assert r["ttft_vs_full"] == pytest.approx(40 / 400)  # over the examples `full` also ran: a and b
+    assert "rouge_l" not in r and summarize(recs)["other"]["rouge_l"] == 0.25
+    table = text_table(s)
+    assert table.splitlines()[0].split()[:4] == ["mode", "n", "accuracy", "f1"] and "10.0%" in table
+
+
+def test_task_scores_per_task():
+    qa = Example("1", "q", [], ["Paris"], "qa", "accuracy")
+    assert task_scores(qa, "It is Paris.\nMore text") == {"accuracy": 1.0, "f1": pytest.approx(0.5)}
+    summ = Example("2", "q", [], ["the cat sat"], "summary", "rouge_l")
+    assert task_scores(summ, "the cat sat") == {"rouge_l": 1.0}
+
+
+def test_mode_keys():
+    assert split_mode_list("full, ape:T=0.8,S=0.9,blend:r=0.3,reuse,full") == [
+        "full", "ape:T=0.8,S=0.9", "blend:r=0.3", "reuse"]
+    f = parse_mode_key("blend:r=0.3,dev=k,check=1+4,gradual=1,sink=2")
+    assert (f.mode, f.ratio, f.deviation, f.check_layers, f.gradual, f.sink_tokens) == ("blend", 0.3, "k", (1, 4),
+                                                                                        True, 2)
+    assert parse_mode_key("blend", FusionOptions(mode="full", ratio=0.2)).ratio == 0.2
+    (ape,) = resolve_modes(["ape"], FusionOptions(mode="full"), 0.7, 0.8)
+    assert ape.params == {"ape_temperature": 0.7, "ape_scale": 0.8}
+    for bad, msg in (("turbo", "unknown mode"), ("ape:r=0.1", "ape takes: T, S"), ("blend:r=x", "bad value"),
+                     ("blend:r=2", "ratio"), ("reuse:T=1", "takes: none")):
+        with pytest.raises(ModeKeyError, match=msg):
+            parse_mode_key(bad)
+    with pytest.raises(ModeKeyError):
+        split_mode_list(" , ")
+
+
+def test_sweeps_calibration_and_report(engine, tmp_path):
+    from ragkv.engine.calibration import load_ape_params
+    from ragkv.eval.report import render_report
+    from ragkv.eval.sweeps import SweepRun, blend_ratio_sweep, calibrate_ape
+
+    sw = SweepRun(engine, tmp_path / "out", tmp_path / "runs", "tiny", {"dataset": "tiny"}, max_new_tokens=3,
+                  progress=False)
+    blend = blend_ratio_sweep(sw, _examples(1), ratios=(0.0, 1.0))
+    assert blend["rows"][1]["first_token_kl"] < 1e-8  # r = 1 recomputes everything: `full` (Invariant 6)
+    assert (tmp_path / "out" / "sweep-blend-ratio-tiny.png").stat().st_size > 1000
+
+    sw.max_new_tokens = 0
+    grid = calibrate_ape(sw, _examples(2), temperatures=(0.8, 1.0), scales=(0.9, 1.0))
+    best = grid["best"]
+    assert best["first_token_kl"] == min(min(row) for row in grid["first_token_kl"])
+    assert load_ape_params(engine.loaded.fingerprint)[:2] == (best["temperature"], best["scale"])
+    assert (tmp_path / "out" / "calibration-tiny.png").is_file()
+
+    rf = ResultsFile(tmp_path / "runs" / "eval-tiny.jsonl", {"dataset": "tiny", "model": "tiny", "dtype": "float32",
+                                                             "device": "cpu", "max_new_tokens": 3})
+    run_eval(engine, _examples(2), _modes(engine, "full,reuse"), rf, max_new_tokens=3, progress=False)
+    (tmp_path / "out" / "notes.md").write_text("Hand-written analysis.")
+    page = render_report([rf.path], tmp_path / "nope.json", tmp_path / "out").read_text()
+    assert "Hand-written analysis." in page and "### tiny" in page and "No `ragkv bench ttft` output" in page
+    assert "## Sweep: CacheBlend recompute ratio" in page and "## APE calibration" in page
+    assert (tmp_path / "out" / "quality-kl.png").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["datasets"]["tiny"]["n_examples"] == 2
+
+
+def _hotpot_file(path, n=2):
+    recs = [{"question": f"Which city is the capital of country {i}?", "answer": "Paris", "type": "bridge",
+             "level": "easy", "supporting_facts": {"title": ["A"], "sent_id": [0]},
+             "context": {"title": ["A", "B"], "sentences": [["Paris is the capital of France."],
+                                                             ["Berlin is in Germany."]]}} for i in range(n)]
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    data = _hotpot_file(tmp_path / "h.json")
+    cases = [(["eval", "--dataset", "nope"], "unknown dataset"),
+             (["eval", "--dataset", "hotpotqa", "--modes", "full,turbo"], "unknown mode 'turbo'"),
+             (["eval", "--data-file", str(data), "--format", "weird"], "unknown: 'weird'"),
+             (["eval", "--data-file", str(data), "--format", "hotpotqa", "--limit", "5"], "limit 5 is larger"),
+             (["eval", "--data-file", str(tmp_path / "missing.json"), "--format", "hotpotqa"], "not found"),
+             (["eval"], "no data"),
+             (["calibrate", "--dataset", "musique"], "evaluation data"),
+             (["report", str(tmp_path / "none.jsonl")], "not found")]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monkeypatch):
+    from ragkv.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))  # load once per session
+    data, out = _hotpot_file(tmp_path / "h.json"), tmp_path / "r.jsonl"
+    argv = ["eval", "--data-file", str(data), "--format", "hotpotqa", "--modes", "full,reuse", "--limit", "1",
+            "--max-new-tokens", "3", "--device", "cpu", "--output", str(out), "--json", "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert set(summary) == {"full", "reuse"} and summary["full"]["first_token_kl"] == 0.0
+    assert {"accuracy", "f1", "top1_agreement", "greedy_agreement", "ttft_ms"} <= set(summary["reuse"])
+    # a results file of another configuration is never overwritten without --overwrite
+    assert main(argv[:-6] + ["--max-new-tokens", "2", "--output", str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(argv[:-6] + ["--max-new-tokens", "2", "--output", str(out), "--no-progress", "--overwrite"]) == 0
+    assert "reuse" in capsys.readouterr().out

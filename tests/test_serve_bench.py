@@ -1,0 +1,69 @@
+"""`ragkv bench serve` at tiny scale against a real `ragkv serve` process, plus its pure helpers."""
+
+import json
+
+import pytest
+
+from ragkv.errors import InvalidRequestError
+from ragkv.serve.bench import (ServeBenchConfig, ServerProcess, draw_requests, percentile, run_serve_bench,
+                               slo_ratios)
+from tiny import default_model_available
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(1, 21)), 95) == pytest.approx(19.05)
+
+
+def test_requests_are_deterministic_and_draw_distinct_pool_passages():
+    pool = [{"title": "", "text": f"passage {i}"} for i in range(10)]
+    owned = [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
+    a = draw_requests(pool, ["q0", "q1", "q2"], owned, 6, 4, seed=3)
+    assert a == draw_requests(pool, ["q0", "q1", "q2"], owned, 6, 4, seed=3)
+    assert a != draw_requests(pool, ["q0", "q1", "q2"], owned, 6, 4, seed=4)
+    for r in a:
+        texts = [d["text"] for d in r.documents]
+        assert len(set(texts)) == 4
+        own = owned[int(r.question[1])]
+        assert any(pool[i]["text"] in texts for i in own)  # one passage of the question's own example
+
+
+def test_throughput_ratio_at_equal_p95_ttft():
+    cells = [{"mode": "full", "concurrency": 1, "requests_per_s": 0.5, "ttft_p95_ms": 2000.0},
+             {"mode": "full", "concurrency": 4, "requests_per_s": 0.5, "ttft_p95_ms": 8000.0},
+             {"mode": "reuse", "concurrency": 1, "requests_per_s": 1.5, "ttft_p95_ms": 500.0},
+             {"mode": "reuse", "concurrency": 4, "requests_per_s": 2.0, "ttft_p95_ms": 2500.0}]
+    r = slo_ratios(cells)["reuse"]
+    assert [x["ratio"] for x in r["at_baseline_p95_ttft"]] == [3.0, 4.0]  # c=4 reuse misses the 2 s budget
+    assert r["at_same_concurrency"] == {"1": 3.0, "4": 4.0}
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(InvalidRequestError):
+        ServeBenchConfig(modes=("warp",))
+    with pytest.raises(InvalidRequestError):
+        ServeBenchConfig(passages_per_request=5, pool_size=4)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_serve_bench_tiny_against_a_started_server(tmp_path):
+    pytest.importorskip("openai")
+    cfg = ServeBenchConfig(modes=("reuse",), concurrency=(1, 2), requests=2, passages_per_request=2, pool_size=4,
+                           passage_words=40, max_tokens=2)
+    result = run_serve_bench(cfg, out_dir=tmp_path, progress=lambda m: None,
+                             server=ServerProcess(device="cpu", store="memory:256MiB"))
+    saved = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert (tmp_path / "serve_bench.png").stat().st_size > 0 and (tmp_path / "serve_bench.md").exists()
+    assert saved["warmup"]["reuse"]["requests"] == 4 and saved["server"]["dtype"] == "float32"
+    assert [(c["mode"], c["concurrency"]) for c in saved["cells"]] == [("reuse", 1), ("reuse", 2)]
+    for c in saved["cells"]:
+        assert c["ok"] == 2 and c["failed"] == 0 and c["requests_per_s"] > 0
+        assert 0 < c["ttft_p50_ms"] <= c["ttft_p95_ms"] <= c["latency_p95_ms"]
+        assert c["reused_tokens"] > 0 and c["recomputed_tokens"] > 0 and c["cache_misses"] == 0  # warmed up
+        assert c["server_cpu_s_per_request"] > 0 and c["loadavg_1m"] >= 0
+        assert c["prompt_tokens"] == pytest.approx(c["reused_tokens"] + c["recomputed_tokens"], abs=0.2)
+    assert saved["ratios_vs_full"] == {}  # no `full` cells to compare with

@@ -1,0 +1,286 @@
+"""Block fine-tuning on tiny random models: training forward == inference (Invariant 4), collation and masks,
+loss goes down, checkpoint + resume reproduces the straight run, data and output-folder checks."""
+
+import copy
+import json
+import zlib
+
+import pytest
+import torch
+
+from ragkv.engine.engine import Engine
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request import Passage, Segments
+from ragkv.engine.state import decode_step
+from ragkv.eval.datasets import Example
+from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
+                                    prepare_output)
+from ragkv.train.config import TrainConfig, TrainConfigError
+from ragkv.train.data import (IGNORE, TrainingDataError, build_examples, collate, example_from_segments,
+                              load_training_examples)
+from ragkv.train.loop import Trainer, data_order, forward_logits, lr_factor, token_loss_sum
+
+TOL = 1e-4
+
+
+def rand_ids(n, seed):
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
+    return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
+                    blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
+                    query=rand_ids(query, seed + 99))
+
+
+def toy_examples(n=6, seed=0):
+    """Token-level examples with varied shapes (tiny models have no tokenizer)."""
+    out = []
+    for i in range(n):
+        segs = make_segs(prefix=6, blocks=tuple(8 + (i + j) % 5 for j in range(2 + i % 2)), query=5, seed=seed + i)
+        out.append(example_from_segments(segs, rand_ids(3 + i % 2, 500 + i) + [2], f"ex{i}"))
+    return out
+
+
+def maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+def fresh_model(tiny_loaded, arch="llama"):
+    return copy.deepcopy(tiny_loaded[arch].model)  # never train the session-wide fixture's weights
+
+
+# --- equivalence: training forward == inference ---
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_training_forward_equals_reuse_inference(arch, tiny_loaded):
+    """The logits the block loss sees are the ones `reuse` produces: first token, then each answer token."""
+    engine = Engine(tiny_loaded[arch])
+    segs, answer = make_segs(), [17, 41, 99, 2]
+    ex = example_from_segments(segs, answer)
+    with torch.no_grad():
+        logits = forward_logits(engine.model, collate([ex], "block"))[0]
+    state, _ = engine.prefill(segs, FusionOptions(mode="reuse"))
+    start = segs.num_tokens - 1
+    assert maxdiff(state.logits, logits[start]) <= TOL
+    for i, tok in enumerate(answer[:-1]):  # teacher forcing == decoding over the reused cache
+        assert maxdiff(decode_step(engine.model, state, tok), logits[start + 1 + i]) <= TOL
+    # the loss is taken exactly on those positions
+    assert ex.labels[start + 1:] == answer and set(ex.labels[:start + 1]) == {IGNORE}
+
+
+def test_vanilla_training_forward_equals_full_inference(tiny_loaded):
+    engine = Engine(tiny_loaded["llama"])
+    segs = make_segs(seed=3)
+    ex = example_from_segments(segs, [5, 2])
+    batch = collate([ex], "vanilla")
+    assert batch.mask is None
+    with torch.no_grad():
+        logits = forward_logits(engine.model, batch)[0]
+    state, _ = engine.prefill(segs, FusionOptions(mode="full"))
+    assert maxdiff(state.logits, logits[segs.num_tokens - 1]) <= TOL
+
+
+# --- examples, collation, masks ---
+
+def test_example_layout_segments_and_labels():
+    segs = make_segs(prefix=3, blocks=(2, 4), query=2)
+    ex = example_from_segments(segs, [7, 2])
+    assert ex.ids == segs.all_ids() + [7, 2]
+    assert ex.segment_ids == [0] * 3 + [1] * 2 + [2] * 4 + [3] * 4 and ex.open_id == 3
+    assert ex.labels == [IGNORE] * 11 + [7, 2]
+    with pytest.raises(ValueError):
+        example_from_segments(segs, [])
+
+
+def test_block_mask_structure():
+    segs = make_segs(prefix=3, blocks=(2, 4), query=2)
+    ex = example_from_segments(segs, [7, 2])
+    m = collate([ex], "block").mask[0, 0]
+    assert m.shape == (13, 13)
+    causal = torch.ones(13, 13, dtype=torch.bool).tril()
+    assert torch.equal(m[:3, :3], causal[:3, :3]) and not m[:3, 3:].any()  # the prefix is a block too
+    assert torch.equal(m[3:5, 3:5], causal[:2, :2]) and not m[3:5, :3].any()  # block 1: itself only
+    assert torch.equal(m[5:9, 5:9], causal[:4, :4]) and not m[5:9, :5].any()  # block 2: not prefix, block 1
+    assert torch.equal(m[9:], causal[9:])  # query + answer see everything before them
+
+
+def test_collate_pads_right_and_keeps_each_row_exact(tiny_loaded):
+    model = tiny_loaded["llama"].model
+    short, long_ = toy_examples(2)
+    short, long_ = sorted([short, long_], key=len)
+    assert len(short) < len(long_)
+    for method in ("block", "vanilla"):
+        batch = collate([short, long_], method, pad_id=0)
+        T = len(long_)
+        assert batch.ids.shape == batch.labels.shape == (2, T)
+        assert batch.ids[0, len(short):].eq(0).all() and batch.labels[0, len(short):].eq(IGNORE).all()
+        assert batch.target_tokens == sum(lab != IGNORE for e in (short, long_) for lab in e.labels)
+        if method == "block":
+            assert batch.mask.shape == (2, 1, T, T)
+            assert not batch.mask[0, 0, :len(short), len(short):].any()  # no real token sees padding
+            assert batch.mask[0, 0].diagonal().all()                      # no fully masked row (NaN-free)
+        with torch.no_grad():
+            padded = forward_logits(model, batch)
+            alone = forward_logits(model, collate([short], method))
+        assert torch.isfinite(padded).all()
+        assert maxdiff(padded[0, :len(short)], alone[0]) <= TOL
+        loss_sum = token_loss_sum(padded, batch.labels)
+        parts = sum(token_loss_sum(forward_logits(model, collate([e], method)), collate([e], method).labels)
+                    for e in (short, long_))
+        assert abs(loss_sum.item() - parts.item()) <= 1e-3
+
+
+class WordTokenizer:
+    """Whitespace tokenizer into the tiny vocabulary: enough for build_segments and truncation."""
+    eos_token_id, pad_token_id, chat_template = 2, None, None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + zlib.crc32(w.encode()) % 300 for w in text.split()]}
+
+
+def hotpot_like(i, n_passages=6, words=20):
+    passages = [Passage(text=" ".join(f"w{i}_{j}_{k}" for k in range(words)), title=f"T{j}")
+                for j in range(n_passages)]
+    return Example(f"q{i}", f"question {i} ?", passages, [f"answer {i}"], "qa", "accuracy",
+                   {"supporting_titles": ["T1", "T4"]})
+
+
+def test_build_examples_truncates_whole_passages_keeping_gold():
+    tok = WordTokenizer()
+    examples = [hotpot_like(0), hotpot_like(1, n_passages=2)]
+    full, rep = build_examples(examples, tok, max_length=10_000)
+    assert rep.truncated == rep.skipped == 0 and rep.examples == 2
+    limit = len(full[0]) - 30  # forces dropping two 24-token passages
+    out, rep = build_examples(examples, tok, max_length=limit)
+    assert rep.truncated == 1 and rep.dropped_passages == 2 and rep.skipped == 0
+    assert all(len(e) <= limit for e in out)
+    assert out[0].open_id == 5  # 4 passages left
+    kept = set(out[0].ids)
+    for gold in ("w0_1_0", "w0_4_0"):  # supporting passages survive, distractors go from the end
+        assert tok(gold)["input_ids"][0] in kept
+    assert out[0].labels[-3:] == tok("answer 0")["input_ids"] + [2]
+    tiny, rep = build_examples(examples, tok, max_length=12)
+    assert tiny == [] and rep.skipped == 2 and "2 skipped" in rep.summary(12)
+    picked, _ = build_examples([hotpot_like(2)], tok, max_length=10_000, max_passages=3)
+    assert picked[0].open_id == 4  # T1, T4 + the first distractor
+
+
+def test_empty_and_evaluation_data_are_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(TrainingDataError, match="empty"):
+        load_training_examples(None, str(empty), None)
+    (tmp_path / "arr.json").write_text("[]")
+    with pytest.raises(TrainingDataError, match="no examples"):
+        load_training_examples(None, str(tmp_path / "arr.json"), "hotpotqa")
+    with pytest.raises(TrainingDataError, match="evaluation"):
+        load_training_examples("hotpotqa", None, None)
+
+
+def test_cli_refuses_empty_file_and_existing_output(tmp_path, capsys):
+    from ragkv.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["finetune", "--data", str(empty), "--output", str(tmp_path / "out")]) == 2
+    assert "empty" in capsys.readouterr().err
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep me")
+    assert main(["finetune", "--data", str(empty), "--output", str(tmp_path / "busy")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["finetune", "--data", str(empty), "--output", str(tmp_path / "busy"), "--overwrite"]) == 2
+    assert "not a ragkv fine-tuning output" in capsys.readouterr().err and (tmp_path / "busy" / "x").exists()
+
+
+def test_output_folder_policy(tmp_path):
+    out = tmp_path / "run"
+    assert prepare_output(out, resume=False, overwrite=False) is None and out.is_dir()
+    (out / MARKER).write_text("{}")
+    with pytest.raises(OutputFolderError, match="--resume"):
+        prepare_output(out, resume=False, overwrite=False)
+    assert prepare_output(out, resume=True, overwrite=False) is None  # no checkpoint yet: start over
+    with pytest.raises(OutputFolderError, match="not both"):
+        prepare_output(out, resume=True, overwrite=True)
+    assert prepare_output(out, resume=False, overwrite=True) is None and not any(out.iterdir())
+
+
+# --- the loop ---
+
+def test_schedule_and_data_order():
+    cfg = TrainConfig(steps=10, warmup_steps=2, schedule="cosine")
+    f = [lr_factor(s, cfg) for s in range(10)]
+    assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0 and all(a >= b for a, b in zip(f[2:], f[3:]))
+    assert lr_factor(10, cfg) == pytest.approx(0.0)
+    order = data_order(4, 10, seed=1)
+    assert sorted(order[:4]) == sorted(order[4:8]) == [0, 1, 2, 3] and order == data_order(4, 10, seed=1)
+    with pytest.raises(TrainConfigError):
+        TrainConfig(method="lora")
+
+
+@pytest.mark.parametrize("method", ["block", "vanilla"])
+def test_a_few_steps_lower_the_loss(method, tiny_loaded):
+    model = fresh_model(tiny_loaded)
+    examples = toy_examples(4)
+    batch = collate(examples, method)
+
+    def loss():
+        with torch.no_grad():
+            return (token_loss_sum(forward_logits(model, batch), batch.labels) / batch.target_tokens).item()
+
+    before = loss()
+    cfg = TrainConfig(method=method, steps=10, lr=3e-3, warmup_steps=1, schedule="constant", batch_size=2,
+                      grad_accum=2)
+    Trainer(model, examples, cfg).run(progress=False)
+    after = loss()
+    assert after < 0.6 * before
+
+
+def test_checkpoint_then_resume_equals_straight_run(tiny_loaded, tiny_dirs, tmp_path):
+    """N steps straight == N/2 steps, a new process-like Trainer resuming from the checkpoint, N/2 more."""
+    examples = toy_examples(5)
+    cfg = TrainConfig(method="block", steps=6, lr=2e-3, warmup_steps=2, batch_size=2, grad_accum=2,
+                      weight_decay=0.01, save_every=3, keep_states=1)
+    src = tiny_dirs["qwen2"]  # tied embeddings: saving and reloading must keep them tied
+
+    straight = fresh_model(tiny_loaded, "qwen2")
+    Trainer(straight, examples, cfg, tmp_path / "a", src).run(progress=False)
+
+    out = tmp_path / "b"
+    prepare_output(out, resume=False, overwrite=False)
+    first = Trainer(fresh_model(tiny_loaded, "qwen2"), examples, cfg, out, src)
+    first.run(progress=False, stop_after=3)  # "crash" after the step-3 checkpoint
+    assert [s for s, _ in list_checkpoints(out)] == [3]
+    torch.manual_seed(1234)  # a new process would start from other RNG state
+    ckpt = prepare_output(out, resume=True, overwrite=False)
+    assert ckpt == latest_checkpoint(out) and (ckpt / STATE_FILE).exists()
+    resumed = Trainer(fresh_model(tiny_loaded, "qwen2"), examples, cfg, out, src)
+    resumed.resume(ckpt)
+    assert resumed.step == 3
+    resumed.run(progress=False)
+
+    for (name, a), b in zip(straight.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+    assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == list(
+        range(1, 7))
+    steps = [s for s, _ in list_checkpoints(out)]
+    assert steps == [3, 6] and not (list_checkpoints(out)[0][1] / STATE_FILE).exists()  # older state pruned
+    assert json.loads((out / MARKER).read_text())["step"] == 6
+    with pytest.raises(TrainConfigError, match="different settings"):
+        Trainer(fresh_model(tiny_loaded, "qwen2"), examples, TrainConfig(**{**cfg.to_dict(), "lr": 1e-3}),
+                out, src).resume(latest_checkpoint(out))
+
+
+def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeypatch):
+    from ragkv.models import loader
+
+    model = fresh_model(tiny_loaded, "qwen2")
+    Trainer(model, toy_examples(2), TrainConfig(steps=2, lr=1e-3), tmp_path / "ft", tiny_dirs["qwen2"]).run(
+        progress=False)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    back = loader.load_model(str(tmp_path / "ft"))
+    ids = torch.tensor([rand_ids(20, 9)])
+    with torch.no_grad():
+        assert maxdiff(back.model(ids, all_logits=True), model(ids, all_logits=True)) == 0
+    assert back.fingerprint != tiny_loaded["qwen2"].fingerprint
