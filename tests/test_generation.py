@@ -46,7 +46,7 @@ def test_stop_string_cuts_the_output(default_engine):
 
 @pytest.mark.model
 def test_eos_ends_generation_and_seeded_sampling_repeats(default_engine):
-    segs = default_engine.chat_segments("Say yes.")
+    segs = default_engine.chat_segments("What is 2+2? Answer with a number only.")
     ans = default_engine.generate(segs, FULL, GenerationOptions(max_new_tokens=64))
     assert ans.finish_reason == "stop" and len(ans.token_ids) < 64
     opts = GenerationOptions(max_new_tokens=12, temperature=0.9, seed=3)
