@@ -55,7 +55,14 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
     passages, questions = real_passages()
     a = engine.model.args
     rows = []
-    for n in contexts:
+    result = {"model": engine.loaded.name, "dtype": engine.dtype_name, "device": str(engine.model.device),
+              "threads": torch.get_num_threads(), "query_tokens": query_tokens, "repeats": repeats,
+              "ratio": ratio, "rows": rows}
+    for requested in contexts:
+        n = min(requested, engine.max_positions - query_tokens)  # "8K" on an 8192-position model: context + query fit
+        if n != requested:
+            progress(f"  context {requested} + {query_tokens}-token query exceeds {engine.max_positions} positions; "
+                     f"measuring {n} context tokens")
         segs = build_request(engine, passages, questions[0], n, query_tokens)
         other = build_request(engine, passages, questions[1], n, query_tokens, filler_passage=-2)
         floor = query_floor_ms(engine, segs, repeats)
@@ -76,8 +83,8 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
                                          cached_prefix=last["stats"].reused_tokens)
             if mode == "full":
                 full_ms, full_flops = ms, flops
-            row = {"mode": mode, "context_tokens": n, "query_tokens": len(segs.query), "ttft_ms": round(ms, 2),
-                   "runs_ms": [round(t, 2) for t in runs], "floor_ms": round(floor, 2),
+            row = {"mode": mode, "context_tokens": n, "requested_context": requested,
+                   "query_tokens": len(segs.query), "ttft_ms": round(ms, 2), "runs_ms": [round(t, 2) for t in runs], "floor_ms": round(floor, 2),
                    "ratio_to_floor": round(ms / floor, 3), "flops": flops, "stats": last["stats"].to_dict()}
             rows.append(row)
             progress(f"  {n:>6} tokens  {mode:7s} {ms:9.1f} ms  (floor {floor:.1f} ms)")
@@ -85,10 +92,12 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
             if row["context_tokens"] == n and full_ms:
                 row["ttft_vs_full"] = round(row["ttft_ms"] / full_ms, 4)
                 row["flops_vs_full"] = round(row["flops"] / full_flops, 5)
-    result = {"model": engine.loaded.name, "dtype": engine.dtype_name, "device": str(engine.model.device),
-              "threads": torch.get_num_threads(), "query_tokens": query_tokens, "repeats": repeats,
-              "ratio": ratio, "rows": rows}
-    out_dir = Path(out_dir)
+        save_ttft(result, Path(out_dir))  # after every context: a long run that dies keeps what it measured
+    return result
+
+
+def save_ttft(result: dict, out_dir: Path) -> None:
+    rows = result["rows"]
     save_json(out_dir / "ttft.json", result)
     (out_dir / "ttft.md").write_text(render_ttft_markdown(result))
     series = {}
@@ -97,7 +106,6 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
     series["floor (query over exact cache)"] = sorted({(r["context_tokens"], r["floor_ms"]) for r in rows})
     plot_lines(out_dir / "ttft.png", series, "context tokens", "TTFT (ms)",
                f"TTFT vs context, {result['model']} {result['dtype']} {result['device']}")
-    return result
 
 
 def render_ttft_markdown(result: dict) -> str:

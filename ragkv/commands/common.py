@@ -27,8 +27,16 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
 def add_fusion_args(p: argparse.ArgumentParser, default_mode: str = "reuse") -> None:
     g = p.add_argument_group("fusion")
     g.add_argument("--mode", default=default_mode, choices=MODES)
-    g.add_argument("--ratio", default="0.15",
-                   help="blend: recompute ratio r in [0, 1], or 'auto' (loading controller, r >= 0.15)")
+    add_fusion_params(g)
+
+
+def add_fusion_params(g, auto_ratio: bool = True) -> None:
+    """The per-mode parameters (blend's and APE's); `auto_ratio` also accepts --ratio auto (loading controller)."""
+    if auto_ratio:
+        g.add_argument("--ratio", default="0.15",
+                       help="blend: recompute ratio r in [0, 1], or 'auto' (loading controller, r >= 0.15)")
+    else:
+        g.add_argument("--ratio", type=float, default=0.15, help="blend: recompute ratio r in [0, 1]")
     g.add_argument("--check-layers", default="1", help="blend: comma-separated check layers")
     g.add_argument("--deviation", default="v", choices=("v", "k"), help="blend: deviation measured on V or K")
     g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")

@@ -93,8 +93,12 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
         pos = positions[sel]
         q, k = model.rope(q, pos), model.rope(k, pos)
         cache.overwrite(i, sel, k, v)
-        mask = positions.unsqueeze(0) <= pos.unsqueeze(1)  # [S, total] causal by position
-        attn = sdpa(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], mask=mask)
+        keys, values = cache.keys[i][:, :, :total], cache.values[i][:, :, :total]
+        if len(sel) == total:  # every row recomputed (layers up to the check): the fast causal kernel
+            attn = sdpa(q, keys, values, causal=True)
+        else:
+            mask = positions.unsqueeze(0) <= pos.unsqueeze(1)  # [S, total] causal by position
+            attn = sdpa(q, keys, values, mask=mask)
         x = layer.finish(x, attn)
         stats.recompute_ms += (time.perf_counter() - t0) * 1000
     cache.commit(total)

@@ -47,14 +47,10 @@ def _model_args(p) -> None:
 
 
 def _fusion_args(p) -> None:
-    g = p.add_argument_group("defaults for bare mode keys (a key's own parameters win)")
-    g.add_argument("--ratio", type=float, default=0.15, help="blend: recompute ratio r")
-    g.add_argument("--check-layers", default="1", help="blend: comma-separated check layers")
-    g.add_argument("--deviation", default="v", choices=("v", "k"), help="blend: deviation on V or post-RoPE K")
-    g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")
-    g.add_argument("--sink-tokens", type=int, default=0, help="blend: always recompute each block's first N tokens")
-    g.add_argument("--ape-temperature", type=float, default=None, help="ape: T (default: calibrated, else 0.9)")
-    g.add_argument("--ape-scale", type=float, default=None, help="ape: S (default: calibrated, else 0.9)")
+    from ragkv.commands.common import add_fusion_params
+
+    add_fusion_params(p.add_argument_group("defaults for bare mode keys (a key's own parameters win)"),
+                      auto_ratio=False)
 
 
 def _run_args(p, output_help: str) -> None:
