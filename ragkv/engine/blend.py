@@ -37,6 +37,26 @@ def check_ratios(opts: FusionOptions) -> list[float]:
     return [opts.ratio] * m
 
 
+def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                    max_chunks: int = 8, min_rows: int = 64) -> torch.Tensor:
+    """Causal attention of the recomputed rows (ascending positions `pos`, cache index == position) over the cache.
+
+    A masked kernel cannot skip the keys after a row, so the rows go in position-ordered chunks, each against
+    only the keys up to its last row: ~(1 + 1/chunks)/2 of the rectangle instead of all of it.
+    """
+    S, total = q.shape[2], keys.shape[2]
+    if S == total:  # every row recomputed (layers up to the check): the causal kernel
+        return sdpa(q, keys, values, causal=True)
+    n = max(1, min(max_chunks, S // min_rows))
+    bounds = [round(j * S / n) for j in range(n + 1)]
+    ends = pos[[b - 1 for b in bounds[1:]]].tolist()  # one host read per layer
+    out = torch.empty_like(q)
+    for a, b, end in zip(bounds[:-1], bounds[1:], ends):
+        mask = torch.arange(end + 1, device=q.device).unsqueeze(0) <= pos[a:b].unsqueeze(1)
+        out[:, :, a:b] = sdpa(q[:, :, a:b], keys[:, :, :end + 1], values[:, :, :end + 1], mask=mask)
+    return out
+
+
 @torch.inference_mode()
 def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                   opts: FusionOptions, capacity: int, stats: RequestStats) -> DecodeState:
@@ -93,12 +113,7 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
         pos = positions[sel]
         q, k = model.rope(q, pos), model.rope(k, pos)
         cache.overwrite(i, sel, k, v)
-        keys, values = cache.keys[i][:, :, :total], cache.values[i][:, :, :total]
-        if len(sel) == total:  # every row recomputed (layers up to the check): the fast causal kernel
-            attn = sdpa(q, keys, values, causal=True)
-        else:
-            mask = positions.unsqueeze(0) <= pos.unsqueeze(1)  # [S, total] causal by position
-            attn = sdpa(q, keys, values, mask=mask)
+        attn = attend_selected(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], pos)
         x = layer.finish(x, attn)
         stats.recompute_ms += (time.perf_counter() - t0) * 1000
     cache.commit(total)
