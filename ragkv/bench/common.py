@@ -45,12 +45,9 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str,
                logy: bool = True) -> Path:
-    import matplotlib
+    from ragkv.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name, pts in series.items():
         xs, ys = zip(*pts)
         ax.plot(xs, ys, marker="o", label=name)
@@ -60,8 +57,4 @@ def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], xlabel:
     ax.set_xlabel(xlabel), ax.set_ylabel(ylabel), ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

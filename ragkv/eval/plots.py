@@ -4,22 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path
+from ragkv.figures import pyplot as _plt
+from ragkv.figures import save_figure as _save
 
 
 def plot_panels(path: Path, x: list[float], panels: list[tuple[str, dict[str, list]]], xlabel: str, title: str,

@@ -313,13 +313,11 @@ def _run(cfg: ServeBenchConfig, url: str, progress, server_cpu=lambda: None) -> 
 
 
 def plot_throughput_ttft(cells: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from ragkv.figures import pyplot, save_figure
+
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for mode in dict.fromkeys(c["mode"] for c in cells):
         pts = [c for c in cells if c["mode"] == mode and c["ttft_p95_ms"] is not None]
         if not pts:
@@ -336,11 +334,7 @@ def plot_throughput_ttft(cells: list[dict], path: Path) -> Path:
     ax.set_title("ragkv serve: throughput vs p95 TTFT (MuSiQue passage pool)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def render_markdown(result: dict) -> str:

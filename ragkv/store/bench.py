@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -241,13 +239,10 @@ def render_markdown(res: dict) -> str:
 
 
 def _plot(path: Path, res: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ragkv.figures import pyplot, save_figure
 
     rows = [r for r in res["ttft"] if r["mode"] != "full"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = pyplot().subplots(figsize=(9, 4.5))
     labels = [f"{r['mode']}\n{r['tier']}\n{_pipe(r['pipelined'])}" for r in rows]
     ax.bar(range(len(rows)), [r["ttft_ms"] for r in rows], color=["C0" if r["tier"] == "memory" else "C1"
                                                                   if r["pipelined"] else "C7" for r in rows])
@@ -255,10 +250,7 @@ def _plot(path: Path, res: dict) -> None:
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(f"TTFT by tier, {res['model']} {res['dtype']}, {res['context_tokens']} tokens "
                  f"(full: {res['ttft'][0]['ttft_ms']:.0f} ms)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _forget_profiles(tiers) -> None:
@@ -288,40 +280,13 @@ def _temp_dir():
 
 @contextlib.contextmanager
 def _private_redis(progress):
-    """URL of a redis-server started for the run (no persistence), or None if none is installed."""
-    import redis
+    """URL of a redis-server started for the run (no persistence), or None if there is none to start."""
+    from ragkv.store.redis_server import RedisStartError, private_redis
 
-    exe = shutil.which("redis-server")
-    if exe is None:
-        progress("redis-server is not installed: skipping the Redis tier (scripts/install_redis.sh, or --redis URL)")
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                 "--dir", workdir, "--daemonize", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, contextlib.ExitStack() as stack:
         try:
-            url, deadline = f"redis://127.0.0.1:{port}/0", time.monotonic() + 10
-            client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.exceptions.ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        progress(f"redis-server did not start on port {port}: skipping the Redis tier")
-                        url = None
-                        break
-                    time.sleep(0.05)
-            client.close()
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            url = stack.enter_context(private_redis(workdir))
+        except RedisStartError as e:
+            progress(f"{e}: skipping the Redis tier (or pass --redis URL)")
+            url = None
+        yield url

@@ -70,12 +70,9 @@ def curve(points: dict[str, dict[int, Path]], limit: int | None) -> dict[str, di
 
 
 def plot_curve(series: dict[str, dict[int, float]], path: Path, title: str) -> Path:
-    import matplotlib
+    from ragkv.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     for name, pts in series.items():
         steps = sorted(pts)
         style = "-" if name.endswith("reuse") else "--"
@@ -85,11 +82,7 @@ def plot_curve(series: dict[str, dict[int, float]], path: Path, title: str) -> P
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _pairs(items: list[str], flag: str) -> list[tuple[str, Path]]:
