@@ -20,8 +20,14 @@ def test_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("generate", "models", "ask", "bench", "store", "ingest", "serve"):
+    for cmd in ("generate", "models", "ask", "bench", "store", "ingest", "serve", "eval", "sweep", "calibrate",
+                "report", "finetune"):
         assert cmd in out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for bench in ("ttft", "engine", "store", "serve"):
+        assert bench in out
 
 
 @pytest.mark.parametrize("argv,needle", [
