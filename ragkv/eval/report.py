@@ -95,7 +95,8 @@ def _bench_section(bench: Path | None, out_dir: Path) -> list[str]:
     lines += [f"From `{bench}`.", "", render_ttft_markdown(result)]
     png = bench.with_suffix(".png")
     if png.is_file():
-        shutil.copyfile(png, out_dir / "ttft.png")
+        if png.resolve() != (out_dir / "ttft.png").resolve():  # the bench may already write into out_dir
+            shutil.copyfile(png, out_dir / "ttft.png")
         lines += ["![TTFT vs context](ttft.png)", ""]
     return lines
 
