@@ -14,17 +14,11 @@ from ragkv.engine.state import decode_step
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.base import MemoryStore
 
+from tiny import make_segs, rand_ids
+
 TOL = 1e-4
 
 
-def rand_ids(n, seed):
-    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
-    return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
-                    blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
-                    query=rand_ids(query, seed + 99))
 
 
 def maxdiff(a, b):

@@ -10,7 +10,7 @@ import torch
 
 from ragkv.engine.engine import Engine
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Passage, Segments
+from ragkv.engine.request import Passage
 from ragkv.engine.state import decode_step
 from ragkv.eval.datasets import Example
 from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
@@ -20,17 +20,11 @@ from ragkv.train.data import (IGNORE, TrainingDataError, build_examples, collate
                               load_training_examples)
 from ragkv.train.loop import Trainer, data_order, forward_logits, lr_factor, token_loss_sum
 
+from tiny import make_segs, rand_ids
+
 TOL = 1e-4
 
 
-def rand_ids(n, seed):
-    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
-    return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
-                    blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
-                    query=rand_ids(query, seed + 99))
 
 
 def toy_examples(n=6, seed=0):

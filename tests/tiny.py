@@ -47,3 +47,17 @@ def hf_model(path: Path):
 
 def default_model_available() -> bool:
     return is_converted(converted_path("smollm2"))
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    """Token ids inside the tiny vocabulary, reproducible per seed."""
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
+    """Random prefix / blocks / query segments of the given lengths."""
+    from ragkv.engine.request import Segments
+
+    return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
+                    blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
+                    query=rand_ids(query, seed + 99))
