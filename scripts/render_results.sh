@@ -10,6 +10,7 @@ cp bench_out/store/store_bench.json bench_out/store/store_bench.md bench_out/sto
 cp bench_out/serve/serve_bench.json bench_out/serve/serve_bench.md bench_out/serve/serve_bench.png $D/
 [ -f bench_out/ttft-4k-after/ttft.md ] && cp bench_out/ttft-4k-after/ttft.md $D/ttft_4k_after.md && cp bench_out/ttft-4k-after/ttft.json $D/ttft_4k_after.json
 [ -f bench_out/store-after/store_bench.md ] && cp bench_out/store-after/store_bench.md $D/store_bench_after.md && cp bench_out/store-after/store_bench.json $D/store_bench_after.json
+[ -f bench_out/serve-after/serve_bench.md ] && cp bench_out/serve-after/serve_bench.md $D/serve_bench_after.md && cp bench_out/serve-after/serve_bench.json $D/serve_bench_after.json
 CURVE=""
 for m in vanilla block; do
   CURVE="$CURVE --curve $m-ft:0=checkpoints/eval/base.jsonl"
