@@ -11,6 +11,13 @@ from pathlib import Path
 from ragkv.errors import RagkvError
 
 
+# TrainConfig field -> argparse dest, for the options a resumed run may take from the saved run
+CONFIG_FLAGS = {"steps": "steps", "lr": "lr", "warmup_steps": "warmup_steps", "schedule": "schedule",
+                "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "batch_size": "batch",
+                "grad_accum": "grad_accum", "seed": "seed", "bf16": "bf16", "max_length": "max_length",
+                "save_every": "save_every", "keep_states": "keep_states"}
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "finetune", help="fine-tune a model for Block-Attention (block mask) or plainly (causal mask)",
@@ -25,8 +32,8 @@ def register(sub) -> None:
     src.add_argument("--format", default=None, help="format of --data: hotpotqa (default), cacheblend, nq, ...")
     src.add_argument("--dataset", default=None, help="a named training set (hotpotqa-train)")
     src.add_argument("--limit", type=int, default=None, help="use the first N examples only")
-    src.add_argument("--max-length", type=int, default=2048,
-                     help="tokens per example; longer ones lose whole passages (distractors first)")
+    src.add_argument("--max-length", type=int, default=None,
+                     help="tokens per example (default 2048); longer ones lose whole passages (distractors first)")
     src.add_argument("--max-passages", type=int, default=None,
                      help="keep at most N passages per example: the gold ones plus the first distractors")
     p.add_argument("--output", required=True, help="output folder (the final model; checkpoints/ inside)")
@@ -35,22 +42,25 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: torch's); 1 is much faster on a CPU shared with other jobs")
     opt = p.add_argument_group("optimization")
-    opt.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    opt.add_argument("--lr", type=float, default=5e-5)
+    opt.add_argument("--steps", type=int, default=None, help="optimizer steps (default 100)")
+    opt.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-5)")
     opt.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    opt.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
-    opt.add_argument("--weight-decay", type=float, default=0.0)
-    opt.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    opt.add_argument("--batch", type=int, default=1, help="examples per micro-batch (padded)")
-    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--schedule", choices=("cosine", "linear", "constant"), default=None,
+                     help="decay after warmup (default cosine)")
+    opt.add_argument("--weight-decay", type=float, default=None, help="default 0")
+    opt.add_argument("--max-grad-norm", type=float, default=None, help="default 1.0; 0 disables clipping")
+    opt.add_argument("--batch", type=int, default=None, help="examples per micro-batch, padded (default 1)")
+    opt.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)")
+    opt.add_argument("--seed", type=int, default=None, help="default 0")
     opt.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                      help="bf16 autocast with fp32 weights (default: where the hardware runs bf16 fast)")
     ck = p.add_argument_group("checkpoints")
-    ck.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: final only)")
-    ck.add_argument("--keep-states", type=int, default=1,
-                    help="checkpoints keeping their optimizer state for --resume (weights are always kept)")
-    ck.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    ck.add_argument("--save-every", type=int, default=None,
+                    help="save a checkpoint every N steps (default 0: final only)")
+    ck.add_argument("--keep-states", type=int, default=None,
+                    help="checkpoints keeping their optimizer state for --resume (default 1; weights are always kept)")
+    ck.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint; "
+                    "options not given are taken from that run")
     ck.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_finetune)
@@ -78,13 +88,15 @@ def run_finetune(args) -> int:
             raise RagkvError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    bf16 = args.bf16 if args.bf16 is not None else resolve_dtype("auto", device) == torch.bfloat16
-    cfg = TrainConfig(method=args.method, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
-                      schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                      batch_size=args.batch, grad_accum=args.grad_accum, seed=args.seed, bf16=bf16,
-                      max_length=args.max_length, save_every=args.save_every, keep_states=args.keep_states)
     output = Path(args.output).expanduser()
     check_output(output, args.resume, args.overwrite)
+    given = {field: getattr(args, flag) for field, flag in CONFIG_FLAGS.items() if getattr(args, flag) is not None}
+    if args.resume and (output / MARKER).is_file():  # options not given again come from the run being resumed
+        saved = json.loads((output / MARKER).read_text()).get("config", {})
+        given = {**{k: v for k, v in saved.items() if k in CONFIG_FLAGS}, **given}
+    if given.get("bf16") is None:
+        given["bf16"] = resolve_dtype("auto", device) == torch.bfloat16
+    cfg = TrainConfig(method=args.method, **given)
 
     raw = load_training_examples(args.dataset, args.data, args.format, args.limit)
     loaded = load_model(args.model, torch.float32, device)  # fp32 master weights; bf16 only in autocast
