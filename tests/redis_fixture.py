@@ -11,7 +11,8 @@ import shutil
 import pytest
 import redis
 
-from ragkv.store.redis_server import INSTALL_HINT, RedisStartError, free_port, private_redis  # noqa: F401
+from ragkv.net import free_port  # noqa: F401 (re-exported for the test modules)
+from ragkv.store.redis_server import INSTALL_HINT, RedisStartError, private_redis
 
 
 @pytest.fixture(scope="session")

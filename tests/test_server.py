@@ -1,17 +1,13 @@
 """The official `openai` client against real `ragkv serve` processes on 127.0.0.1 (default model, fp32)."""
 
-import os
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from redis_fixture import free_port, redis_server  # noqa: F401
-from ragkv.models.registry import converted_path
+from redis_fixture import redis_server  # noqa: F401
+from ragkv.serve.bench import ServerProcess as BenchServerProcess
 from tiny import default_model_available
 
 pytestmark = [pytest.mark.model,
@@ -23,32 +19,17 @@ DOCS = [{"title": "Alpaca Farm", "text": "The Alpaca Farm in Lintwick keeps fort
 QUESTION = "Who built Lintwick Tower?"
 
 
-class ServerProcess:
+class ServerProcess(BenchServerProcess):
+    """A started `ragkv serve` with its cache folder in `tmp` (so a restart or a second server can share it)."""
+
     def __init__(self, tmp: Path, store: str, extra=()):
-        self.port = free_port()
-        env = dict(os.environ, RAGKV_CACHE_DIR=str(tmp), RAGKV_MODELS_DIR=str(converted_path("smollm2").parent))
-        self.log = open(tmp / f"server-{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ragkv.cli", "serve", "--port", str(self.port),
-                                      "--dtype", "float32", "--device", "cpu", "--store", store,
-                                      "--index", str(tmp / "index"), *extra],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (tmp / f"server-{self.port}.log").read_text()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("server did not come up")
+        super().__init__(dtype="float32", device="cpu", store=store, startup_s=120, cache_dir=tmp,
+                         extra=tuple(extra))
+        self.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
+        self.__exit__()
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
             if mode == "full":
                 full_ms, full_flops = ms, flops
             row = {"mode": mode, "context_tokens": n, "requested_context": requested,
-                   "query_tokens": len(segs.query), "ttft_ms": round(ms, 2), "runs_ms": [round(t, 2) for t in runs], "floor_ms": round(floor, 2),
+                   "query_tokens": len(segs.query), "ttft_ms": round(ms, 2),
+                   "runs_ms": [round(t, 2) for t in runs], "floor_ms": round(floor, 2),
                    "ratio_to_floor": round(ms / floor, 3), "flops": flops, "stats": last["stats"].to_dict()}
             rows.append(row)
             progress(f"  {n:>6} tokens  {mode:7s} {ms:9.1f} ms  (floor {floor:.1f} ms)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ragkv.errors import InvalidRequestError
+from ragkv.net import free_port
 
 POOL_PER_QUESTION = 2  # passages each MuSiQue example adds to the pool: 40 passages -> 20 questions
 QUESTION_DOCS = 1  # passages of the question's own example among its k (the rest: anywhere in the pool)
@@ -187,34 +187,35 @@ def slo_ratios(cells: list[dict], baseline: str = "full") -> dict:
 
 
 # -- own server -----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
-    """`ragkv serve` as a subprocess on a free port with a throw-away cache folder; a context manager."""
+    """`ragkv serve` as a subprocess on a free port; a context manager.
+
+    Its cache folder (KV disk tier, index, log) is `cache_dir`, or a throw-away one when None.
+    """
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
-                 store: str = "memory:2GiB", startup_s: float = 300.0):
+                 store: str = "memory:2GiB", startup_s: float = 300.0, cache_dir: Path | None = None,
+                 extra: tuple[str, ...] = ()):
         self.cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--model", model, "--dtype", dtype,
-                    "--device", device, "--store", store]
+                    "--device", device, "--store", store, *extra]
         self.startup_s = startup_s
+        self.cache_dir = cache_dir
 
     def __enter__(self) -> "ServerProcess":
         import httpx
 
         from ragkv.config import models_dir
 
-        self.tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-serve-", ignore_cleanup_errors=True)
-        port = free_port()
-        env = dict(os.environ, RAGKV_CACHE_DIR=self.tmp.name, RAGKV_MODELS_DIR=str(models_dir()))
-        self.log_path = Path(self.tmp.name) / "server.log"
+        self.tmp = None if self.cache_dir else tempfile.TemporaryDirectory(prefix="ragkv-bench-serve-",
+                                                                           ignore_cleanup_errors=True)
+        root = Path(self.cache_dir) if self.cache_dir else Path(self.tmp.name)
+        self.port = free_port()
+        env = dict(os.environ, RAGKV_CACHE_DIR=str(root), RAGKV_MODELS_DIR=str(models_dir()))
+        self.log_path = root / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd + ["--port", str(port), "--index", f"{self.tmp.name}/index"],
+        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port), "--index", str(root / "index")],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -251,7 +252,8 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self._stop()
-        self.tmp.cleanup()
+        if self.tmp is not None:
+            self.tmp.cleanup()
 
 
 # -- the benchmark --------------------------------------------------------------------------------------------

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from ragkv.errors import RagkvError
+from ragkv.net import free_port
 
 INSTALL_HINT = "run scripts/install_redis.sh (apt-get install redis-server)"
 
 
 class RedisStartError(RagkvError):
     """redis-server is missing or did not answer in time; the message says which."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
