@@ -32,6 +32,25 @@ def test_incremental_decoding_equals_full_forward(arch, tiny_loaded):
     assert (rest - full[30:]).abs().max().item() <= 1e-4
 
 
+def test_sliding_window_matches_transformers_past_the_window(tiny_dirs, tiny_loaded):
+    """Mistral's sliding window (16 here) on a prompt of 60, then decoding 20 more tokens one at a time."""
+    from ragkv.engine.state import DecodeState, decode_step
+
+    model = tiny_loaded["mistral_window"].model
+    assert model.args.sliding_window == 16
+    ids = torch.randint(0, 320, (1, 80), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(tiny_dirs["mistral_window"])(ids).logits[0]
+        unwindowed = hf_model(tiny_dirs["mistral"])(ids).logits[0]
+    assert (ref - unwindowed).abs().max().item() > 1e-2  # the window really changes the result
+    cache = KVCache.for_model(model, capacity=8)
+    first = model(ids[:, :60], cache=cache, all_logits=True)[0]
+    assert (first - ref[:60]).abs().max().item() <= 1e-4
+    state = DecodeState(cache, 60, first[-1])
+    for t in range(60, 80):
+        assert (decode_step(model, state, int(ids[0, t])) - ref[t]).abs().max().item() <= 1e-4
+
+
 def test_llama3_scaling_changes_frequencies(tiny_loaded):
     a, b = tiny_loaded["llama"].model.rotary.inv_freq, tiny_loaded["llama3"].model.rotary.inv_freq
     assert a.shape == b.shape and not torch.allclose(a, b)

@@ -17,6 +17,7 @@ ARCHS = {
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64), rope_theta=500000.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16, head_dim=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
 }
 

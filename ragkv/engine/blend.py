@@ -21,6 +21,8 @@ from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.options import FusionOptions, RequestStats
 from ragkv.engine.state import DecodeState
+from ragkv.errors import InvalidRequestError
+from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa
 from ragkv.ops.rope import half_tables
 
@@ -57,69 +59,91 @@ def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return out
 
 
+class BlendPlan:
+    """All rows start in x; before each layer the cached context is fetched and written; at a check layer the
+    candidates' fresh V (or K) is compared with the cached one and only the most deviating block tokens (plus
+    sinks and every query token) go on. Rows write their fresh K/V over the cached ones and attend causally."""
+
+    def __init__(self, model, cache: KVCache, layer_iter, layout: Layout, total: int, opts: FusionOptions,
+                 stats: RequestStats):
+        dev = model.device
+        self.model, self.cache, self.layers, self.stats, self.opts = model, cache, iter(layer_iter), stats, opts
+        self.N, self.P, self.total = layout.context_len, layout.prefix_len, total
+        self.n_block = self.N - self.P
+        window = model.args.sliding_window
+        if window is not None and window < total:
+            raise InvalidRequestError("blend is not supported past a sliding window; use reuse or full")
+        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
+        self.all_positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
+        self.within = torch.full((total,), -1, device=dev)  # index inside its block, for attention sinks
+        for off, n in zip(layout.block_offsets(), layout.block_lens):
+            self.within[off:off + n] = torch.arange(n, device=dev)
+        self.ratios = dict(zip(opts.check_layers, check_ratios(opts)))
+        self.last_check = opts.check_layers[-1]
+        self.sel = self.all_positions  # cache indices of the rows in x, ascending
+        self.positions = self.sel
+        self.deviation = torch.zeros(total, device=dev, dtype=torch.float32)
+        self.kept_block = self.n_block
+
+    def begin(self, layer, block, x):
+        if self.N:
+            t0 = time.perf_counter()
+            parts = next(self.layers)
+            self.stats.fetch_ms += (time.perf_counter() - t0) * 1000
+            t0 = time.perf_counter()
+            write_context_layer(self.cache, layer, parts, self.cos, self.sin)
+            self.stats.rerotate_ms += (time.perf_counter() - t0) * 1000
+        if layer in self.ratios and self.n_block:
+            x = self._select(layer, block, x)
+        return x
+
+    def _select(self, layer, block, x):
+        opts, sel, N, P = self.opts, self.sel, self.N, self.P
+        is_cand = (sel >= P) & (sel < N)
+        rows = is_cand.nonzero().squeeze(1)
+        idx = sel[rows]
+        if opts.deviation == "v":
+            fresh, cached = block.project_v(x[:, rows]), self.cache.values[layer][:, :, idx]
+        else:  # post-RoPE K deviation equals raw-K deviation (RoPE is a rotation); compare rotated
+            _, k, _ = block.project_qkv(x[:, rows], need_q=False)
+            fresh, cached = self.model.rope(k, self.all_positions[idx]), self.cache.keys[layer][:, :, idx]
+        self.deviation[idx] += (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
+        if not (opts.gradual or layer == self.last_check):
+            return x
+        keep = torch.zeros(len(sel), dtype=torch.bool, device=x.device)
+        n_keep = min(keep_count(self.ratios[layer], self.n_block), len(rows))
+        if n_keep:
+            keep[rows[torch.topk(self.deviation[idx], n_keep).indices]] = True
+        if opts.sink_tokens:
+            keep |= is_cand & (self.within[sel] < opts.sink_tokens)
+        keep |= sel >= N  # every query token is always recomputed
+        self.sel = self.positions = sel[keep]
+        self.deviation.zero_()
+        self.kept_block = int(((self.sel >= P) & (self.sel < N)).sum())
+        return x[:, keep]
+
+    def store(self, layer, raw_k, k, v):
+        self.cache.overwrite(layer, self.sel, k, v)
+        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
+
+    def attend(self, layer, q, kv):
+        return attend_selected(q, *kv, self.positions)
+
+
 @torch.inference_mode()
 def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                   opts: FusionOptions, capacity: int, stats: RequestStats) -> DecodeState:
-    dev = model.device
-    N, Tq, P = layout.context_len, len(query_ids), layout.prefix_len
+    N, Tq = layout.context_len, len(query_ids)
     total = N + Tq
     cache = KVCache.for_model(model, max(capacity, total))
-    cos, sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
-    positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
-    # position of each context token inside its block, for always-recomputed attention sinks
-    within = torch.full((total,), -1, device=dev)
-    for off, n in zip(layout.block_offsets(), layout.block_lens):
-        within[off:off + n] = torch.arange(n, device=dev)
-    n_block = N - P
-    ratios = dict(zip(opts.check_layers, check_ratios(opts)))
-    last_check = opts.check_layers[-1]
-
-    x = model.embed(torch.tensor([context_ids + query_ids], device=dev))
-    sel = torch.arange(total, device=dev)  # cache indices of the rows in x, ascending
-    deviation = torch.zeros(total, device=dev, dtype=torch.float32)
-    layers = iter(layer_iter)
-    kept_block = n_block
-    for i, layer in enumerate(model.layers):
-        t0 = time.perf_counter()
-        parts = next(layers) if N else []
-        stats.fetch_ms += (time.perf_counter() - t0) * 1000
-        t0 = time.perf_counter()
-        if N:
-            write_context_layer(cache, i, parts, cos, sin)
-        stats.rerotate_ms += (time.perf_counter() - t0) * 1000
-        t0 = time.perf_counter()
-        if i in ratios and n_block:
-            is_cand = (sel >= P) & (sel < N)
-            rows = is_cand.nonzero().squeeze(1)
-            idx = sel[rows]
-            if opts.deviation == "v":
-                fresh, cached = layer.project_v(x[:, rows]), cache.values[i][:, :, idx]
-            else:  # post-RoPE K deviation equals raw-K deviation (RoPE is a rotation); compare rotated
-                _, k, _ = layer.project_qkv(x[:, rows], need_q=False)
-                fresh, cached = model.rope(k, positions[idx]), cache.keys[i][:, :, idx]
-            deviation[idx] += (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
-            if opts.gradual or i == last_check:
-                keep = torch.zeros(len(sel), dtype=torch.bool, device=dev)
-                n_keep = min(keep_count(ratios[i], n_block), len(rows))
-                if n_keep:
-                    keep[rows[torch.topk(deviation[idx], n_keep).indices]] = True
-                if opts.sink_tokens:
-                    keep |= is_cand & (within[sel] < opts.sink_tokens)
-                keep |= sel >= N  # every query token is always recomputed
-                sel, x = sel[keep], x[:, keep]
-                deviation.zero_()
-                kept_block = int(((sel >= P) & (sel < N)).sum())
-        q, k, v = layer.project_qkv(x)
-        pos = positions[sel]
-        q, k = model.rope(q, pos), model.rope(k, pos)
-        cache.overwrite(i, sel, k, v)
-        attn = attend_selected(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], pos)
-        x = layer.finish(x, attn)
-        stats.recompute_ms += (time.perf_counter() - t0) * 1000
+    t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
+    plan = BlendPlan(model, cache, layer_iter, layout, total, opts, stats)
+    x = run_layers(model, model.embed(torch.tensor([context_ids + query_ids], device=model.device)), plan)
     cache.commit(total)
     logits = model.logits(x[:, -1:])[0, -1]
-    stats.recomputed_tokens += kept_block + Tq
-    stats.reused_tokens += N - kept_block
-    stats.extra.update(blend_selected=kept_block, blend_block_tokens=n_block,
+    stats.recompute_ms += (time.perf_counter() - t0) * 1000 - (stats.fetch_ms + stats.rerotate_ms - before)
+    stats.recomputed_tokens += plan.kept_block + Tq
+    stats.reused_tokens += N - plan.kept_block
+    stats.extra.update(blend_selected=plan.kept_block, blend_block_tokens=plan.n_block,
                        blend_check_layers=list(opts.check_layers))
     return DecodeState(cache, total, logits)

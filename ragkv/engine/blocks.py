@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.ops.attention import causal_mask, sdpa
+from ragkv.models.loop import run_layers
+from ragkv.ops.attention import causal_mask, sdpa, window_mask
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
 NO_CONDITIONING = "none"
@@ -22,33 +23,49 @@ def prefix_conditioning(prefix_ids: list[int]) -> str:
     return f"prefix:{hash_tokens(prefix_ids)[:32]}"
 
 
+class EncodePlan:
+    """A block's rows alone (or after a prefix): keep raw K and V of every layer, stop before the last finish."""
+
+    def __init__(self, model, T: int, prefix: BlockKV | None):
+        dev = model.device
+        self.model, self.prefix, self.num_layers = model, prefix, model.args.num_layers
+        P = prefix.num_tokens if prefix is not None else 0
+        self.positions = torch.arange(P, P + T, device=dev)
+        self.prefix_positions = torch.arange(P, device=dev)
+        self.mask = causal_mask(T, P + T, dev) if P else None
+        window = model.args.sliding_window
+        if window is not None and window < P + T:
+            self.mask = window_mask(T, P + T, window, dev)
+        self.keys, self.values = [], []
+
+    def begin(self, layer, block, x):
+        return x
+
+    def store(self, layer, raw_k, k, v):
+        self.keys.append(raw_k[0])
+        self.values.append(v[0])
+        if layer == self.num_layers - 1:
+            return None  # the last layer's output is not part of the KV
+        if self.prefix is not None:
+            dev = k.device
+            pk = self.model.rope(self.prefix.keys[layer].unsqueeze(0).to(dev), self.prefix_positions)
+            k = torch.cat([pk, k], dim=2)
+            v = torch.cat([self.prefix.values[layer].unsqueeze(0).to(dev), v], dim=2)
+        return k, v
+
+    def attend(self, layer, q, kv):
+        return sdpa(q, *kv, mask=self.mask, causal=self.mask is None)
+
+
 @torch.inference_mode()
 def encode_block(model, ids: list[int], prefix: BlockKV | None = None) -> BlockKV:
     """Run the block alone (or after `prefix`, whose tokens sit at positions 0..P-1); return raw K and V.
 
     The block's tokens take positions P..P+T-1 (P = 0 without prefix); K is kept before RoPE.
     """
-    dev = model.device
-    P = prefix.num_tokens if prefix is not None else 0
-    T = len(ids)
-    pos = torch.arange(P, P + T, device=dev)
-    x = model.embed(torch.tensor([ids], device=dev))
-    mask = causal_mask(T, P + T, dev) if P else None
-    keys, values = [], []
-    layers = model.layers
-    for i, layer in enumerate(layers):
-        q, k, v = layer.project_qkv(x)
-        keys.append(k[0])
-        values.append(v[0])
-        if i == len(layers) - 1:
-            break  # the last layer's output is not part of the KV
-        q, k = model.rope(q, pos), model.rope(k, pos)
-        if prefix is not None:
-            pk = model.rope(prefix.keys[i].unsqueeze(0).to(dev), torch.arange(P, device=dev))
-            k = torch.cat([pk, k], dim=2)
-            v = torch.cat([prefix.values[i].unsqueeze(0).to(dev), v], dim=2)
-        x = layer.finish(x, sdpa(q, k, v, mask=mask, causal=mask is None))
-    return BlockKV(torch.stack(keys), torch.stack(values))
+    plan = EncodePlan(model, len(ids), prefix)
+    run_layers(model, model.embed(torch.tensor([ids], device=model.device)), plan)
+    return BlockKV(torch.stack(plan.keys), torch.stack(plan.values))
 
 
 @dataclass

@@ -15,7 +15,9 @@ from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.options import RequestStats
 from ragkv.engine.state import AttentionPolicy, DecodeState
-from ragkv.ops.attention import causal_mask, sdpa
+from ragkv.errors import InvalidRequestError
+from ragkv.models.loop import run_layers
+from ragkv.ops.attention import causal_mask, sdpa, window_mask
 from ragkv.ops.rope import half_tables, rope_into
 
 
@@ -48,38 +50,59 @@ def write_context_layer(cache: KVCache, layer: int, parts: list[tuple[torch.Tens
         off += n
 
 
+class ContextPlan:
+    """The query's rows over context KV fetched layer by layer from the store (`reuse`, `ape`).
+
+    Before each layer the blocks' raw K/V are fetched and written into the cache, K rotated to the layout's
+    positions; the query rows write after them and attend causally (or through APE's policy)."""
+
+    def __init__(self, model, cache: KVCache, layer_iter, layout: Layout, query_len: int, stats: RequestStats,
+                 attention: AttentionPolicy | None):
+        dev = model.device
+        self.cache, self.layers, self.stats, self.attention = cache, iter(layer_iter), stats, attention
+        self.N, self.Tq = layout.context_len, query_len
+        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
+        self.positions = torch.arange(layout.query_start, layout.query_start + query_len, device=dev)
+        self.mask = causal_mask(query_len, self.N + query_len, dev)
+        window = model.args.sliding_window
+        if window is not None and window < self.N + query_len:
+            if attention is not None:
+                raise InvalidRequestError("APE is not supported with a sliding-window model; use reuse or blend")
+            self.mask = window_mask(query_len, self.N + query_len, window, dev)  # sequential: index == position
+
+    def begin(self, layer, block, x):
+        if self.N:
+            t0 = time.perf_counter()
+            parts = next(self.layers)
+            self.stats.fetch_ms += _ms(t0)
+            t0 = time.perf_counter()
+            write_context_layer(self.cache, layer, parts, self.cos, self.sin)
+            self.stats.rerotate_ms += _ms(t0)
+        return x
+
+    def store(self, layer, raw_k, k, v):
+        N, end = self.N, self.N + self.Tq
+        self.cache.keys[layer][:, :, N:end] = k
+        self.cache.values[layer][:, :, N:end] = v
+        return self.cache.keys[layer][:, :, :end], self.cache.values[layer][:, :, :end]
+
+    def attend(self, layer, q, kv):
+        return self.attention(layer, q, *kv) if self.attention else sdpa(q, *kv, mask=self.mask)
+
+
 @torch.inference_mode()
 def prefill_over_context(model, layer_iter, layout: Layout, query_ids: list[int], capacity: int,
                          stats: RequestStats, attention: AttentionPolicy | None = None) -> DecodeState:
     """Query prefill over cached context fetched layer by layer from `layer_iter` (one list of (K, V) per layer,
     in cache order). Fetching layer i+1 can overlap computing layer i when the store pipelines."""
-    dev = model.device
     N, Tq = layout.context_len, len(query_ids)
     cache = KVCache.for_model(model, max(capacity, N + Tq))
-    cos, sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
-    qpos = torch.arange(layout.query_start, layout.query_start + Tq, device=dev)
-    mask = causal_mask(Tq, N + Tq, dev)
-    x = model.embed(torch.tensor([query_ids], device=dev))
-    layers = iter(layer_iter)
-    for i, layer in enumerate(model.layers):
-        t0 = time.perf_counter()
-        parts = next(layers) if N else []
-        stats.fetch_ms += _ms(t0)
-        t0 = time.perf_counter()
-        if N:
-            write_context_layer(cache, i, parts, cos, sin)
-        stats.rerotate_ms += _ms(t0)
-        t0 = time.perf_counter()
-        q, k, v = layer.project_qkv(x)
-        q, k = model.rope(q, qpos), model.rope(k, qpos)
-        cache.keys[i][:, :, N:N + Tq] = k
-        cache.values[i][:, :, N:N + Tq] = v
-        k_all, v_all = cache.keys[i][:, :, :N + Tq], cache.values[i][:, :, :N + Tq]
-        attn = attention(i, q, k_all, v_all) if attention else sdpa(q, k_all, v_all, mask=mask)
-        x = layer.finish(x, attn)
-        stats.query_prefill_ms += _ms(t0)
+    t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
+    plan = ContextPlan(model, cache, layer_iter, layout, Tq, stats, attention)
+    x = run_layers(model, model.embed(torch.tensor([query_ids], device=model.device)), plan)
     cache.commit(N + Tq)
     logits = model.logits(x[:, -1:])[0, -1]
+    stats.query_prefill_ms += _ms(t0) - (stats.fetch_ms + stats.rerotate_ms - before)
     stats.reused_tokens += N
     stats.recomputed_tokens += Tq
     return DecodeState(cache, layout.query_start + Tq, logits, attention)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragkv.models.args import ModelArgs
-from ragkv.ops.attention import causal_mask, sdpa
+from ragkv.models.loop import CausalPlan, run_layers
 from ragkv.ops.rope import RotaryTable, apply_rope
 
 
@@ -116,10 +116,16 @@ class Transformer(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate q or raw k [B, H, T, D] to integer positions [T] (fp32 math, cast once)."""
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [T] ([T, D]) or per row [B, T] ([B, 1, T, D], broadcast over heads)."""
         cos, sin = self.rotary.lookup(positions)
-        return apply_rope(x, cos, sin)
+        if positions.dim() == 2:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate q or raw k [B, H, T, D] to integer positions (fp32 math, cast once)."""
+        return apply_rope(x, *self.rope_tables(positions))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x)).float()
@@ -131,20 +137,11 @@ class Transformer(nn.Module):
         Without a mask, each new token attends to the whole cache and causally to the new tokens.
         Returns logits [B, T, V] (all_logits) or [B, 1, V] for the last token.
         """
-        T = ids.shape[1]
         past = cache.length if cache is not None else 0
         if positions is None:
-            positions = torch.arange(past, past + T, device=ids.device)
-        if mask is None and past > 0 and T > 1:
-            mask = causal_mask(T, past + T, ids.device)
-        x = self.embed(ids)
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.project_qkv(x)
-            q, k = self.rope(q, positions), self.rope(k, positions)
-            if cache is not None:
-                k, v = cache.append(i, k, v)
-            attn = sdpa(q, k, v, mask=mask, causal=(mask is None and T > 1))
-            x = layer.finish(x, attn)
+            positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+        plan = CausalPlan(positions, cache, mask, self.args.sliding_window)
+        x = run_layers(self, self.embed(ids), plan)
         if cache is not None:
-            cache.commit(T)
+            cache.commit(ids.shape[1])
         return self.logits(x if all_logits else x[:, -1:])

@@ -1,0 +1,76 @@
+"""The one layer loop: every forward over the decoder layers (plain causal, block encoding, every fusion mode's
+prefill, batched decode, fine-tuning) is `run_layers(model, x, plan)`.
+
+What varies between those lives in the `LayerPlan` the loop is handed (as mlx-lm keeps its variation in the
+per-layer cache object): which rows are computed (`begin`, which may load context or drop rows), at which
+positions, where their K/V go and what keys they see (`store`), and how they attend (`attend`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ragkv.ops.attention import causal_mask, sdpa, window_mask
+from ragkv.ops.rope import apply_rope
+
+
+class LayerPlan(Protocol):
+    positions: torch.Tensor  # [T] or [B, T] int64 positions of the rows now in x
+
+    def begin(self, layer: int, block, x: torch.Tensor) -> torch.Tensor:
+        """Before layer `layer`: may load its context KV or select the rows that go on (returns them)."""
+
+    def store(self, layer: int, raw_k: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Keep this layer's K/V (raw K before RoPE and rotated K); return what the rows attend to (for
+        `attend`), or None to stop after storing (block encoding: the last layer's output is not needed)."""
+
+    def attend(self, layer: int, q: torch.Tensor, kv) -> torch.Tensor:
+        """Attention output [B, Hq, T, D] of the rows' rotated queries over what `store` returned."""
+
+
+def run_layers(model, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+    """x: embedded rows [B, T, H] -> the residual stream after the last layer plan let run."""
+    pos = tables = None
+    for i, block in enumerate(model.layers):
+        x = plan.begin(i, block, x)
+        q, k, v = block.project_qkv(x)
+        if plan.positions is not pos:  # cos/sin looked up once per set of rows, not per layer
+            pos = plan.positions
+            tables = model.rope_tables(pos)
+        kv = plan.store(i, k, apply_rope(k, *tables), v)
+        if kv is None:
+            break
+        x = block.finish(x, plan.attend(i, apply_rope(q, *tables), kv))
+    return x
+
+
+class CausalPlan:
+    """Ordinary causal attention over a KVCache (or none): new rows see the cache and the new rows before them.
+
+    Covers the model's plain forward, `full` and `prefix` prefill and fine-tuning (an explicit `mask`, e.g.
+    the Block-Attention mask, replaces the causal one). `window` is Mistral's sliding window: a row at
+    position p sees keys at positions > p - window only (cache index == position here).
+    """
+
+    def __init__(self, positions: torch.Tensor, cache=None, mask: torch.Tensor | None = None,
+                 window: int | None = None):
+        self.positions, self.cache = positions, cache
+        T = positions.shape[-1]
+        past = cache.length if cache is not None else 0
+        if window is not None and window < past + T:
+            wm = window_mask(T, past + T, window, positions.device)
+            mask = wm if mask is None else (mask & wm)
+        elif mask is None and past > 0 and T > 1:
+            mask = causal_mask(T, past + T, positions.device)
+        self.mask, self.causal = mask, mask is None and T > 1
+
+    def begin(self, layer, block, x):
+        return x
+
+    def store(self, layer, raw_k, k, v):
+        return self.cache.append(layer, k, v) if self.cache is not None else (k, v)
+
+    def attend(self, layer, q, kv):
+        return sdpa(q, *kv, mask=self.mask, causal=self.causal)
