@@ -21,7 +21,7 @@ from ragkv.engine.blend import prefill_blend
 from ragkv.engine.blocks import NO_CONDITIONING, BlockCache, prefix_conditioning
 from ragkv.engine.calibration import load_ape_params
 from ragkv.engine.fusion import prefill_full, prefill_over_context
-from ragkv.engine.generate import Delta, Generation, stream_tokens
+from ragkv.engine.generate import Delta, Sequence, step_sequences
 from ragkv.engine.layout import make_layout
 from ragkv.engine.loading import LoadingPlanner
 from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
@@ -46,9 +46,9 @@ class Answer:
 class Run:
     """A request in flight: iterate for text deltas; `stats` and `generation` are complete afterwards."""
 
-    def __init__(self, deltas: Iterator[Delta], generation: Generation, stats: RequestStats, state: DecodeState):
-        self._deltas, self.generation, self.stats = deltas, generation, stats
-        self.first_logits = state.logits.clone()
+    def __init__(self, deltas: Iterator[Delta], seq: Sequence):
+        self._deltas, self.generation, self.stats = deltas, seq.out, seq.stats
+        self.first_logits = seq.first_logits
 
     def __iter__(self) -> Iterator[Delta]:
         return self._deltas
@@ -194,19 +194,31 @@ class Engine:
             self.warm(segs, fusion, namespace)
             return self.store.iter_layers(keys, self.model.args.num_layers)
 
-    # -- generation -------------------------------------------------------------------------------------
+    # -- generation ----------------------------------------------------------------------------------------
+    def start(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+              gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Sequence:
+        """Prefill now; the returned sequence is decoded by `step` (alone or batched with others)."""
+        state, stats = self.prefill(segs, fusion, gen.max_new_tokens, namespace)
+        return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions)
+
+    def step(self, seqs: list[Sequence]) -> None:
+        """Advance every unfinished sequence by one token in one batched forward (call `advance()` first)."""
+        with self.lock:
+            step_sequences(self.model, seqs)
+
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:
-        """Prefill now; decoding happens as the returned Run is iterated (holding the model lock)."""
-        state, stats = self.prefill(segs, fusion, gen.max_new_tokens, namespace)
-        generation = Generation()
+        """Prefill now; decoding happens as the returned Run is iterated."""
+        seq = self.start(segs, fusion, gen, namespace)
 
         def deltas():
-            with self.lock:
-                yield from stream_tokens(self.model, self.tokenizer, state, gen, self.eos_ids, stats, generation,
-                                         self.max_positions)
+            while True:
+                yield from seq.advance()
+                if seq.finished:
+                    return
+                self.step([seq])
 
-        return Run(deltas(), generation, stats, state)
+        return Run(deltas(), seq)
 
     def generate(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                  gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Answer:

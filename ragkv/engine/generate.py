@@ -1,16 +1,15 @@
-"""Decoding after any fusion mode: a streaming iterator of text deltas with EOS and stop strings."""
+"""Decoding after any fusion mode: a sequence chooses its tokens, detokenizes them incrementally and stops on EOS,
+a stop string or its budget; feeding the chosen tokens back is batched across sequences (ragkv.engine.state)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
-
 import torch
 
 from ragkv.engine.options import GenerationOptions, RequestStats
 from ragkv.engine.sampling import sample
-from ragkv.engine.state import DecodeState, decode_step
+from ragkv.engine.state import DecodeState, decode_batch
 
 
 @dataclass
@@ -21,7 +20,7 @@ class Delta:
 
 @dataclass
 class Generation:
-    """Consumed by iterating `stream()`; afterwards `text`, `token_ids` and `finish_reason` are final."""
+    """Final once its sequence is finished: `text`, `token_ids` and `finish_reason`."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
@@ -43,39 +42,108 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return n
 
 
-def stream_tokens(model, tokenizer, state: DecodeState, opts: GenerationOptions, eos_ids: set[int],
-                  stats: RequestStats, out: Generation, max_positions: int) -> Iterator[Delta]:
-    """Sample from state.logits, feed the token back, yield new text until EOS, a stop string or the limit."""
-    gen = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
-    budget = min(opts.max_new_tokens, max_positions - state.next_position)
-    sent = 0
-    t0 = time.perf_counter()
-    for step in range(budget):
-        token = sample(state.logits, opts.temperature, opts.top_p, gen)
-        if token in eos_ids:
-            out.finish_reason = "stop"
-            break
-        out.token_ids.append(token)
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        cut = _stop_index(text, opts.stop)
+class Detokenizer:
+    """Incremental detokenization: each token decodes a short window, not the whole answer again.
+
+    The window starts a few tokens back (`prefix`), so the tokenizer sees the same left context as in a full
+    decode (leading-space rules), and text is released only once it no longer ends in a partial character.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        new = after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new
+        return new
+
+    def final(self) -> str:
+        """All text, partial characters at the end included."""
+        return self.text + self._decode(self.ids[self.prefix:])[len(self._decode(self.ids[self.prefix:self.read])):]
+
+
+class Sequence:
+    """One request being decoded. `advance()` picks the next token from `state.logits` and returns the new text;
+    afterwards `feed` is the token to run through the model next, or None once `finished`."""
+
+    def __init__(self, state: DecodeState, opts: GenerationOptions, tokenizer, eos_ids: set[int],
+                 stats: RequestStats, max_positions: int):
+        self.state, self.opts, self.eos_ids, self.stats = state, opts, eos_ids, stats
+        self.generator = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
+        self.budget = max(0, min(opts.max_new_tokens, max_positions - state.next_position))
+        self.detok = Detokenizer(tokenizer)
+        self.out = Generation()
+        self.first_logits = state.logits.clone()
+        self.sent = 0  # characters of out.text already streamed
+        self.feed: int | None = None
+        self.finished = False
+        self.t0 = time.perf_counter()
+
+    def advance(self) -> list[Delta]:
+        if self.finished:
+            return []
+        self.feed = None
+        if len(self.out.token_ids) >= self.budget:
+            return self._finish("length")
+        token = sample(self.state.logits, self.opts.temperature, self.opts.top_p, self.generator)
+        if token in self.eos_ids:
+            return self._finish("stop")
+        self.out.token_ids.append(token)
+        self.detok.add(token)
+        text = self.detok.text
+        stops = self.opts.stop
+        cut = _stop_index(text, stops) if stops else -1
         if cut >= 0:
-            out.text, out.finish_reason = text[:cut], "stop"
-            if cut > sent:
-                yield Delta(text[sent:cut], token)
-            sent = cut
-            break
-        out.text = text
-        ready = len(text) - _held_back(text, opts.stop)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            ready = min(ready, len(text) - 1)
-        if ready > sent:
-            yield Delta(text[sent:ready], token)
-            sent = ready
-        if step + 1 < budget:
-            decode_step(model, state, token)
-    else:
-        out.finish_reason = "length"
-    if len(out.text) > sent:  # text held back for a stop string that never came
-        yield Delta(out.text[sent:], None)
-    stats.completion_tokens = len(out.token_ids)
-    stats.decode_ms = (time.perf_counter() - t0) * 1000
+            deltas = [Delta(text[self.sent:cut], token)] if cut > self.sent else []
+            self.sent = max(self.sent, cut)
+            return deltas + self._finish("stop", text[:cut])
+        self.out.text = text
+        ready = len(text) - (_held_back(text, stops) if stops else 0)
+        deltas = []
+        if ready > self.sent:
+            deltas.append(Delta(text[self.sent:ready], token))
+            self.sent = ready
+        if len(self.out.token_ids) < self.budget:
+            self.feed = token
+        else:
+            deltas += self._finish("length")
+        return deltas
+
+    def _finish(self, reason: str, text: str | None = None) -> list[Delta]:
+        """`text`: the answer cut at a stop string; otherwise all decoded text, partial characters included."""
+        self.finished, self.feed = True, None
+        self.out.finish_reason = reason
+        self.out.text = text if text is not None else self.detok.final()
+        self.stats.completion_tokens = len(self.out.token_ids)
+        self.stats.decode_ms = (time.perf_counter() - self.t0) * 1000
+        if len(self.out.text) > self.sent:  # text held back for a stop string that never came
+            delta = [Delta(self.out.text[self.sent:], None)]
+            self.sent = len(self.out.text)
+            return delta
+        return []
+
+    def cancel(self, reason: str) -> None:
+        """Leave decoding now (client gone, deadline passed): the text so far is final."""
+        if not self.finished:
+            self.finished, self.feed = True, None
+            self.out.finish_reason = reason
+            self.stats.completion_tokens = len(self.out.token_ids)
+            self.stats.decode_ms = (time.perf_counter() - self.t0) * 1000
+
+
+def step_sequences(model, seqs: list[Sequence]) -> None:
+    """One batched forward for every sequence that has a token to feed."""
+    live = [s for s in seqs if s.feed is not None]
+    if live:
+        decode_batch(model, [s.state for s in live], [s.feed for s in live])
+

