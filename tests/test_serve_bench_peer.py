@@ -175,7 +175,8 @@ def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
     try:
         cfg = ServeBenchConfig(modes=(), peer="llama-cpp", concurrency=(1, 2), requests=3, max_tokens=5,
                                passages_per_request=2, pool_size=4)
-        work = {"plans": [[REQ] * 3, [REQ] * 3], "system": system_prompt()}
+        warm = BenchRequest("Where is the farm?", REQ.documents[:1])
+        work = {"plans": [[REQ] * 3, [REQ] * 3], "system": system_prompt(), "peer_warmup": warm}
         result = {"cells": []}
         counted = []
 
@@ -191,6 +192,8 @@ def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
     assert len(streamed) == 6 and all("ragkv" not in b and b["repeat_penalty"] == 1.0 and b["temperature"] == 0
                                       and b["max_tokens"] == 5 for b in streamed)
     assert streamed[0]["messages"] == peer_payload(REQ, system_prompt())[0]
+    warmups = [b for b in FakePeer.bodies if not b.get("stream")]  # one, not a measured request
+    assert len(warmups) == 1 and warmups[0]["messages"] == peer_payload(warm, system_prompt())[0]
     assert set(counted[1:]) == {"Ada Morrow."}
     assert [(c["system"], c["mode"], c["concurrency"]) for c in result["cells"]] == [
         ("llama-cpp", "llama-cpp", 1), ("llama-cpp", "llama-cpp", 2)]

@@ -147,6 +147,42 @@ def test_disconnect_mid_stream_frees_the_model(server):
     assert completion_tokens() - before < 100  # the abandoned stream stopped long before 400 tokens
 
 
+def test_concurrent_requests_are_batched_and_answer_as_alone(server):
+    """Continuous batching: four different requests decoded together give each one's solo answer (greedy)."""
+    modes = ("reuse", "full", "blend", "ape")
+    alone = [ask_docs(server.client, mode=m, max_tokens=16).choices[0].message.content for m in modes]
+    before = httpx.get(server.url + "/health").json()
+    together = [None] * 4
+
+    def one(i):
+        together[i] = ask_docs(server.client, mode=modes[i], max_tokens=16).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    after = httpx.get(server.url + "/health").json()
+    assert together == alone
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert 0 < steps < 4 * 15  # fewer forwards than decoding the four one after another
+
+
+def test_non_streamed_client_that_leaves_frees_its_slot(server):
+    def completion_tokens():
+        text = httpx.get(server.url + "/metrics").text
+        return int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("ragkv_completion_tokens_total")))
+
+    before = completion_tokens()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=2.0, json={
+            "model": "smollm2", "max_tokens": 2000,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]})
+    r2 = server.client.chat.completions.create(model="smollm2", max_tokens=2,
+                                               messages=[{"role": "user", "content": "Hi"}])
+    assert r2.choices and httpx.get(server.url + "/health").json()["batch_size"] == 0
+    assert completion_tokens() - before < 400  # the abandoned request stopped long before 2000 tokens
+
+
 def test_restarted_server_hits_the_disk_cache(workdir, server):
     ask_docs(server.client, mode="reuse")  # computed (or already there) and written through to disk
     again = ServerProcess(workdir, f"memory:512MiB,disk:{workdir}/kv:2GiB")

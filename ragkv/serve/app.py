@@ -1,5 +1,6 @@
 """OpenAI-compatible endpoints over the engine: chat/completions (streaming or not), models, documents,
-health and Prometheus metrics. Every model call goes through the Scheduler (one worker, bounded queue)."""
+health and Prometheus metrics. Every model call goes through the Scheduler (one worker, continuous batching,
+bounded queue)."""
 
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ class Prepared:
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
-                 default_mode: str = "reuse"):
+                 default_mode: str = "reuse", max_batch: int = 16):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
         self.default_mode = default_mode
-        self.scheduler = Scheduler(max_queue, timeout_s)
         self.metrics = Metrics()
+        self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats)
         self._library = None
 
     @property
@@ -142,29 +143,14 @@ class Server:
 
     # -- running on the scheduler ---------------------------------------------------------------------------
     def start(self, prepare, emit=None):
-        """Submit a job that prepares, prefills and decodes; `emit(kind, payload)` streams events."""
+        """Queue a generation: the worker prepares and prefills it, then decodes it batched with the others;
+        `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish)."""
 
-        def work(job):
+        def begin():
             p = prepare()
-            run = self.engine.stream(p.segs, p.fusion, p.gen, p.namespace)
-            if emit:
-                emit("start", None)
-            pieces, stopped = [], None
-            try:
-                for delta in run:
-                    pieces.append(delta.text)
-                    if emit:
-                        emit("delta", delta.text)
-                    if job.should_stop():
-                        stopped = "cancelled" if job.cancelled.is_set() else "timeout"
-                        break
-            finally:
-                run.close()
-            self.metrics.observe_stats(run.stats)
-            finish = stopped or run.generation.finish_reason
-            return p, run.stats, "".join(pieces), finish
+            return self.engine.start(p.segs, p.fusion, p.gen, p.namespace), p
 
-        return self.scheduler.submit(work)
+        return self.scheduler.submit_generation(begin, emit)
 
 
 def _usage(stats) -> dict:
@@ -207,7 +193,7 @@ def create_app(server: Server) -> FastAPI:
             if req.stream:
                 resp = await stream(req, prepare, chat)
             else:
-                resp = await complete(req, prepare, chat)
+                resp = await complete(request, req, prepare, chat)
             server.metrics.observe_request(endpoint, 200)
             return resp
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-style error body
@@ -215,14 +201,23 @@ def create_app(server: Server) -> FastAPI:
             server.metrics.observe_request(endpoint, err.status)
             return err.response()
 
-    async def complete(req, prepare, chat: bool):
+    async def complete(request: Request, req, prepare, chat: bool):
         job = server.start(prepare)
+        fut = asyncio.wrap_future(job.future)
+        deadline = time.monotonic() + server.scheduler.timeout_s + 5
         try:
-            p, stats, text, finish = await asyncio.wait_for(asyncio.wrap_future(job.future),
-                                                            timeout=server.scheduler.timeout_s + 5)
+            while not fut.done():  # a client that went away frees its batch slot at the next step
+                await asyncio.wait({fut}, timeout=0.25)
+                if not fut.done() and (await request.is_disconnected() or time.monotonic() > deadline):
+                    job.cancel()
+                    if time.monotonic() > deadline:
+                        raise JobTimeout(f"generation exceeded {server.scheduler.timeout_s:.0f} s")
+                    return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+            p, seq, finish = fut.result()
         except (asyncio.TimeoutError, asyncio.CancelledError):
             job.cancel()
             raise
+        stats, text = seq.stats, seq.out.text
         if finish == "timeout":
             raise JobTimeout(f"generation exceeded {server.scheduler.timeout_s:.0f} s")
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -263,7 +258,8 @@ def create_app(server: Server) -> FastAPI:
                         yield _sse(chunk(payload))
                     elif kind == "done":
                         try:
-                            p, stats, _, finish = payload.result()
+                            p, seq, finish = payload.result()
+                            stats = seq.stats
                         except Exception as e:  # noqa: BLE001
                             err = to_api_error(e)
                             yield _sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
@@ -324,12 +320,12 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_id, "dtype": server.engine.dtype_name,
-                "queue_depth": server.scheduler.depth}
+                **server.scheduler.stats()}
 
     @app.get("/metrics")
     async def metrics():
         stats = server.engine.store.stats() if hasattr(server.engine.store, "stats") else {}
-        return PlainTextResponse(server.metrics.render(stats, server.scheduler.depth),
+        return PlainTextResponse(server.metrics.render(stats, server.scheduler.stats()),
                                  media_type="text/plain; version=0.0.4")
 
     return app

@@ -533,7 +533,11 @@ def _workload(cfg: ServeBenchConfig) -> dict:
     pool, questions, owned = build_pool(cfg.pool_size, cfg.passage_words)
     plans = [draw_requests(pool, questions, owned, cfg.requests, cfg.passages_per_request, cfg.seed * 1000 + i)
              for i in range(len(cfg.concurrency))]  # fresh requests per level, the same for every mode and peer
-    return {"pool": pool, "questions": questions, "owned": owned, "plans": plans, "system": system_prompt()}
+    # The peer's warm-up request is none of the measured ones: llama.cpp reuses the longest common prefix with the
+    # prompt it ran last, so warming up on the first measured request would make that one nearly free.
+    peer_warmup = draw_requests(pool, questions, owned, 1, cfg.passages_per_request, cfg.seed * 1000 + 999)[0]
+    return {"pool": pool, "questions": questions, "owned": owned, "plans": plans, "system": system_prompt(),
+            "peer_warmup": peer_warmup}
 
 
 def _client(url: str, cfg: ServeBenchConfig):
@@ -592,7 +596,7 @@ def _run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dic
     peer = cfg.peer
     # Warm-up: one request, not streamed (its usage is reported): loads the weights into the page cache and
     # checks that the peer tokenizes the prompt to as many tokens as the client-side count says.
-    messages, extra = peer_payload(work["plans"][0][0], work["system"])
+    messages, extra = peer_payload(work["peer_warmup"], work["system"])
     t0 = time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
                                            extra_body=extra)

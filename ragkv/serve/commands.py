@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--default-mode", default="reuse", help="fusion mode for requests with documents")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="generations decoded together in one batched step (continuous batching)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve, store="memory:2GiB,disk:~/.cache/ragkv/kv:20GiB")
@@ -22,11 +24,15 @@ def run_serve(args) -> int:
     import uvicorn
 
     from ragkv.engine.options import FusionOptions
+    from ragkv.errors import InvalidRequestError
     from ragkv.serve.app import Server, create_app
 
     FusionOptions(mode=args.default_mode)  # fail fast on a bad default
+    if args.max_batch < 1:
+        raise InvalidRequestError(f"--max-batch must be >= 1, got {args.max_batch}")
     engine = engine_from_args(args)
-    server = Server(engine, args.model, args.index, args.max_queue, args.timeout, args.default_mode)
+    server = Server(engine, args.model, args.index, args.max_queue, args.timeout, args.default_mode,
+                    args.max_batch)
     print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
     return 0

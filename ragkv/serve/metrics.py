@@ -32,7 +32,7 @@ class Metrics:
             self.recomputed += stats.recomputed_tokens
             self.completion += stats.completion_tokens
 
-    def render(self, store_stats: dict, queue_depth: int) -> str:
+    def render(self, store_stats: dict, sched: dict) -> str:
         out = ["# HELP ragkv_requests_total HTTP requests by endpoint and status.", "# TYPE ragkv_requests_total counter"]
         with self.lock:
             for (ep, status), n in sorted(self.requests.items()):
@@ -54,7 +54,13 @@ class Metrics:
                     "# TYPE ragkv_reused_tokens_total counter", f"ragkv_reused_tokens_total {self.reused}",
                     "# TYPE ragkv_recomputed_tokens_total counter", f"ragkv_recomputed_tokens_total {self.recomputed}",
                     "# TYPE ragkv_completion_tokens_total counter", f"ragkv_completion_tokens_total {self.completion}"]
-        out += ["# TYPE ragkv_queue_depth gauge", f"ragkv_queue_depth {queue_depth}",
+        out += ["# TYPE ragkv_queue_depth gauge", f"ragkv_queue_depth {sched['queue_depth']}",
+                "# HELP ragkv_batch_size Generations decoding together now.", "# TYPE ragkv_batch_size gauge",
+                f"ragkv_batch_size {sched['batch_size']}",
+                "# TYPE ragkv_decode_steps_total counter", f"ragkv_decode_steps_total {sched['decode_steps']}",
+                "# HELP ragkv_prefill_stall_seconds_max Longest pause a prefill imposed on running decodes.",
+                "# TYPE ragkv_prefill_stall_seconds_max gauge",
+                f"ragkv_prefill_stall_seconds_max {sched['prefill_stall_ms_max'] / 1000:.6f}",
                 "# HELP ragkv_store_bytes Bytes held per KV store tier.", "# TYPE ragkv_store_bytes gauge"]
         for tier, val in flatten_store_bytes(store_stats).items():
             out.append(f'ragkv_store_bytes{{tier="{tier}"}} {val}')

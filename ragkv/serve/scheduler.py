@@ -1,17 +1,21 @@
-"""One worker thread in front of the model: a bounded queue (full -> 429), deadlines, and cancellation.
+"""Continuous batching: one worker thread drives the model; a bounded queue (full -> 429), deadlines, cancellation.
 
-The model runs one request at a time (CPU prefill saturates the cores); requests wait in FIFO order. A job
-is a function of a `Job` that checks `job.should_stop()` between tokens, so a timed-out or disconnected
-request stops consuming the model at the next token.
+Every running generation advances one token per step in one batched forward (Engine.step). Between two steps
+the worker admits at most one queued job (a prefill, or a one-off job such as adding documents), so a running
+decode waits for at most one prefill per token: that prefill is the stall a newcomer imposes on the others,
+recorded as `stall_ms`. Finished, cancelled (client gone) and timed-out generations leave the batch at once.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -23,12 +27,17 @@ class JobTimeout(Exception):
 
 
 class Job:
-    def __init__(self, fn: Callable[["Job"], object], timeout_s: float):
-        self.fn = fn
+    """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives (sequence, info), then the
+    worker decodes it; `emit(kind, payload)` streams "start" and "delta" events)."""
+
+    def __init__(self, timeout_s: float, fn: Callable | None = None, start: Callable | None = None,
+                 emit: Callable | None = None):
+        self.fn, self.start, self.emit = fn, start, emit
         self.future: Future = Future()
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
+        self.seq = self.info = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -39,11 +48,21 @@ class Job:
     def should_stop(self) -> bool:
         return self.cancelled.is_set() or self.expired()
 
+    def send(self, kind: str, payload=None) -> None:
+        if self.emit is not None:
+            self.emit(kind, payload)
+
 
 class Scheduler:
-    def __init__(self, max_queue: int = 64, timeout_s: float = 300.0):
-        self.timeout_s = timeout_s
+    def __init__(self, step: Callable[[list], None], max_queue: int = 64, timeout_s: float = 300.0,
+                 max_batch: int = 16, on_finish: Callable | None = None):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.running: list[Job] = []
+        self.stall_ms_max = self.stall_ms_total = 0.0
+        self.steps = self.batched_tokens = 0
         self.worker = threading.Thread(target=self._run, name="ragkv-scheduler", daemon=True)
         self.worker.start()
 
@@ -51,24 +70,108 @@ class Scheduler:
     def depth(self) -> int:
         return self.jobs.qsize()
 
-    def submit(self, fn: Callable[[Job], object]) -> Job:
-        job = Job(fn, self.timeout_s)
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    def _put(self, job: Job) -> Job:
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             raise QueueFull(f"the server queue is full ({self.jobs.maxsize} requests waiting); retry later")
         return job
 
+    def submit(self, fn: Callable[[Job], object]) -> Job:
+        """A one-off job run on the worker between decode steps; its future holds fn's result."""
+        return self._put(Job(self.timeout_s, fn=fn))
+
+    def submit_generation(self, start: Callable[[], tuple], emit: Callable | None = None) -> Job:
+        """`start()` prefills and returns (sequence, info); the future resolves to (info, sequence, finish)."""
+        return self._put(Job(self.timeout_s, start=start, emit=emit))
+
+    # -- the worker ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job.cancelled.is_set():
-                job.future.cancel()
-                continue
-            if job.expired():
-                job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
-                continue
             try:
+                self._admit()
+                if self.running:
+                    self._step()
+            except BaseException:  # the worker must survive anything
+                log.exception("scheduler iteration failed")
+
+    def _admit(self) -> None:
+        if self.running and len(self.running) >= self.max_batch:
+            return
+        try:
+            job = self.jobs.get(block=not self.running)
+        except queue.Empty:
+            return
+        if job.cancelled.is_set():
+            job.future.cancel()
+            return
+        if job.expired():
+            job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
+            return
+        t0 = time.perf_counter()
+        stalled = bool(self.running)
+        try:
+            if job.fn is not None:
                 job.future.set_result(job.fn(job))
-            except BaseException as e:  # the worker must survive any request
+            else:
+                job.seq, job.info = job.start()
+                job.send("start")
+                self._emit(job, job.seq.advance())
+                if job.seq.finished:
+                    self._finish(job, job.seq.out.finish_reason)
+                else:
+                    self.running.append(job)
+        except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
+            if not job.future.done():
                 job.future.set_exception(e)
+        if stalled:
+            ms = (time.perf_counter() - t0) * 1000
+            self.stall_ms_max = max(self.stall_ms_max, ms)
+            self.stall_ms_total += ms
+
+    def _step(self) -> None:
+        for job in list(self.running):
+            if job.should_stop():
+                reason = "cancelled" if job.cancelled.is_set() else "timeout"
+                job.seq.cancel(reason)
+                self._finish(job, reason)
+        if not self.running:
+            return
+        seqs = [job.seq for job in self.running]
+        try:
+            self.step_fn(seqs)
+        except BaseException as e:  # noqa: BLE001
+            log.exception("decode step failed")
+            for job in self.running:
+                job.future.set_exception(e)
+            self.running = []
+            return
+        self.steps += 1
+        self.batched_tokens += len(seqs)
+        for job in list(self.running):
+            self._emit(job, job.seq.advance())
+            if job.seq.finished:
+                self._finish(job, job.seq.out.finish_reason)
+
+    def _emit(self, job: Job, deltas) -> None:
+        for d in deltas:
+            job.send("delta", d.text)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if job in self.running:
+            self.running.remove(job)
+        if self.on_finish is not None:
+            self.on_finish(job.seq.stats)
+        if not job.future.done():
+            job.future.set_result((job.info, job.seq, reason))
+
+    def stats(self) -> dict:
+        return {"queue_depth": self.depth, "batch_size": self.batch_size, "max_batch": self.max_batch,
+                "decode_steps": self.steps,
+                "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
+                "prefill_stall_ms_max": round(self.stall_ms_max, 3),
+                "prefill_stall_ms_total": round(self.stall_ms_total, 3)}
