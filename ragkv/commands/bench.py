@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine`; the store and serve subsystems register `bench store` and `bench serve`."""
+"""`ragkv bench ttft|engine|decode`; the store and serve subsystems register `bench store` and `bench serve`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ def register(sub) -> None:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=run_engine)
 
+    d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--configs", default="float32:exact,bfloat16:exact,float32:int8,float32:int4,bfloat16:int4",
+                   help="comma-separated dtype:decode-weights pairs")
+    d.add_argument("--batch-sizes", default="1,4,16")
+    d.add_argument("--steps", type=int, default=32)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--fidelity-examples", type=int, default=8)
+    d.add_argument("--output-dir", default="bench_out")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=run_decode)
+
     for name in ("ragkv.store.bench", "ragkv.serve.bench"):  # those subsystems own their benchmarks
         importlib.import_module(name).register(bsub)
     p.set_defaults(func=lambda args: p.print_help() or 2)
@@ -76,4 +88,23 @@ def run_engine(args) -> int:
         print_json(result)
     else:
         print((Path(args.output_dir) / "engine_vs_hf.md").read_text())
+    return 0
+
+
+def run_decode(args) -> int:
+    from ragkv.bench.decode import DecodeBenchConfig, run_decode_bench
+    from ragkv.errors import RagkvError
+
+    try:
+        configs = tuple(tuple(c.split(":")) for c in args.configs.split(",") if c)
+        assert configs and all(len(c) == 2 for c in configs)
+    except AssertionError:
+        raise RagkvError(f"--configs wants dtype:weights pairs like float32:int4, got {args.configs!r}")
+    cfg = DecodeBenchConfig(model=args.model, configs=configs, batch_sizes=tuple(_ints(args.batch_sizes)),
+                            steps=args.steps, rounds=args.rounds, fidelity_examples=args.fidelity_examples)
+    result = run_decode_bench(cfg, Path(args.output_dir), _progress)
+    if args.json:
+        print_json(result)
+    else:
+        print((Path(args.output_dir) / "decode.md").read_text())
     return 0

@@ -14,6 +14,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2", help="known name (smollm2) or a local Hugging Face folder")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 where fast)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--decode-weights", default="exact", choices=("exact", "int8", "int4"),
+                   help="weights of the decode steps (prefill stays exact): int4/int8 are weight-only quantized "
+                        "copies, 2-4x faster decode on CPU, with the fidelity cost `ragkv bench decode` prints")
 
 
 def add_store_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +81,8 @@ def engine_from_args(args, store=None):
     if store is None and hasattr(args, "store"):
         store = make_store(args.store)
     return Engine.load(args.model, dtype=args.dtype, device=args.device, store=store,
-                       namespace=getattr(args, "namespace", "default"))
+                       namespace=getattr(args, "namespace", "default"),
+                       decode_weights=getattr(args, "decode_weights", "exact"))
 
 
 def print_json(obj) -> None:

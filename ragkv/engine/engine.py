@@ -30,6 +30,7 @@ from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments
 from ragkv.engine.state import DecodeState
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
+from ragkv.models.quant import decode_copy
 from ragkv.models.registry import DEFAULT_MODEL
 from ragkv.store.base import KVStore, MemoryStore
 
@@ -78,8 +79,10 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
-                 prompt_format: PromptFormat = PromptFormat()):
+                 prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact"):
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.decode_weights = decode_weights
+        self.decode_model = decode_copy(self.model, decode_weights)  # the model itself unless quantized
         self.store = store if store is not None else MemoryStore()
         self.blocks = BlockCache(self.model, loaded.fingerprint, self.store, namespace)
         self.namespace = namespace
@@ -92,9 +95,10 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-             store: KVStore | None = None, namespace: str = "default") -> "Engine":
+             store: KVStore | None = None, namespace: str = "default", decode_weights: str = "exact") -> "Engine":
         dev = resolve_device(device)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev), store=store, namespace=namespace)
+        return cls(load_model(model, resolve_dtype(dtype, dev), dev), store=store, namespace=namespace,
+                   decode_weights=decode_weights)
 
     @property
     def dtype_name(self) -> str:
@@ -204,7 +208,7 @@ class Engine:
     def step(self, seqs: list[Sequence]) -> None:
         """Advance every unfinished sequence by one token in one batched forward (call `advance()` first)."""
         with self.lock:
-            step_sequences(self.model, seqs)
+            step_sequences(self.decode_model, seqs)
 
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:  # one op instead of seven (decode); fp32 math inside
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()  # variance in fp32, as HF does
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -45,6 +47,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.__dict__.get("gate_up_proj")  # decode copies fuse gate and up (ragkv.models.quant)
+        if fused is not None:
+            gate, up = fused(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
@@ -62,6 +68,13 @@ class DecoderLayer(nn.Module):
         a, att = self.args, self.self_attn
         B, T, _ = x.shape
         h = self.input_layernorm(x)
+        fused = att.__dict__.get("qkv_proj")  # decode copies fuse q, k and v (ragkv.models.quant)
+        if fused is not None:
+            q, k, v = fused(h).split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                                      a.num_kv_heads * a.head_dim], dim=-1)
+            return (q.view(B, T, a.num_heads, a.head_dim).transpose(1, 2) if need_q else None,
+                    k.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2),
+                    v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2))
         q = att.q_proj(h).view(B, T, a.num_heads, a.head_dim).transpose(1, 2) if need_q else None
         k = att.k_proj(h).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = att.v_proj(h).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)

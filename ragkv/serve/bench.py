@@ -740,8 +740,9 @@ def register(bsub) -> None:
     g.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the peer server, repeatable (e.g. --peer-arg=--flash_attn "
                         "--peer-arg=True)")
+    p.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
     add_model_args(p)
-    p.set_defaults(func=run, dtype="float32")
+    p.set_defaults(func=run)
 
 
 def run(args) -> int:
@@ -753,7 +754,9 @@ def run(args) -> int:
                            requests=args.requests, passages_per_request=args.passages_per_request,
                            pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
                            seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
-    server = None if args.url or not cfg.modes else ServerProcess(args.model, args.dtype, args.device, args.store)
+    server = None if args.url or not cfg.modes else ServerProcess(
+        args.model, args.dtype, args.device, args.store,
+        extra=("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch)))
     peer = None
     if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
         peer = LlamaCppServer(args.model, args.peer_python, args.peer_gguf, args.peer_threads, args.peer_ctx,

@@ -1,0 +1,193 @@
+"""`ragkv bench decode`: decode speed and its fidelity cost, per (dtype, decode weights), on real RAG prompts.
+
+Each request is a MuSiQue question over 4 of its passages (~1.3K tokens), prefilled with `reuse`. Measured:
+- single-stream decode tokens/s (the median step time over `steps` steps, configurations interleaved per round,
+  so machine noise hits all of them alike);
+- batched decode tokens/s at each batch size (one batched forward per step, all sequences advancing);
+- a profile of one decode step by kind of work (weight matmuls, attention, the rest: launch overhead);
+- fidelity against the exact fp32 path: the reference's greedy tokens are fed to every configuration (teacher
+  forcing) and each step's distribution is compared: mean KL(ref || cfg) and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ragkv.bench.common import markdown_table, save_json
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    model: str = "smollm2"
+    configs: tuple[tuple[str, str], ...] = (("float32", "exact"), ("bfloat16", "exact"), ("float32", "int8"),
+                                            ("float32", "int4"), ("bfloat16", "int4"))
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    steps: int = 32
+    rounds: int = 3
+    fidelity_examples: int = 8
+    passages: int = 4
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _requests(engine, n: int, k: int):
+    from ragkv.engine.request import Passage
+    from ragkv.eval.datasets import load_dataset
+
+    out = []
+    for ex in load_dataset("musique", limit=n):
+        out.append(engine.segments(ex.question, [Passage(p.text, p.title) for p in ex.passages[:k]]))
+    return out
+
+
+def _prefill(engine, segs, steps):
+    from ragkv.engine.options import FusionOptions
+
+    return engine.prefill(segs, FusionOptions(mode="reuse"), steps + 1)[0]
+
+
+def _step_ms(engine, segs, steps: int) -> list[float]:
+    from ragkv.engine.state import decode_step
+
+    state = _prefill(engine, segs, steps)
+    tok, times = int(state.logits.argmax()), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tok = int(decode_step(engine.decode_model, state, tok).argmax())
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def _batched_tok_s(engine, reqs, batch: int, steps: int) -> float:
+    from ragkv.engine.state import decode_batch
+
+    states = [_prefill(engine, reqs[i % len(reqs)], steps) for i in range(batch)]
+    tokens = [int(s.logits.argmax()) for s in states]
+    decode_batch(engine.decode_model, states, tokens)  # warm-up step
+    t0 = time.perf_counter()
+    for _ in range(steps - 1):
+        tokens = decode_batch(engine.decode_model, states, [int(s.logits.argmax()) for s in states]).argmax(-1)
+    return batch * (steps - 1) / (time.perf_counter() - t0)
+
+
+def _profile(engine, segs, steps: int = 8) -> dict:
+    """Milliseconds per decode step by kind of work (torch profiler, self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ragkv.engine.state import decode_step
+
+    state = _prefill(engine, segs, steps + 2)
+    tok = int(state.logits.argmax())
+    decode_step(engine.decode_model, state, tok)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decode_step(engine.decode_model, state, tok)
+    kinds = {"weight matmuls": 0.0, "attention": 0.0, "other ops": 0.0}
+    ops = 0
+    for ev in prof.key_averages():
+        name, ms = ev.key, ev.self_cpu_time_total / 1000 / steps
+        ops += ev.count
+        if any(s in name for s in ("int4pack", "int8pack", "aten::mm", "aten::addmm")):
+            kinds["weight matmuls"] += ms
+        elif any(s in name for s in ("attention", "aten::bmm", "softmax")):
+            kinds["attention"] += ms
+        else:
+            kinds["other ops"] += ms
+    out = {k: round(v, 2) for k, v in kinds.items()}
+    out["ops per step"] = round(ops / steps)
+    return out
+
+
+def _teacher_forced(engine, segs, tokens: list[int]) -> list[torch.Tensor]:
+    from ragkv.engine.state import decode_step
+
+    state = _prefill(engine, segs, len(tokens))
+    out = []
+    for t in tokens:
+        out.append(decode_step(engine.decode_model, state, t).float().log_softmax(-1))
+    return out
+
+
+def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> dict:
+    from ragkv.engine.engine import Engine
+    from ragkv.engine.state import decode_step
+
+    engines = {c: Engine.load(cfg.model, dtype=c[0], device="cpu", decode_weights=c[1]) for c in cfg.configs}
+    ref_engine = engines.get(("float32", "exact")) or Engine.load(cfg.model, dtype="float32", device="cpu")
+    reqs = _requests(ref_engine, max(cfg.fidelity_examples, max(cfg.batch_sizes)), cfg.passages)
+    progress(f"[bench decode] {len(reqs)} MuSiQue requests, {sum(s.num_tokens for s in reqs) / len(reqs):.0f} "
+             f"tokens on average; CPU {cpu_name()}, {torch.get_num_threads()} threads")
+
+    step_times = {c: [] for c in cfg.configs}
+    for r in range(cfg.rounds):
+        for c, eng in engines.items():
+            step_times[c] += _step_ms(eng, reqs[r % len(reqs)], cfg.steps)
+        progress(f"[bench decode] round {r + 1}/{cfg.rounds}: " + ", ".join(
+            f"{c[0]}/{c[1]} {1000 / statistics.median(step_times[c]):.1f} tok/s" for c in cfg.configs))
+
+    # fidelity: the exact fp32 greedy tokens fed to every configuration
+    refs = []
+    for segs in reqs[:cfg.fidelity_examples]:
+        state = _prefill(ref_engine, segs, cfg.steps)
+        toks = [int(state.logits.argmax())]
+        for _ in range(cfg.steps - 1):
+            toks.append(int(decode_step(ref_engine.model, state, toks[-1]).argmax()))
+        refs.append((segs, toks, _teacher_forced(ref_engine, segs, toks)))
+
+    rows = []
+    for c, eng in engines.items():
+        kls, agree, n = [], 0, 0
+        for segs, toks, ref_lp in refs:
+            for a, b in zip(ref_lp, _teacher_forced(eng, segs, toks)):
+                kls.append(float((a.exp() * (a - b)).sum()))
+                agree += int(a.argmax() == b.argmax())
+                n += 1
+        batched = {b: round(_batched_tok_s(eng, reqs, b, cfg.steps), 1) for b in cfg.batch_sizes}
+        prof = _profile(eng, reqs[0])
+        med = statistics.median(step_times[c])
+        rows.append({"dtype": c[0], "decode_weights": c[1], "step_ms_median": round(med, 2),
+                     "tokens_per_s": round(1000 / med, 1), "batched_tokens_per_s": batched,
+                     "kl_to_fp32_exact": round(statistics.mean(kls), 5), "top1_agreement": round(agree / n, 4),
+                     "profile_ms": prof})
+        progress(f"[bench decode] {c[0]}/{c[1]}: {rows[-1]['tokens_per_s']} tok/s, batched {batched}, "
+                 f"KL {rows[-1]['kl_to_fp32_exact']}, top-1 {rows[-1]['top1_agreement']}, profile {prof}")
+    result = {"config": asdict(cfg), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+              "prompt_tokens_mean": round(sum(s.num_tokens for s in reqs) / len(reqs), 1), "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_json(out_dir / "decode.json", result)
+    (out_dir / "decode.md").write_text(render_markdown(result))
+    return result
+
+
+def render_markdown(result: dict) -> str:
+    base = next((r for r in result["rows"] if r["dtype"] == "float32" and r["decode_weights"] == "exact"), None)
+    bs = result["config"]["batch_sizes"]
+    headers = ["dtype", "decode weights", "tok/s (1 stream)", "vs fp32 exact"] + [f"tok/s batch {b}" for b in bs] + [
+        "KL to fp32 exact", "top-1 agree", "step ms: matmuls / attention / other (ops)"]
+    rows = []
+    for r in result["rows"]:
+        p = r["profile_ms"]
+        rows.append([r["dtype"], r["decode_weights"], r["tokens_per_s"],
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"]
+                    + [r["batched_tokens_per_s"][b] if b in r["batched_tokens_per_s"] else
+                       r["batched_tokens_per_s"].get(str(b)) for b in bs]
+                    + [r["kl_to_fp32_exact"], r["top1_agreement"],
+                       f"{p['weight matmuls']} / {p['attention']} / {p['other ops']} ({p['ops per step']})"])
+    return (f"# Decode speed and fidelity\n\nCPU: {result['cpu']}, {result['threads']} threads; "
+            f"{result['prompt_tokens_mean']} prompt tokens on average (MuSiQue, 4 passages, reuse); "
+            f"{result['config']['steps']} steps x {result['config']['rounds']} rounds.\n\n"
+            + markdown_table(headers, rows) + "\n")

@@ -1,0 +1,62 @@
+"""Weight-only quantized decode copies (ragkv.models.quant) against the exact path."""
+
+import pytest
+import torch
+from torch import nn
+
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.state import decode_step
+from ragkv.errors import InvalidRequestError
+from ragkv.models.quant import INT4_GROUP, PackedLinear, decode_copy
+
+from tiny import make_segs
+
+
+def _representable_int4(n_out=96, n_in=128, seed=0):
+    """A weight whose every group of 32 is exactly (q - 8) * scale + zero with q spanning 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n_out, n_in // INT4_GROUP, INT4_GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group uses the full range, so its min/max give back scale and zero
+    scale = torch.rand(n_out, n_in // INT4_GROUP, 1, generator=g).bfloat16().float() * 0.1 + 0.01
+    lo = torch.randn(n_out, n_in // INT4_GROUP, 1, generator=g).bfloat16().float() * 0.1
+    return (q * scale + lo).reshape(n_out, n_in)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_packed_linear_equals_the_dequantized_matmul(kind):
+    w = _representable_int4()
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(5, w.shape[1])
+    ref = lin(x.bfloat16().float())  # the kernel reads bf16 activations
+    got = PackedLinear(lin, kind)(x)
+    tol = 2e-2 if kind == "int4" else 5e-2  # int4 reproduces this weight; int8 rounds each row to 1/127
+    assert got.dtype == x.dtype and ((got - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+def test_decode_copy_shares_everything_but_the_linears(tiny_loaded):
+    model = tiny_loaded["llama"].model
+    packed = decode_copy(model, "int4")
+    assert packed is not model and decode_copy(model, "exact") is model
+    assert packed.model.embed_tokens.weight is model.model.embed_tokens.weight
+    assert packed.layers[0].input_layernorm.weight is model.layers[0].input_layernorm.weight
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.Linear)  # the exact model is untouched
+    assert "qkv_proj" not in model.layers[0].self_attn.__dict__
+    with pytest.raises(InvalidRequestError, match="choose one of"):
+        decode_copy(model, "int3")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_decode_stays_close_to_exact(kind, tiny_engine):
+    """Teacher-forced decode steps after an exact prefill: the packed copy's distributions stay close."""
+    eng = tiny_engine("qwen2")  # QKV bias and tied embeddings
+    packed = decode_copy(eng.model, kind)
+    segs = make_segs()
+    exact, _ = eng.prefill(segs, FusionOptions(mode="reuse"), 8)
+    approx, _ = eng.prefill(segs, FusionOptions(mode="reuse"), 8)
+    for tok in (5, 17, 200, 31, 9):
+        a = decode_step(eng.model, exact, tok).log_softmax(-1)
+        b = decode_step(packed, approx, tok).log_softmax(-1)
+        kl = (a.exp() * (a - b)).sum().item()
+        assert kl < 0.05, kl
