@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ragkv.engine.stepwise import Steps, drain
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import causal_mask, sdpa, window_mask
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
@@ -88,7 +89,12 @@ class BlockCache:
     def ensure(self, blocks: list[list[int]], conditioning: str = NO_CONDITIONING, prefix_ids: list[int] | None = None,
                namespace: str | None = None) -> EnsureResult:
         """Make sure every block is in the store (encoding misses first); return their keys in order."""
-        keys, hits, misses, t0 = [], 0, 0, time.perf_counter()
+        return drain(self.ensure_steps(blocks, conditioning, prefix_ids, namespace))
+
+    def ensure_steps(self, blocks: list[list[int]], conditioning: str = NO_CONDITIONING,
+                     prefix_ids: list[int] | None = None, namespace: str | None = None) -> Steps[EnsureResult]:
+        """`ensure`, yielding after each block it encodes."""
+        keys, hits, misses, encode_ms = [], 0, 0, 0.0
         prefix_kv = None
         for ids in blocks:
             key = self.key(ids, conditioning, namespace)
@@ -96,11 +102,14 @@ class BlockCache:
                 hits += 1
             else:
                 misses += 1
+                t0 = time.perf_counter()
                 if conditioning != NO_CONDITIONING and prefix_kv is None and prefix_ids:
                     prefix_kv = self.get_or_encode(prefix_ids, namespace=namespace)
                 self.store.put(key, encode_block(self.model, ids, prefix_kv))
+                encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units
+                yield
             keys.append(key)
-        return EnsureResult(keys, hits, misses, (time.perf_counter() - t0) * 1000)
+        return EnsureResult(keys, hits, misses, encode_ms)
 
     def get_or_encode(self, ids: list[int], namespace: str | None = None) -> BlockKV:
         key = self.key(ids, NO_CONDITIONING, namespace)

@@ -28,6 +28,7 @@ from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
 from ragkv.engine.prefix_cache import prefill_prefix
 from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments
 from ragkv.engine.state import DecodeState
+from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
@@ -128,9 +129,13 @@ class Engine:
                 namespace: str | None = None) -> tuple[DecodeState, RequestStats]:
         """Run `fusion.mode` up to the first token's logits; returns the decode state and statistics."""
         with self.lock:
-            return self._prefill(segs, fusion, max_new_tokens, namespace)
+            return drain(self.prefill_steps(segs, fusion, max_new_tokens, namespace))
 
-    def _prefill(self, segs, fusion, max_new_tokens, namespace):
+    def prefill_steps(self, segs: Segments, fusion: FusionOptions = FusionOptions(), max_new_tokens: int = 0,
+                      namespace: str | None = None, chunk: int | None = None) -> Steps:
+        """`prefill` in units (each missed block encoded; each `chunk` tokens of a full or prefix prefill),
+        yielding between them so that a scheduler can decode other requests in between. The caller holds the
+        model (Engine.lock) while it advances the generator."""
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
         mode = fusion.mode
@@ -142,10 +147,10 @@ class Engine:
             self._check_length(segs.num_tokens, "prompt")
             capacity = segs.num_tokens + max_new_tokens
             if mode == "full":
-                state = prefill_full(self.model, segs.all_ids(), capacity, stats)
+                state = yield from prefill_full(self.model, segs.all_ids(), capacity, stats, chunk)
             else:
-                state = prefill_prefix(self.model, store, self.loaded.fingerprint, ns, segs.all_ids(),
-                                       fusion.prefix_chunk, capacity, stats)
+                state = yield from prefill_prefix(self.model, store, self.loaded.fingerprint, ns, segs.all_ids(),
+                                                  fusion.prefix_chunk, capacity, stats, chunk)
         else:
             layout_kind = "shared" if mode == "ape" else "sequential"
             prefix_blocks = [segs.prefix] if segs.prefix else []
@@ -153,13 +158,15 @@ class Engine:
             self._check_length(layout.query_start + len(segs.query))
             capacity = segs.num_tokens + max_new_tokens
             if mode == "ape":
-                pre = self.blocks.ensure(prefix_blocks, NO_CONDITIONING, namespace=ns)
-                blk = self.blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, ns)
+                pre = yield from self.blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
+                blk = yield from self.blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix),
+                                                          segs.prefix, ns)
                 keys = pre.keys + blk.keys
                 stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
                 stats.encode_ms = pre.encode_ms + blk.encode_ms
             else:
-                res = self.blocks.ensure(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
+                res = yield from self.blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING,
+                                                          namespace=ns)
                 keys = res.keys
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
             layer_iter = self._layer_stream(keys, segs, fusion, ns)
@@ -202,7 +209,14 @@ class Engine:
     def start(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
               gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Sequence:
         """Prefill now; the returned sequence is decoded by `step` (alone or batched with others)."""
-        state, stats = self.prefill(segs, fusion, gen.max_new_tokens, namespace)
+        with self.lock:
+            return drain(self.start_steps(segs, fusion, gen, namespace))
+
+    def start_steps(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+                    gen: GenerationOptions = GenerationOptions(), namespace: str | None = None,
+                    chunk: int | None = None) -> Steps[Sequence]:
+        """`start` in units (see `prefill_steps`); the caller holds Engine.lock while advancing it."""
+        state, stats = yield from self.prefill_steps(segs, fusion, gen.max_new_tokens, namespace, chunk)
         return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions)
 
     def step(self, seqs: list[Sequence]) -> None:

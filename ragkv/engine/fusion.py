@@ -15,6 +15,7 @@ from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.options import RequestStats
 from ragkv.engine.state import AttentionPolicy, DecodeState
+from ragkv.engine.stepwise import Steps
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import causal_mask, sdpa, window_mask
@@ -25,12 +26,24 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-@torch.inference_mode()
-def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats) -> DecodeState:
+def prefill_chunks(model, cache: KVCache, ids: list[int], chunk: int | None) -> Steps[torch.Tensor]:
+    """Causal prefill of `ids` after what `cache` holds, `chunk` tokens per unit (all at once when None);
+    returns the last token's logits [V]."""
+    step = chunk or len(ids)
+    for a in range(0, len(ids), step):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids[a:a + step]], device=model.device), cache=cache)[0, -1]
+        if a + step < len(ids):
+            yield
+    return logits
+
+
+def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats,
+                 chunk: int | None = None) -> Steps[DecodeState]:
     """Ordinary prefill of the whole sequence: the quality reference."""
     t0 = time.perf_counter()
     cache = KVCache.for_model(model, capacity)
-    logits = model(torch.tensor([ids], device=model.device), cache=cache)[0, -1]
+    logits = yield from prefill_chunks(model, cache, ids, chunk)
     stats.recompute_ms += _ms(t0)
     stats.recomputed_tokens += len(ids)
     return DecodeState(cache, len(ids), logits)

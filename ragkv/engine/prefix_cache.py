@@ -13,7 +13,9 @@ import torch
 
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.options import RequestStats
+from ragkv.engine.fusion import prefill_chunks
 from ragkv.engine.state import DecodeState
+from ragkv.engine.stepwise import Steps
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
 CHAIN = "chain"
@@ -27,9 +29,8 @@ def chunk_keys(ids: list[int], chunk: int, fingerprint: str, namespace: str) -> 
     return keys
 
 
-@torch.inference_mode()
 def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids: list[int], chunk: int,
-                   capacity: int, stats: RequestStats) -> DecodeState:
+                   capacity: int, stats: RequestStats, prefill_chunk: int | None = None) -> Steps[DecodeState]:
     keys = chunk_keys(ids, chunk, fingerprint, namespace)
     usable = (len(ids) - 1) // chunk  # keep at least one token to prefill: it yields the logits
     t0 = time.perf_counter()
@@ -50,7 +51,7 @@ def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids:
             cache.values[i][0, :, :reused] = torch.cat([kv.values[i] for kv in hit_kvs], dim=1)
         cache.commit(reused)
     t0 = time.perf_counter()
-    logits = model(torch.tensor([ids[reused:]], device=model.device), cache=cache)[0, -1]
+    logits = yield from prefill_chunks(model, cache, ids[reused:], prefill_chunk)
     stats.query_prefill_ms += (time.perf_counter() - t0) * 1000
     for j in range(len(hit_kvs), len(keys)):
         a, b = j * chunk, (j + 1) * chunk

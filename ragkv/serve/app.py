@@ -62,11 +62,13 @@ class Prepared:
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
-                 default_mode: str = "reuse", max_batch: int = 16):
+                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 256):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
         self.default_mode = default_mode
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats)
+        self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
+        self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
+                                   lock=engine.lock)
         self._library = None
 
     @property
@@ -148,7 +150,8 @@ class Server:
 
         def begin():
             p = prepare()
-            return self.engine.start(p.segs, p.fusion, p.gen, p.namespace), p
+            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, self.prefill_chunk)
+            return seq, p
 
         return self.scheduler.submit_generation(begin, emit)
 

@@ -15,6 +15,9 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
     p.add_argument("--max-batch", type=int, default=16,
                    help="generations decoded together in one batched step (continuous batching)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="tokens of a full/prefix prefill run between two decode steps (bounds the pause a new "
+                        "request imposes on running answers)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve, store="memory:2GiB,disk:~/.cache/ragkv/kv:20GiB")
@@ -28,11 +31,12 @@ def run_serve(args) -> int:
     from ragkv.serve.app import Server, create_app
 
     FusionOptions(mode=args.default_mode)  # fail fast on a bad default
-    if args.max_batch < 1:
-        raise InvalidRequestError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_batch < 1 or args.prefill_chunk < 1:
+        raise InvalidRequestError(f"--max-batch and --prefill-chunk must be >= 1, got {args.max_batch} and "
+                                  f"{args.prefill_chunk}")
     engine = engine_from_args(args)
     server = Server(engine, args.model, args.index, args.max_queue, args.timeout, args.default_mode,
-                    args.max_batch)
+                    args.max_batch, args.prefill_chunk)
     print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
     return 0

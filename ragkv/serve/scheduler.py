@@ -1,9 +1,11 @@
 """Continuous batching: one worker thread drives the model; a bounded queue (full -> 429), deadlines, cancellation.
 
 Every running generation advances one token per step in one batched forward (Engine.step). Between two steps
-the worker admits at most one queued job (a prefill, or a one-off job such as adding documents), so a running
-decode waits for at most one prefill per token: that prefill is the stall a newcomer imposes on the others,
-recorded as `stall_ms`. Finished, cancelled (client gone) and timed-out generations leave the batch at once.
+the worker does one unit of other work: one unit of the current newcomer's prefill (a missed block encoded, or
+`chunk` tokens of a full/prefix prefill, or a query's prefill over cached blocks: Engine.start_steps), or one
+queued one-off job (adding documents). So a running answer pauses for at most one unit per token: the stall a
+newcomer imposes on the others, recorded as `prefill_stall_ms_max`. Finished, cancelled (client gone) and
+timed-out generations leave the batch at once.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class JobTimeout(Exception):
 
 
 class Job:
-    """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives (sequence, info), then the
-    worker decodes it; `emit(kind, payload)` streams "start" and "delta" events)."""
+    """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives a generator that prefills in
+    units and returns (sequence, info), then the worker decodes it; `emit(kind, payload)` streams "start" and
+    "delta" events)."""
 
     def __init__(self, timeout_s: float, fn: Callable | None = None, start: Callable | None = None,
                  emit: Callable | None = None):
@@ -37,7 +40,7 @@ class Job:
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
-        self.seq = self.info = None
+        self.seq = self.info = self.steps = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -55,10 +58,12 @@ class Job:
 
 class Scheduler:
     def __init__(self, step: Callable[[list], None], max_queue: int = 64, timeout_s: float = 300.0,
-                 max_batch: int = 16, on_finish: Callable | None = None):
+                 max_batch: int = 16, on_finish: Callable | None = None, lock=None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
+        self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
+        self.prefilling: Job | None = None
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.running: list[Job] = []
         self.stall_ms_max = self.stall_ms_total = 0.0
@@ -85,53 +90,76 @@ class Scheduler:
         """A one-off job run on the worker between decode steps; its future holds fn's result."""
         return self._put(Job(self.timeout_s, fn=fn))
 
-    def submit_generation(self, start: Callable[[], tuple], emit: Callable | None = None) -> Job:
-        """`start()` prefills and returns (sequence, info); the future resolves to (info, sequence, finish)."""
+    def submit_generation(self, start: Callable, emit: Callable | None = None) -> Job:
+        """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
+        to (info, sequence, finish)."""
         return self._put(Job(self.timeout_s, start=start, emit=emit))
 
     # -- the worker ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             try:
-                self._admit()
+                self._unit()
                 if self.running:
                     self._step()
             except BaseException:  # the worker must survive anything
                 log.exception("scheduler iteration failed")
 
-    def _admit(self) -> None:
-        if self.running and len(self.running) >= self.max_batch:
-            return
-        try:
-            job = self.jobs.get(block=not self.running)
-        except queue.Empty:
-            return
-        if job.cancelled.is_set():
-            job.future.cancel()
-            return
-        if job.expired():
-            job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
-            return
-        t0 = time.perf_counter()
-        stalled = bool(self.running)
+    def _unit(self) -> None:
+        """One unit of work besides decoding: a unit of the current prefill, else a newly admitted job's first."""
+        job = self.prefilling
+        if job is None:
+            job = self._admit()
+            if job is None:
+                return
+        t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.fn is not None:
                 job.future.set_result(job.fn(job))
+            elif job.should_stop():
+                self.prefilling = None
+                if job.steps is not None:
+                    job.steps.close()
+                job.future.set_exception(JobTimeout("request timed out before its first token")
+                                         if not job.cancelled.is_set() else RuntimeError("cancelled"))
             else:
-                job.seq, job.info = job.start()
-                job.send("start")
-                self._emit(job, job.seq.advance())
-                if job.seq.finished:
-                    self._finish(job, job.seq.out.finish_reason)
-                else:
-                    self.running.append(job)
+                self.prefilling = job
+                if job.steps is None:
+                    job.steps = job.start()
+                with self.lock:
+                    next(job.steps)
+        except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
+            self.prefilling = None
+            job.seq, job.info = done.value
+            job.send("start")
+            self._emit(job, job.seq.advance())
+            if job.seq.finished:
+                self._finish(job, job.seq.out.finish_reason)
+            else:
+                self.running.append(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
+            self.prefilling = None
             if not job.future.done():
                 job.future.set_exception(e)
         if stalled:
             ms = (time.perf_counter() - t0) * 1000
             self.stall_ms_max = max(self.stall_ms_max, ms)
             self.stall_ms_total += ms
+
+    def _admit(self) -> Job | None:
+        if self.running and len(self.running) >= self.max_batch:
+            return None
+        try:
+            job = self.jobs.get(block=not self.running)
+        except queue.Empty:
+            return None
+        if job.cancelled.is_set():
+            job.future.cancel()
+            return None
+        if job.expired():
+            job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
+            return None
+        return job
 
     def _step(self) -> None:
         for job in list(self.running):

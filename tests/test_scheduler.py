@@ -1,0 +1,123 @@
+"""The continuous-batching scheduler (ragkv.serve.scheduler) and prefill in units (Engine.start_steps)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.stepwise import drain
+from ragkv.serve.scheduler import QueueFull, Scheduler
+
+from tiny import make_segs
+
+
+class FakeSeq:
+    """Stands in for engine.generate.Sequence: `n` tokens, one per advance()."""
+
+    def __init__(self, n, name):
+        self.n, self.name, self.done_tokens, self.finished = n, name, 0, False
+        self.out = type("Out", (), {"finish_reason": "length", "text": ""})()
+        self.stats = None
+
+    def advance(self):
+        if self.done_tokens >= self.n:
+            self.finished = True
+            return []
+        self.done_tokens += 1
+        self.finished = self.done_tokens >= self.n
+        return [type("D", (), {"text": f"{self.name}{self.done_tokens}"})()]
+
+    def cancel(self, reason):
+        self.finished, self.out.finish_reason = True, reason
+
+
+def run_jobs(sched, jobs, timeout=10):
+    deadline = time.monotonic() + timeout
+    for job in jobs:
+        job.future.result(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def test_prefill_units_interleave_with_decode_steps():
+    """A newcomer's prefill runs one unit between two decode steps of the running batch."""
+    steps = []
+    sched = Scheduler(step=lambda seqs: steps.append(sorted(s.name for s in seqs)), max_batch=4)
+    gate = threading.Event()
+    units_seen = []
+
+    def start_long():
+        gate.wait(5)
+        yield
+        return FakeSeq(10**6, "a"), "A"
+
+    def start_chunked():
+        for _ in range(10):  # ten units, e.g. ten prefill chunks
+            units_seen.append(sched.steps)
+            yield
+        return FakeSeq(3, "b"), "B"
+
+    a = sched.submit_generation(start_long)
+    gate.set()
+    time.sleep(0.2)  # A is decoding
+    b = sched.submit_generation(start_chunked)
+    run_jobs(sched, [b])
+    a.cancel()
+    run_jobs(sched, [a])
+    # between consecutive units of B's prefill, exactly one decode step of the batch ran
+    gaps = [y - x for x, y in zip(units_seen, units_seen[1:])]
+    assert gaps and all(g == 1 for g in gaps), units_seen
+    assert any(s == ["a", "b"] for s in steps)  # B joined the running batch
+    assert a.future.result()[2] == "cancelled" and b.future.result()[1].done_tokens == 3
+
+
+def test_cancelled_and_expired_jobs_leave_the_batch():
+    sched = Scheduler(step=lambda seqs: time.sleep(0.002), max_batch=8, timeout_s=0.5)
+
+    def start(n, name):
+        def gen():
+            yield
+            return FakeSeq(n, name), name
+        return gen
+
+    long = sched.submit_generation(start(10**6, "x"))
+    other = sched.submit_generation(start(10**6, "y"))
+    time.sleep(0.1)
+    other.cancel()
+    assert other.future.result(timeout=5)[2] == "cancelled"
+    assert long.future.result(timeout=5)[2] == "timeout"  # its deadline passed while decoding
+    assert sched.batch_size == 0
+
+
+def test_full_queue_refuses():
+    sched = Scheduler(step=lambda seqs: None, max_queue=1)
+    block = threading.Event()
+    sched.submit(lambda job: block.wait(5))
+    time.sleep(0.1)  # the worker is busy with the first job
+    sched.submit(lambda job: None)
+    with pytest.raises(QueueFull):
+        sched.submit(lambda job: None)
+    block.set()
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "ape"])
+def test_prefill_in_units_equals_prefill_at_once(mode, tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(30, 25, 41), query=20)
+    fusion = FusionOptions(mode=mode, prefix_chunk=8)
+    ref, _ = eng.prefill(segs, fusion)
+    steps = eng.prefill_steps(segs, fusion, chunk=16)
+    units = 0
+    while True:
+        try:
+            next(steps)
+            units += 1
+        except StopIteration as done:
+            state, stats = done.value
+            break
+    assert (state.logits - ref.logits).abs().max().item() <= 1e-4
+    if mode == "full":
+        assert units == (segs.num_tokens - 1) // 16  # one pause between consecutive chunks
+    assert drain(eng.prefill_steps(segs, fusion, chunk=16))[0].next_position == ref.next_position
+    assert isinstance(state.logits, torch.Tensor) and stats.ttft_ms > 0
+
