@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai, ninja" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
     "${PIP[@]}" -e ".[test]"
 fi
@@ -22,4 +22,6 @@ fi
 bash scripts/install_redis.sh >/dev/null
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
 .venv/bin/ragkv models --prepare >/dev/null
+echo "== building the C++ decode-attention kernel (once; cached in ~/.cache/torch_extensions)"
+.venv/bin/python -c "from ragkv.ops.decode_kernel import kernel; kernel()"
 echo "== set-up done"

@@ -32,6 +32,7 @@ from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
+from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.models.registry import DEFAULT_MODEL
 from ragkv.store.base import KVStore, MemoryStore
 
@@ -84,6 +85,8 @@ class Engine:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.decode_weights = decode_weights
         self.decode_model = decode_copy(self.model, decode_weights)  # the model itself unless quantized
+        if self.model.device.type == "cpu":
+            decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
         self.store = store if store is not None else MemoryStore()
         self.blocks = BlockCache(self.model, loaded.fingerprint, self.store, namespace)
         self.namespace = namespace

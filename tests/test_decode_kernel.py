@@ -1,0 +1,23 @@
+"""The C++ decode-attention kernel (ragkv.ops.decode_kernel) against SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragkv.ops.decode_kernel import decode_attention_cpu, kernel
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler: the torch path is used instead")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hq,hkv,d,s", [(9, 3, 64, 1300), (4, 4, 32, 7), (8, 2, 48, 3000), (14, 2, 64, 1)])
+def test_kernel_equals_sdpa_over_cache_views(dtype, tol, hq, hkv, d, s):
+    g = torch.Generator().manual_seed(s)
+    cap = s + 37  # a cache view: capacity beyond the valid keys, as in KVCache
+    k = torch.randn(1, hkv, cap, d, generator=g).to(dtype)[:, :, :s]
+    v = torch.randn(1, hkv, cap, d, generator=g).to(dtype)[:, :, :s]
+    q = (torch.randn(1, hq, 1, d, generator=g) * 3).to(dtype)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=hq != hkv)
+    got = decode_attention_cpu(q, k, v)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.float() - ref).abs().max().item() <= tol
