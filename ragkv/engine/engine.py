@@ -135,8 +135,9 @@ class Engine:
             return drain(self.prefill_steps(segs, fusion, max_new_tokens, namespace))
 
     def prefill_steps(self, segs: Segments, fusion: FusionOptions = FusionOptions(), max_new_tokens: int = 0,
-                      namespace: str | None = None, chunk: int | None = None) -> Steps:
-        """`prefill` in units (each missed block encoded; each `chunk` tokens of a full or prefix prefill),
+                      namespace: str | None = None, chunk=None) -> Steps:
+        """`prefill` in units (each missed block encoded; each `chunk` tokens of a full or prefix prefill, where
+        `chunk` is an int, None, or a function giving the next unit's size),
         yielding between them so that a scheduler can decode other requests in between. The caller holds the
         model (Engine.lock) while it advances the generator."""
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
@@ -217,7 +218,7 @@ class Engine:
 
     def start_steps(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                     gen: GenerationOptions = GenerationOptions(), namespace: str | None = None,
-                    chunk: int | None = None) -> Steps[Sequence]:
+                    chunk=None) -> Steps[Sequence]:
         """`start` in units (see `prefill_steps`); the caller holds Engine.lock while advancing it."""
         state, stats = yield from self.prefill_steps(segs, fusion, gen.max_new_tokens, namespace, chunk)
         return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions)

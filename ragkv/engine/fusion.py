@@ -26,20 +26,22 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def prefill_chunks(model, cache: KVCache, ids: list[int], chunk: int | None) -> Steps[torch.Tensor]:
-    """Causal prefill of `ids` after what `cache` holds, `chunk` tokens per unit (all at once when None);
+def prefill_chunks(model, cache: KVCache, ids: list[int], chunk) -> Steps[torch.Tensor]:
+    """Causal prefill of `ids` after what `cache` holds, in units of `chunk` tokens (an int, None for all at
+    once, or a function giving the size for the next unit: a scheduler chunks only while others decode);
     returns the last token's logits [V]."""
-    step = chunk or len(ids)
-    for a in range(0, len(ids), step):
+    a = 0
+    while a < len(ids):
+        step = (chunk() if callable(chunk) else chunk) or len(ids) - a
         with torch.inference_mode():
             logits = model(torch.tensor([ids[a:a + step]], device=model.device), cache=cache)[0, -1]
-        if a + step < len(ids):
+        a += step
+        if a < len(ids):
             yield
     return logits
 
 
-def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats,
-                 chunk: int | None = None) -> Steps[DecodeState]:
+def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats, chunk=None) -> Steps[DecodeState]:
     """Ordinary prefill of the whole sequence: the quality reference."""
     t0 = time.perf_counter()
     cache = KVCache.for_model(model, capacity)

@@ -30,7 +30,7 @@ def chunk_keys(ids: list[int], chunk: int, fingerprint: str, namespace: str) -> 
 
 
 def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids: list[int], chunk: int,
-                   capacity: int, stats: RequestStats, prefill_chunk: int | None = None) -> Steps[DecodeState]:
+                   capacity: int, stats: RequestStats, prefill_chunk=None) -> Steps[DecodeState]:
     keys = chunk_keys(ids, chunk, fingerprint, namespace)
     usable = (len(ids) - 1) // chunk  # keep at least one token to prefill: it yields the logits
     t0 = time.perf_counter()

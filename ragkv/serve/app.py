@@ -62,7 +62,7 @@ class Prepared:
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
-                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 256):
+                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 512):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
         self.default_mode = default_mode
         self.metrics = Metrics()
@@ -148,9 +148,12 @@ class Server:
         """Queue a generation: the worker prepares and prefills it, then decodes it batched with the others;
         `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish)."""
 
+        def chunk():  # chunk a full/prefix prefill only while other answers are decoding
+            return self.prefill_chunk if self.scheduler.running else None
+
         def begin():
             p = prepare()
-            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, self.prefill_chunk)
+            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
             return seq, p
 
         return self.scheduler.submit_generation(begin, emit)

@@ -560,6 +560,18 @@ def _measure(cells: list[dict], client, model: str, payloads, label: str, system
     return cell
 
 
+def batching_stats(before: dict, after: dict) -> dict:
+    """The server's continuous batching during a cell: decode steps, mean batch, prefill pauses per step."""
+    steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+    if steps <= 0 or "batched_tokens" not in after:
+        return {}
+    stall = after["prefill_stall_ms_total"] - before["prefill_stall_ms_total"]
+    return {"decode_steps": steps,
+            "mean_batch": round((after["batched_tokens"] - before["batched_tokens"]) / steps, 2),
+            "prefill_stall_ms_per_step": round(stall / steps, 2),
+            "prefill_stall_ms_max_so_far": after["prefill_stall_ms_max"]}
+
+
 def _describe(cell: dict) -> str:
     return (f"{cell['requests_per_s']} req/s, TTFT p50 {cell['ttft_p50_ms']} p95 {cell['ttft_p95_ms']} ms, "
             f"e2e mean {cell['latency_mean_ms']} ms, decode {cell['decode_tokens_per_s']} tok/s, "
@@ -585,7 +597,9 @@ def _run(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict, se
                      f"{result['warmup'][mode]['seconds']} s")
         for c, reqs in zip(cfg.concurrency, work["plans"]):
             payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
+            h0 = httpx.get(base + "/health", timeout=10).json()
             cell = _measure(result["cells"], client, model, payloads, mode, "ragkv", c, cfg, server_cpu)
+            cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()))
             progress(f"[serve bench] {mode} c={c}: {_describe(cell)}; reused {cell['reused_tokens']} / "
                      f"{cell['prompt_tokens']} prompt tokens")
 
@@ -677,6 +691,15 @@ def render_markdown(result: dict) -> str:
                        f"{x['baseline_concurrency']}, p95 <= {x['p95_ttft_budget_ms']} ms)"
                        for x in r["at_baseline_p95_ttft"])
         lines.append(f"- {mode}: requests/s vs full at full's p95 TTFT: {at}")
+    batching = [c for c in cells if "mean_batch" in c]
+    if batching:
+        lines += ["", "Continuous batching inside ragkv's server per cell (prefill runs in units between decode "
+                      "steps; a stall is the pause those units impose on running answers):", "",
+                  markdown_table(["mode", "clients", "decode steps", "mean batch", "prefill stall ms per step",
+                                  "longest stall so far ms"],
+                                 [[c["mode"], c["concurrency"], c["decode_steps"], c["mean_batch"],
+                                   c["prefill_stall_ms_per_step"], c["prefill_stall_ms_max_so_far"]]
+                                  for c in batching])]
     ratios = result.get("ratios_vs_peer") or {}
     if ratios:
         peer = result["peer"]["name"]

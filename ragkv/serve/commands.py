@@ -15,9 +15,9 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
     p.add_argument("--max-batch", type=int, default=16,
                    help="generations decoded together in one batched step (continuous batching)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="tokens of a full/prefix prefill run between two decode steps (bounds the pause a new "
-                        "request imposes on running answers)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="while other answers decode, a full/prefix prefill runs this many tokens between two "
+                        "decode steps (bounds the pause a new request imposes on them)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve, store="memory:2GiB,disk:~/.cache/ragkv/kv:20GiB")

@@ -199,7 +199,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"queue_depth": self.depth, "batch_size": self.batch_size, "max_batch": self.max_batch,
-                "decode_steps": self.steps,
+                "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
                 "prefill_stall_ms_max": round(self.stall_ms_max, 3),
                 "prefill_stall_ms_total": round(self.stall_ms_total, 3)}
