@@ -62,13 +62,14 @@ class Prepared:
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
-                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 512):
+                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 512,
+                 worker_thread: bool = True):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
         self.default_mode = default_mode
         self.metrics = Metrics()
         self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
         self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
-                                   lock=engine.lock)
+                                   lock=engine.lock, thread=worker_thread)
         self._library = None
 
     @property
