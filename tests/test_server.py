@@ -128,13 +128,14 @@ def test_sixteen_concurrent_clients(server):
     assert not errors and len(results) == 16
 
 
-def test_disconnect_mid_stream_frees_the_model(server):
-    def completion_tokens():
-        text = httpx.get(server.url + "/metrics").text
-        return int(next(line.split()[1] for line in text.splitlines()
-                        if line.startswith("ragkv_completion_tokens_total")))
+def completion_tokens(server) -> int:
+    text = httpx.get(server.url + "/metrics").text
+    return int(next(line.split()[1] for line in text.splitlines()
+                    if line.startswith("ragkv_completion_tokens_total")))
 
-    before = completion_tokens()
+
+def test_disconnect_mid_stream_frees_the_model(server):
+    before = completion_tokens(server)
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
             "model": "smollm2", "stream": True, "max_tokens": 400,
             "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}) as r:
@@ -144,7 +145,7 @@ def test_disconnect_mid_stream_frees_the_model(server):
     r2 = server.client.chat.completions.create(model="smollm2", max_tokens=2,
                                                messages=[{"role": "user", "content": "Hi"}])
     assert r2.choices
-    assert completion_tokens() - before < 100  # the abandoned stream stopped long before 400 tokens
+    assert completion_tokens(server) - before < 100  # the abandoned stream stopped long before 400 tokens
 
 
 def test_concurrent_requests_are_batched_and_answer_as_alone(server):
@@ -167,12 +168,7 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(server):
 
 
 def test_non_streamed_client_that_leaves_frees_its_slot(server):
-    def completion_tokens():
-        text = httpx.get(server.url + "/metrics").text
-        return int(next(line.split()[1] for line in text.splitlines()
-                        if line.startswith("ragkv_completion_tokens_total")))
-
-    before = completion_tokens()
+    before = completion_tokens(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/chat/completions", timeout=2.0, json={
             "model": "smollm2", "max_tokens": 2000,
@@ -180,7 +176,7 @@ def test_non_streamed_client_that_leaves_frees_its_slot(server):
     r2 = server.client.chat.completions.create(model="smollm2", max_tokens=2,
                                                messages=[{"role": "user", "content": "Hi"}])
     assert r2.choices and httpx.get(server.url + "/health").json()["batch_size"] == 0
-    assert completion_tokens() - before < 400  # the abandoned request stopped long before 2000 tokens
+    assert completion_tokens(server) - before < 400  # the abandoned request stopped long before 2000 tokens
 
 
 def test_restarted_server_hits_the_disk_cache(workdir, server):

@@ -103,7 +103,7 @@ def _profile(engine, segs, steps: int = 8) -> dict:
         ops += ev.count
         if any(s in name for s in ("int4pack", "int8pack", "aten::mm", "aten::addmm")):
             kinds["weight matmuls"] += ms
-        elif any(s in name for s in ("attention", "aten::bmm", "softmax")):
+        elif any(s in name for s in ("attention", "aten::bmm", "softmax")):  # ragkv::decode_attention too
             kinds["attention"] += ms
         else:
             kinds["other ops"] += ms
