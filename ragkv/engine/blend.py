@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ragkv.engine.fusion import write_context_layer
+from ragkv.engine.fusion import load_context_layer
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.options import FusionOptions, RequestStats
@@ -86,13 +86,7 @@ class BlendPlan:
         self.kept_block = self.n_block
 
     def begin(self, layer, block, x):
-        if self.N:
-            t0 = time.perf_counter()
-            parts = next(self.layers)
-            self.stats.fetch_ms += (time.perf_counter() - t0) * 1000
-            t0 = time.perf_counter()
-            write_context_layer(self.cache, layer, parts, self.cos, self.sin)
-            self.stats.rerotate_ms += (time.perf_counter() - t0) * 1000
+        load_context_layer(self, layer)
         if layer in self.ratios and self.n_block:
             x = self._select(layer, block, x)
         return x

@@ -14,7 +14,7 @@ import torch
 
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import causal_mask, sdpa, window_mask
+from ragkv.ops.attention import prefill_mask, sdpa
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
 NO_CONDITIONING = "none"
@@ -33,10 +33,7 @@ class EncodePlan:
         P = prefix.num_tokens if prefix is not None else 0
         self.positions = torch.arange(P, P + T, device=dev)
         self.prefix_positions = torch.arange(P, device=dev)
-        self.mask = causal_mask(T, P + T, dev) if P else None
-        window = model.args.sliding_window
-        if window is not None and window < P + T:
-            self.mask = window_mask(T, P + T, window, dev)
+        self.mask = prefill_mask(T, P + T, model.args.sliding_window, dev)
         self.keys, self.values = [], []
 
     def begin(self, layer, block, x):

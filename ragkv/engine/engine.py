@@ -83,7 +83,6 @@ class Engine:
     def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
                  prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact"):
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
-        self.decode_weights = decode_weights
         self.decode_model = decode_copy(self.model, decode_weights)  # the model itself unless quantized
         if self.model.device.type == "cpu":
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request

@@ -18,7 +18,7 @@ from ragkv.engine.state import AttentionPolicy, DecodeState
 from ragkv.engine.stepwise import Steps
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import causal_mask, sdpa, window_mask
+from ragkv.ops.attention import prefill_mask, sdpa
 from ragkv.ops.rope import half_tables, rope_into
 
 
@@ -78,21 +78,14 @@ class ContextPlan:
         self.N, self.Tq = layout.context_len, query_len
         self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
         self.positions = torch.arange(layout.query_start, layout.query_start + query_len, device=dev)
-        self.mask = causal_mask(query_len, self.N + query_len, dev)
         window = model.args.sliding_window
-        if window is not None and window < self.N + query_len:
-            if attention is not None:
-                raise InvalidRequestError("APE is not supported with a sliding-window model; use reuse or blend")
-            self.mask = window_mask(query_len, self.N + query_len, window, dev)  # sequential: index == position
+        if attention is not None and window is not None and window < self.N + query_len:
+            raise InvalidRequestError("APE is not supported with a sliding-window model; use reuse or blend")
+        # sequential layout: cache index == position, so the window applies to cache indices
+        self.mask = prefill_mask(query_len, self.N + query_len, window, dev)
 
     def begin(self, layer, block, x):
-        if self.N:
-            t0 = time.perf_counter()
-            parts = next(self.layers)
-            self.stats.fetch_ms += _ms(t0)
-            t0 = time.perf_counter()
-            write_context_layer(self.cache, layer, parts, self.cos, self.sin)
-            self.stats.rerotate_ms += _ms(t0)
+        load_context_layer(self, layer)
         return x
 
     def store(self, layer, raw_k, k, v):
@@ -103,6 +96,18 @@ class ContextPlan:
 
     def attend(self, layer, q, kv):
         return self.attention(layer, q, *kv) if self.attention else sdpa(q, *kv, mask=self.mask)
+
+
+def load_context_layer(plan, layer: int) -> None:
+    """Fetch the next layer of cached context from `plan.layers` and write it into `plan.cache`, K rotated with
+    `plan.cos/sin` (ContextPlan and BlendPlan before each layer); times go to plan.stats."""
+    if plan.N:
+        t0 = time.perf_counter()
+        parts = next(plan.layers)
+        plan.stats.fetch_ms += _ms(t0)
+        t0 = time.perf_counter()
+        write_context_layer(plan.cache, layer, parts, plan.cos, plan.sin)
+        plan.stats.rerotate_ms += _ms(t0)
 
 
 @torch.inference_mode()

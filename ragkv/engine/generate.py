@@ -135,10 +135,7 @@ class Sequence:
     def cancel(self, reason: str) -> None:
         """Leave decoding now (client gone, deadline passed): the text so far is final."""
         if not self.finished:
-            self.finished, self.feed = True, None
-            self.out.finish_reason = reason
-            self.stats.completion_tokens = len(self.out.token_ids)
-            self.stats.decode_ms = (time.perf_counter() - self.t0) * 1000
+            self._finish(reason, self.out.text)
 
 
 def step_sequences(model, seqs: list[Sequence]) -> None:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ragkv.ops.attention import causal_mask, sdpa, window_mask
+from ragkv.ops.attention import prefill_mask, sdpa
 from ragkv.ops.rope import apply_rope
 
 
@@ -59,11 +59,11 @@ class CausalPlan:
         self.positions, self.cache = positions, cache
         T = positions.shape[-1]
         past = cache.length if cache is not None else 0
-        if window is not None and window < past + T:
-            wm = window_mask(T, past + T, window, positions.device)
-            mask = wm if mask is None else (mask & wm)
-        elif mask is None and past > 0 and T > 1:
-            mask = causal_mask(T, past + T, positions.device)
+        if T > 1:
+            causal = prefill_mask(T, past + T, window, positions.device)
+            mask = causal if mask is None else (mask if causal is None else mask & causal)
+        elif window is not None and window < past + T:  # one row: only the window limits it
+            mask = prefill_mask(T, past + T, window, positions.device) if mask is None else mask
         self.mask, self.causal = mask, mask is None and T > 1
 
     def begin(self, layer, block, x):

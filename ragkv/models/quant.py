@@ -41,12 +41,14 @@ def _int4_pack(w: torch.Tensor, group: int):
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) with W stored as int8 or int4; computed with bf16 activations, returned in x's dtype."""
 
-    def __init__(self, linear: nn.Linear, kind: str):
+    def __init__(self, linear: nn.Linear | list[nn.Linear], kind: str):
+        """Several linears reading the same input are packed as one (outputs concatenated): one matmul."""
         super().__init__()
-        w = linear.weight.detach().float()
+        parts = linear if isinstance(linear, list) else [linear]
+        w = torch.cat([m.weight.detach() for m in parts]).float()
         self.out_features, self.in_features = w.shape
         self.kind = kind if not (kind == "int4" and self.in_features % INT4_GROUP) else "int8"
-        self.bias = linear.bias
+        self.bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
         if self.kind == "int4":
             packed, sz = _int4_pack(w, INT4_GROUP)
         else:
@@ -65,20 +67,22 @@ class PackedLinear(nn.Module):
 
 
 def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
-    """A shallow copy of `module` whose nn.Linear children (at any depth) are packed; the rest is shared."""
+    """A shallow copy of `module` whose nn.Linear children (at any depth) are packed; the rest is shared.
+    q/k/v and gate/up are packed once each, fused, as plain attributes read by project_qkv / MLP.forward."""
     new = copy.copy(module)
-    new._modules = {name: (PackedLinear(child, kind) if isinstance(child, nn.Linear) else _swap_linears(child, kind))
-                    for name, child in module._modules.items()}
+    new._modules = {}
+    for name, child in module._modules.items():
+        if name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            new._modules[name] = None  # packed inside qkv_proj / gate_up_proj below
+        elif isinstance(child, nn.Linear):
+            new._modules[name] = PackedLinear(child, kind)
+        else:
+            new._modules[name] = _swap_linears(child, kind)
+    if "q_proj" in module._modules:
+        new.__dict__["qkv_proj"] = PackedLinear([module.q_proj, module.k_proj, module.v_proj], kind)
+    if "gate_proj" in module._modules:
+        new.__dict__["gate_up_proj"] = PackedLinear([module.gate_proj, module.up_proj], kind)
     return new
-
-
-def _fused(linears: list[nn.Linear], kind: str) -> PackedLinear:
-    """One packed linear for several that read the same input (outputs concatenated): one matmul, not three."""
-    cat = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=linears[0].bias is not None)
-    cat.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
-    if cat.bias is not None:
-        cat.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-    return PackedLinear(cat, kind)
 
 
 def decode_copy(model, kind: str):
@@ -91,13 +95,4 @@ def decode_copy(model, kind: str):
         raise InvalidRequestError(f"--decode-weights {kind} uses torch's CPU kernels; use 'exact' on "
                                   f"{model.device.type}")
     with torch.no_grad():
-        packed = _swap_linears(model, kind)
-        for exact, layer in zip(model.layers, packed.layers):
-            # plain attributes, not submodules: read by project_qkv / MLP.forward when present
-            layer.self_attn.__dict__["qkv_proj"] = _fused(
-                [exact.self_attn.q_proj, exact.self_attn.k_proj, exact.self_attn.v_proj], kind)
-            layer.mlp.__dict__["gate_up_proj"] = _fused([exact.mlp.gate_proj, exact.mlp.up_proj], kind)
-            for name in ("q_proj", "k_proj", "v_proj"):
-                layer.self_attn._modules[name] = None  # packed again inside qkv_proj: don't keep them twice
-            layer.mlp._modules["gate_proj"] = layer.mlp._modules["up_proj"] = None
-        return packed
+        return _swap_linears(model, kind)

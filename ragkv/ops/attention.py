@@ -76,6 +76,14 @@ def window_mask(q_len: int, k_len: int, window: int, device=None) -> torch.Tenso
     return (cols <= rows) & (cols > rows - window)
 
 
+def prefill_mask(q_len: int, k_len: int, window: int | None = None, device=None) -> torch.Tensor | None:
+    """The mask of new rows (the last q_len of k_len positions) attending causally, within `window` if the
+    model has one; None where SDPA's causal kernel does it (square, no window in reach)."""
+    if window is not None and window < k_len:
+        return window_mask(q_len, k_len, window, device)
+    return causal_mask(q_len, k_len, device) if k_len > q_len else None
+
+
 def block_attention_mask(segment_ids: torch.Tensor, open_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Block-Attention mask (Ma et al. 2025, sec. 3): causal, and a token of a closed block sees only its block.
 
@@ -95,9 +103,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Attention of a few new rows over a whole cache (decode), no mask.
 
     On CPU, one row per head: the C++ kernel of ragkv.ops.decode_kernel (1.7-2x faster than SDPA or matmul
-    there). Otherwise SDPA in fp32; for bf16/fp16 on CPU, SDPA's flash kernel is ~10x slower than two small matmuls (measured:
-    790 us vs ~80 us per layer at 1.3K keys), so the scores go through matmul with an fp32 softmax. Scores are
-    computed as K @ q^T (K in its cache layout): q @ K^T made the CPU copy K to transpose it (1.4x slower).
+    there). Otherwise SDPA in fp32; for bf16/fp16 on CPU (the kernel missing), SDPA's flash kernel is ~10x slower
+    than two small matmuls (790 us vs ~80 us per layer at 1.3K keys), so scores go through matmul with an fp32
+    softmax, as K @ q^T (K in its cache layout): q @ K^T made the CPU copy K to transpose it (1.4x slower).
     """
     if q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16):
         out = decode_attention_cpu(q, k, v)

