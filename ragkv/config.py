@@ -5,12 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ragkv.errors import RagkvError
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:  # torch loads in seconds: not for `ragkv --help` or a settings check
+    import torch
+
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise RagkvError(f"unknown dtype {name!r}; use auto, float32 or bfloat16")
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def cache_dir() -> Path:
@@ -36,7 +47,9 @@ def _cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_device(name: str = "auto") -> torch.device:
+def resolve_device(name: str = "auto") -> "torch.device":
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -46,16 +59,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     """`auto` means bf16 where the hardware runs it fast (CUDA with bf16, CPU with AMX/AVX512-BF16), else fp32."""
+    import torch
+
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
-    if name not in DTYPES:
-        raise RagkvError(f"unknown dtype {name!r}; use auto, float32 or bfloat16")
-    return DTYPES[name]
+    return torch_dtype(name)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: "torch.dtype") -> str:
     return str(dtype).removeprefix("torch.")

@@ -21,12 +21,12 @@ done
   echo
   echo '### HotpotQA dev, first 50 examples, fp32, greedy 32 tokens'
   echo
-  .venv/bin/python -m ragkv.train.report --row base=runs/eval-hotpotqa-smollm2.jsonl \
+  .venv/bin/ragkv finetune-report --row base=runs/eval-hotpotqa-smollm2.jsonl \
     --row vanilla-ft=runs/ft/vanilla-hotpotqa.jsonl --row block-ft=runs/ft/block-hotpotqa.jsonl --limit 50
   echo
   echo '### Accuracy vs steps (bf16, first 30 HotpotQA dev examples; step 0 = the base model)'
   echo
-  .venv/bin/python -m ragkv.train.report $CURVE --curve-limit 30 --plot $D/finetune_curve.png \
+  .venv/bin/ragkv finetune-report $CURVE --curve-limit 30 --plot $D/finetune_curve.png \
     --title "HotpotQA dev accuracy vs steps (SmolLM2-135M, n=30, bf16)" | sed 's#^plot: .*#![accuracy vs steps](finetune_curve.png)#'
 } > $D/finetune.md
 EVALS=$(ls runs/eval-hotpotqa-smollm2.jsonl runs/eval-musique-smollm2.jsonl runs/eval-multi_news-smollm2.jsonl 2>/dev/null)

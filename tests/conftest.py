@@ -1,4 +1,8 @@
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,3 +51,13 @@ def default_engine():
         pytest.skip("default model not converted (run `ragkv models --prepare` or the README set-up)")
     from ragkv.engine.engine import Engine
     return Engine.load("smollm2", dtype="float32", device="cpu")
+
+
+# A user's settings file must not change what the tests run; tests of the settings file point this elsewhere.
+os.environ.setdefault("RAGKV_SETTINGS", str(Path(__file__).parent / "no-settings-file.toml"))
+# The tests' KV store, index, calibration and profiles live in a private cache (the default store is persistent
+# and shared by every command): converted models are still found where they are.
+os.environ.setdefault("RAGKV_MODELS_DIR", str(Path(os.environ.get("RAGKV_CACHE_DIR", "~/.cache/ragkv")).expanduser()
+                                              / "models"))
+os.environ["RAGKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="ragkv-test-cache-")
+atexit.register(shutil.rmtree, os.environ["RAGKV_CACHE_DIR"], ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The real default model (SmolLM2-135M, fp32): Invariant 2 against transformers, greedy generation, chat
+"""The real default model (SmolLM2-135M, fp32): docs/invariants.md, invariant 2, against transformers, greedy generation, chat
 template composition, and every fusion mode end to end on real passages (prompts well under 1K tokens)."""
 
 import json
@@ -21,7 +21,7 @@ PROMPT = ("Explain in a few sentences why caching the key and value states of re
 def hf(default_engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(default_engine.loaded.path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(default_engine.model_path), dtype=torch.float32).eval()
 
 
 def test_logits_match_transformers_on_a_chat_prompt(default_engine, hf):

@@ -59,7 +59,7 @@ def test_full_is_exactly_faithful_to_itself(engine):
     for ex in ("ex0", "ex1"):
         f = by[(ex, "full")]["fidelity"]
         assert f == {"first_token_kl": 0.0, "top1_agreement": 1.0, "greedy_agreement": 1.0, "prefix_agreement": 6}
-        assert by[(ex, "prefix")]["fidelity"]["first_token_kl"] < 1e-6  # exact mode (DESIGN Invariant 3)
+        assert by[(ex, "prefix")]["fidelity"]["first_token_kl"] < 1e-6  # exact mode (docs/invariants.md, invariant 3)
         assert by[(ex, "prefix")]["prediction"] == by[(ex, "full")]["prediction"]
         assert by[(ex, "reuse")]["fidelity"]["first_token_kl"] > 0  # blocks lost their cross attention
     ans = engine.generate(engine.segments("q ?", [Passage("a b c")]), FusionOptions(mode="full"))
@@ -174,20 +174,20 @@ def test_mode_keys():
 
 def test_sweeps_calibration_and_report(engine, tmp_path):
     from ragkv.engine.calibration import load_ape_params
-    from ragkv.eval.report import render_report
-    from ragkv.eval.sweeps import SweepRun, blend_ratio_sweep, calibrate_ape
+    from ragkv.bench.report import render_report
+    from ragkv.bench.sweeps import SweepRun, blend_ratio_sweep, calibrate_ape
 
     sw = SweepRun(engine, tmp_path / "out", tmp_path / "runs", "tiny", {"dataset": "tiny"}, max_new_tokens=3,
                   progress=False)
     blend = blend_ratio_sweep(sw, _examples(1), ratios=(0.0, 1.0))
-    assert blend["rows"][1]["first_token_kl"] < 1e-8  # r = 1 recomputes everything: `full` (Invariant 6)
+    assert blend["rows"][1]["first_token_kl"] < 1e-8  # r = 1 recomputes everything: `full` (docs/invariants.md, invariant 6)
     assert (tmp_path / "out" / "sweep-blend-ratio-tiny.png").stat().st_size > 1000
 
     sw.max_new_tokens = 0
     grid = calibrate_ape(sw, _examples(2), temperatures=(0.8, 1.0), scales=(0.9, 1.0))
     best = grid["best"]
     assert best["first_token_kl"] == min(min(row) for row in grid["first_token_kl"])
-    assert load_ape_params(engine.loaded.fingerprint)[:2] == (best["temperature"], best["scale"])
+    assert load_ape_params(engine.fingerprint)[:2] == (best["temperature"], best["scale"])
     assert (tmp_path / "out" / "calibration-tiny.png").is_file()
 
     rf = ResultsFile(tmp_path / "runs" / "eval-tiny.jsonl", {"dataset": "tiny", "model": "tiny", "dtype": "float32",

@@ -1,4 +1,4 @@
-"""DESIGN Invariants 1 and 3-8 on tiny random models (fp32, tight tolerances)."""
+"""docs/invariants.md, invariants 1 and 3-8, on tiny random models (fp32, tight tolerances)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from ragkv.engine.options import FusionOptions, RequestStats
 from ragkv.engine.request import Segments
 from ragkv.engine.state import decode_step
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
-from ragkv.store.base import MemoryStore
+from ragkv.store.memory import MemoryStore
 
 from tiny import make_segs, rand_ids
 

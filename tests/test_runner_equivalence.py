@@ -1,4 +1,4 @@
-"""DESIGN Invariant 2: our layer-by-layer runner equals transformers (fp32) on every supported family."""
+"""docs/invariants.md, invariant 2: our layer-by-layer runner equals transformers (fp32) on every supported family."""
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ragkv.errors import InvalidRequestError
-from ragkv.serve.bench import (ServeBenchConfig, ServerProcess, draw_requests, percentile, run_serve_bench,
+from ragkv.bench.serve import (ServeBenchConfig, ServerProcess, draw_requests, percentile, run_serve_bench,
                                slo_ratios)
 from tiny import default_model_available
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ragkv.errors import InvalidRequestError, RagkvError
-from ragkv.serve import bench
-from ragkv.serve.bench import (BenchRequest, LlamaCppServer, ServeBenchConfig, peer_payload, peer_ratios,
+from ragkv.bench import serve as bench
+from ragkv.bench.serve import (BenchRequest, LlamaCppServer, ServeBenchConfig, peer_payload, peer_ratios,
                                ragkv_payload, render_markdown, summarize, system_prompt)
 from tiny import default_model_available
 

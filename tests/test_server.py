@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from redis_fixture import redis_server  # noqa: F401
-from ragkv.serve.bench import ServerProcess as BenchServerProcess
+from ragkv.bench.serve import ServerProcess as BenchServerProcess
 from tiny import default_model_available
 
 pytestmark = [pytest.mark.model,

@@ -5,7 +5,7 @@ import pytest
 from ragkv.store.controller import (LoadPlan, TierProfile, choose_ratio, choose_tier, hidden_ratio, load_seconds,
                                     measure_bandwidth, plan_load, profile_tiers, recompute_seconds)
 from ragkv.store.disk import DiskStore
-from ragkv.store.memory import LRUMemoryStore
+from ragkv.store.memory import MemoryStore
 
 MB = 1e6
 TIERS = [TierProfile("memory", 10_000 * MB), TierProfile("disk", 1_000 * MB), TierProfile("redis", 100 * MB)]
@@ -60,7 +60,7 @@ def test_plan_raises_ratio_when_only_slow_tiers_hold_the_blocks():
 
 
 def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
-    tiers = [LRUMemoryStore(8 << 20), DiskStore(tmp_path / "kv", 64 << 20)]
+    tiers = [MemoryStore(8 << 20), DiskStore(tmp_path / "kv", 64 << 20)]
     bw = measure_bandwidth(tiers[1], nbytes=1 << 20)
     assert bw > 0 and tiers[1].stats()["entries"] == 0             # the probe entry is gone again
     path = tmp_path / "profile.json"
@@ -75,11 +75,11 @@ def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
 def test_unreadable_profile_file_is_measured_again(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text("{not json")
-    profiles = profile_tiers([LRUMemoryStore(4 << 20)], path=path)
+    profiles = profile_tiers([MemoryStore(4 << 20)], path=path)
     assert profiles[0].bytes_per_s > 0 and "memory" in json.loads(path.read_text())
 
 
 def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
-    profile_tiers([LRUMemoryStore(4 << 20)])
+    profile_tiers([MemoryStore(4 << 20)])
     assert (tmp_path / "store_bandwidth.json").exists()

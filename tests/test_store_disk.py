@@ -136,7 +136,7 @@ def test_corrupt_or_truncated_file_is_a_logged_miss_and_deleted(tmp_path, caplog
 @pytest.mark.parametrize("other", [make_key(fingerprint="fp-b"), make_key(conditioning="prefix:p"),
                                    make_key(namespace="tenant-b")])
 def test_entry_of_another_key_is_never_returned(tmp_path, other):
-    """DESIGN Invariant 8, even when a file lands under another key's name (copy, bug, collision)."""
+    """docs/invariants.md, invariant 8, even when a file lands under another key's name (copy, bug, collision)."""
     store = DiskStore(tmp_path, 1 << 20)
     store.put(make_key(), make_kv())
     assert store.get(other) is None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ragkv.store.errors import InvalidNamespaceError
-from ragkv.store.memory import LRUMemoryStore
+from ragkv.store.memory import MemoryStore
 from store_helpers import make_key, make_kv, same
 
 BLOCK = make_kv().nbytes  # 4096 bytes in fp32
@@ -13,7 +13,7 @@ BLOCK = make_kv().nbytes  # 4096 bytes in fp32
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip(dtype):
-    store = LRUMemoryStore(1 << 20)
+    store = MemoryStore(1 << 20)
     key, kv = make_key(), make_kv(dtype=dtype)
     assert store.get(key) is None and not store.contains(key)
     store.put(key, kv)
@@ -24,7 +24,7 @@ def test_round_trip(dtype):
 
 
 def test_lru_is_bounded_by_bytes():
-    store = LRUMemoryStore(3 * BLOCK)
+    store = MemoryStore(3 * BLOCK)
     for i in range(3):
         store.put(make_key(i), make_kv(i))
     store.get(make_key(0))                      # 0 becomes most recent; 1 is now the oldest
@@ -38,14 +38,14 @@ def test_lru_is_bounded_by_bytes():
 
 
 def test_bf16_blocks_take_half_the_bytes():
-    store = LRUMemoryStore(4 * BLOCK // 2)
+    store = MemoryStore(4 * BLOCK // 2)
     for i in range(4):
         store.put(make_key(i), make_kv(i, dtype=torch.bfloat16))
     assert store.stats()["entries"] == 4
 
 
 def test_block_larger_than_capacity_is_refused_without_evicting(caplog):
-    store = LRUMemoryStore(2 * BLOCK)
+    store = MemoryStore(2 * BLOCK)
     store.put(make_key(0), make_kv(0))
     with caplog.at_level(logging.WARNING):
         store.put(make_key(1, tokens=48), make_kv(1, tokens=48))
@@ -54,7 +54,7 @@ def test_block_larger_than_capacity_is_refused_without_evicting(caplog):
 
 
 def test_namespaces_are_isolated_and_cleared_separately():
-    store = LRUMemoryStore(1 << 20)
+    store = MemoryStore(1 << 20)
     store.put(make_key(0, "alice"), make_kv(0))
     store.put(make_key(0, "bob"), make_kv(1))
     assert same(store.get(make_key(0, "alice")), make_kv(0))
@@ -67,11 +67,11 @@ def test_namespaces_are_isolated_and_cleared_separately():
 
 def test_unsafe_namespace_is_rejected():
     with pytest.raises(InvalidNamespaceError, match="namespace"):
-        LRUMemoryStore(1 << 20).put(make_key(0, "../etc"), make_kv())
+        MemoryStore(1 << 20).put(make_key(0, "../etc"), make_kv())
 
 
 def test_threads_share_the_store_safely():
-    store = LRUMemoryStore(6 * BLOCK)
+    store = MemoryStore(6 * BLOCK)
     errors = []
 
     def work(w):

@@ -93,7 +93,7 @@ def test_corrupt_value_is_a_logged_miss_and_deleted(redis_url, caplog, damage, r
 @pytest.mark.parametrize("other", [make_key(fingerprint="fp-b"), make_key(conditioning="prefix:p"),
                                    make_key(namespace="tenant-b")])
 def test_entry_of_another_key_is_never_returned(redis_url, other):
-    """DESIGN Invariant 8, even when a value is stored under another key's name."""
+    """docs/invariants.md, invariant 8, even when a value is stored under another key's name."""
     store = RedisStore(redis_url)
     store.put(make_key(), make_kv())
     r = raw(redis_url)

@@ -108,7 +108,7 @@ def test_other_format_version_is_refused():
     make_key(1),                           # other tokens
 ])
 def test_entry_is_refused_for_another_key(other):
-    """DESIGN Invariant 8: an entry is only returned for the key it was written for."""
+    """docs/invariants.md, invariant 8: an entry is only returned for the key it was written for."""
     data = serde.encode(make_key(), make_kv())
     with pytest.raises(EntryMismatchError):
         serde.decode(data, other)

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from ragkv.errors import RagkvError
-from ragkv.store.commands import register
+from ragkv.cli.store import register
 from ragkv.store.disk import DiskStore
 from ragkv.store.errors import StoreSpecError, StoreUnavailableError
-from ragkv.store.memory import LRUMemoryStore
+from ragkv.store.memory import MemoryStore
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.sizes import format_size, parse_size
 from ragkv.store.spec import (DEFAULT_SPEC, DiskTierSpec, MemoryTierSpec, RedisTierSpec, open_store, parse_spec)
@@ -79,7 +79,7 @@ def test_bad_specs_say_what_to_do(text, match):
 def test_open_store_builds_each_tier(tmp_path, redis_url):
     store = open_store(f"memory:1MiB,disk:{tmp_path}/kv:4MiB,{redis_url}?ttl=30&prefix=t:", pipelined=False)
     mem, disk, red = store.tiers
-    assert isinstance(mem, LRUMemoryStore) and mem.capacity_bytes == 1 << 20
+    assert isinstance(mem, MemoryStore) and mem.capacity_bytes == 1 << 20
     assert isinstance(disk, DiskStore) and disk.root == tmp_path / "kv" and disk.capacity_bytes == 4 << 20
     assert isinstance(red, RedisStore) and red.ttl_s == 30 and red.prefix == "t:"
     assert not store.pipelined

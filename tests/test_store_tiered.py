@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from ragkv.store.base import LayerReader, MemoryStore
+from ragkv.store.base import LayerReader
 from ragkv.store.disk import DiskStore
 from ragkv.store.errors import MissingBlockError
-from ragkv.store.memory import LRUMemoryStore
+from ragkv.store.memory import MemoryStore
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.tiered import TieredStore
 from redis_fixture import redis_server, redis_url  # noqa: F401
@@ -17,7 +17,7 @@ from store_helpers import L, make_key, make_kv, same
 
 @pytest.fixture
 def three(tmp_path, redis_url):
-    return [LRUMemoryStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20), RedisStore(redis_url)]
+    return [MemoryStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20), RedisStore(redis_url)]
 
 
 def layers_of(kv):
@@ -59,7 +59,7 @@ def test_pipelined_iter_layers_equals_unpipelined_and_promotes(tmp_path, redis_u
     expected = [[kv.layer(i) for kv in kvs] for i in range(L)]
     results = []
     for pipelined in (False, True):
-        tiers = [LRUMemoryStore(1 << 20), DiskStore(tmp_path / f"kv{pipelined}", 1 << 20), RedisStore(redis_url)]
+        tiers = [MemoryStore(1 << 20), DiskStore(tmp_path / f"kv{pipelined}", 1 << 20), RedisStore(redis_url)]
         tiers[0].put(keys[0], kvs[0])                      # blocks spread over the tiers
         tiers[1].put(keys[1], kvs[1])
         tiers[2].put(keys[2], kvs[2])
@@ -80,7 +80,7 @@ def test_pipelined_iter_layers_equals_unpipelined_and_promotes(tmp_path, redis_u
 
 
 def test_memory_only_streams_skip_the_thread():
-    store = TieredStore([LRUMemoryStore(1 << 20)])
+    store = TieredStore([MemoryStore(1 << 20)])
     store.put(make_key(), make_kv())
     stream = store.iter_layers([make_key()], L)
     assert not stream.pipelined
@@ -94,14 +94,14 @@ def test_base_memory_store_works_as_a_tier():
 
 
 def test_asking_for_more_layers_than_stored_is_an_error():
-    store = TieredStore([LRUMemoryStore(1 << 20)])
+    store = TieredStore([MemoryStore(1 << 20)])
     store.put(make_key(), make_kv())
     with pytest.raises(ValueError, match="fewer"):
         store.iter_layers([make_key()], L + 1)
 
 
 def test_missing_block_raises_at_once(tmp_path):
-    store = TieredStore([LRUMemoryStore(1 << 20), DiskStore(tmp_path, 1 << 20)])
+    store = TieredStore([MemoryStore(1 << 20), DiskStore(tmp_path, 1 << 20)])
     store.put(make_key(0), make_kv(0))
     with pytest.raises(MissingBlockError, match="encode it") as err:
         store.iter_layers([make_key(0), make_key(1)], L)
@@ -207,7 +207,7 @@ def test_namespaces_never_see_each_other(three):
 @pytest.mark.parametrize("other", [make_key(fingerprint="fp-other-model"), make_key(fingerprint="fp-a-bf16"),
                                    make_key(conditioning="prefix:abc")])
 def test_other_fingerprint_or_conditioning_never_hits(three, other):
-    """DESIGN Invariant 8 through the whole tiered store (dtype and RoPE are part of the fingerprint)."""
+    """docs/invariants.md, invariant 8, through the whole tiered store (dtype and RoPE are part of the fingerprint)."""
     store = TieredStore(three)
     store.put(make_key(), make_kv())
     assert store.get(other) is None and store.locate(other) is None and store.get_layer(other, 0) is None

@@ -9,7 +9,7 @@ import pytest
 
 from ragkv.cli import main
 from ragkv.models.registry import converted_path
-from ragkv.store.commands import default_warm_spec
+from ragkv.settings import default_store_spec
 from tiny import default_model_available
 
 DOCS = {"alpine_lakes.txt": "Lake Geneva is the largest lake of the Alps, shared by France and Switzerland.",
@@ -65,15 +65,16 @@ def test_warm_refuses_bad_input_before_loading_the_model(tmp_path, docs_dir, cac
     assert "unknown store tier 'tape'" in capsys.readouterr().err
 
 
-def test_default_warm_store_follows_the_cache_dir(tmp_path, cache_env):
-    assert default_warm_spec() == f"disk:{tmp_path / 'cache' / 'kv'}:20GiB"
+def test_default_store_follows_the_cache_dir(tmp_path, cache_env):
+    """One default store for every command and the server (issue 11): memory in front of the shared disk tier."""
+    assert default_store_spec() == f"memory:2GiB,disk:{tmp_path / 'cache' / 'kv'}:20GiB"
 
 
 def test_store_bench_ratios_and_verdicts():
     """`ragkv bench store` arithmetic on made-up timings (the benchmark itself is run by hand, never timed here)."""
     from types import SimpleNamespace
 
-    from ragkv.store.bench import Config, render_markdown, summarize
+    from ragkv.bench.store import Config, render_markdown, summarize
 
     def config(mode, tier, pipelined, runs):
         return Config(mode, tier, pipelined, SimpleNamespace(), runs=runs, waits=[1.0] * len(runs))

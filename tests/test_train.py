@@ -1,4 +1,4 @@
-"""Block fine-tuning on tiny random models: training forward == inference (Invariant 4), collation and masks,
+"""Block fine-tuning on tiny random models: training forward == inference (docs/invariants.md, invariant 4), collation and masks,
 loss goes down, checkpoint + resume reproduces the straight run, data and output-folder checks."""
 
 import copy

@@ -41,20 +41,3 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str,
-               logy: bool = True) -> Path:
-    from ragkv.figures import pyplot, save_figure
-
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for name, pts in series.items():
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel), ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,17 +10,26 @@ import torch
 from ragkv.bench.common import markdown_table, median_ms, real_passages, save_json
 
 
-def run_engine_bench(model_name: str, lengths: list[int], dtypes: list[str], repeats: int = 3,
-                     out_dir: Path = Path("bench_out"), progress=print) -> dict:
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    model: str = "smollm2"
+    lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    repeats: int = 3
+
+
+def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path = Path("bench_out"),
+                     progress=print) -> dict:
+    model_name, lengths, dtypes, repeats = cfg.model, cfg.lengths, cfg.dtypes, cfg.repeats
     from transformers import AutoModelForCausalLM
 
-    from ragkv.config import DTYPES
+    from ragkv.config import torch_dtype
     from ragkv.models.loader import load_model
 
     passages, _ = real_passages(100)
     rows = []
     for dt in dtypes:
-        dtype = DTYPES[dt]
+        dtype = torch_dtype(dt)
         ours = load_model(model_name, dtype=dtype, device="cpu")
         hf = AutoModelForCausalLM.from_pretrained(str(ours.path), dtype=dtype).eval()
         text = "\n".join(p.text for p in passages)

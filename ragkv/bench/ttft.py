@@ -7,14 +7,17 @@ The floor is the query's own prefill over an exact cached context: the least any
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ragkv.bench.common import markdown_table, median_ms, plot_lines, real_passages, save_json
+from ragkv.bench.common import markdown_table, median_ms, real_passages, save_json
+from ragkv.bench.plots import plot_lines
 from ragkv.bench.flops import flops_to_first_token
 from ragkv.engine.kvcache import KVCache
-from ragkv.engine.options import FusionOptions
+from ragkv.engine.options import MODES, FusionOptions
+from ragkv.errors import InvalidRequestError
 from ragkv.engine.request import Segments
 
 
@@ -22,13 +25,13 @@ def build_request(engine, passages, question: str, context_tokens: int, query_to
                   filler_passage: int = -1) -> Segments:
     base = engine.segments(question, passages[:1])
     prefix, query = base.prefix, base.query
-    filler = engine.segments("x", [passages[filler_passage]]).blocks[0]
+    filler = engine.passage_ids(passages[filler_passage])
     if len(query) < query_tokens:  # pad in front of the question with real text
         query = filler[: query_tokens - len(query)] + query
     query = query[-query_tokens:]
     blocks, total, i = [], len(prefix), 0
     while total < context_tokens:
-        ids = engine.segments("x", passages[i:i + 1]).blocks[0][: context_tokens - total]
+        ids = engine.passage_ids(passages[i])[: context_tokens - total]
         blocks.append(ids)
         total += len(ids)
         i += 1
@@ -36,12 +39,12 @@ def build_request(engine, passages, question: str, context_tokens: int, query_to
 
 
 def query_floor_ms(engine, segs: Segments, repeats: int) -> float:
-    """Prefill of the query alone over an exact KV cache of the context (the `reuse` floor in DESIGN.md)."""
+    """Prefill of the query alone over an exact KV cache of the context (the least any reuse mode can cost)."""
     model = engine.model
     ctx = segs.prefix + [t for b in segs.blocks for t in b]
     cache = KVCache.for_model(model, len(ctx) + len(segs.query))
     with torch.inference_mode():
-        model(torch.tensor([ctx]), cache=cache)
+        model(torch.tensor([ctx], device=model.device), cache=cache)
         q = torch.tensor([segs.query], device=model.device)
 
         def run():
@@ -50,14 +53,35 @@ def query_floor_ms(engine, segs: Segments, repeats: int) -> float:
         return median_ms(run, repeats)[0]
 
 
-def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: int = 50, repeats: int = 3,
-                   ratio: float = 0.15, out_dir: Path = Path("bench_out"), progress=print) -> dict:
+@dataclass(frozen=True)
+class TtftBenchConfig:
+    contexts: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    modes: tuple[str, ...] = MODES
+    query_tokens: int = 50
+    repeats: int = 3
+    fusion: FusionOptions = FusionOptions()  # parameters of the modes (blend's r, APE's T and S, ...)
+
+    def __post_init__(self):
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise InvalidRequestError(f"unknown or no mode(s) {bad}; choose from {', '.join(MODES)}")
+        if self.repeats < 1 or not self.contexts or min(self.contexts) < 1:
+            raise InvalidRequestError("repeats and every context length must be >= 1")
+
+    @property
+    def ordered_modes(self) -> list[str]:
+        """`full` first: the other modes' ratios are against it."""
+        return (["full"] if "full" in self.modes else []) + [m for m in self.modes if m != "full"]
+
+
+def run_ttft_bench(engine, cfg: TtftBenchConfig = TtftBenchConfig(), out_dir: Path = Path("bench_out"),
+                   progress=print) -> dict:
     passages, questions = real_passages()
     a = engine.model.args
     rows = []
-    result = {"model": engine.loaded.name, "dtype": engine.dtype_name, "device": str(engine.model.device),
-              "threads": torch.get_num_threads(), "query_tokens": query_tokens, "repeats": repeats,
-              "ratio": ratio, "rows": rows}
+    query_tokens, repeats, ratio = cfg.query_tokens, cfg.repeats, cfg.fusion.ratio
+    result = {**engine.info(), "query_tokens": query_tokens, "repeats": repeats, "ratio": ratio, "rows": rows}
+    contexts, modes = cfg.contexts, cfg.ordered_modes
     for requested in contexts:
         n = min(requested, engine.max_positions - query_tokens)  # "8K" on an 8192-position model: context + query fit
         if n != requested:
@@ -68,7 +92,7 @@ def run_ttft_bench(engine, contexts: list[int], modes: list[str], query_tokens: 
         floor = query_floor_ms(engine, segs, repeats)
         full_ms = None
         for mode in modes:
-            fusion = FusionOptions(mode=mode, ratio=ratio)
+            fusion = replace(cfg.fusion, mode=mode)
             if mode == "prefix":
                 engine.prefill(other, fusion)  # an earlier question over the same passages
             elif mode != "full":

@@ -7,7 +7,7 @@ layer the fresh V (or K) of the candidates is compared with the cached one and t
 tokens is kept; later layers recompute only those plus every query token. Gradual filtering (sec. 4.3)
 narrows the selection over several check layers; without gradual filtering, several check layers sum their
 deviations and select once at the last (every token is recomputed up to it). r = 1 is `full`; r = 0 is `reuse`
-with a single check layer or gradual filtering (DESIGN Invariant 6).
+with a single check layer or gradual filtering (docs/invariants.md, invariant 6).
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@ from ragkv.engine.calibration import load_ape_params
 from ragkv.engine.fusion import prefill_full, prefill_over_context
 from ragkv.engine.generate import Delta, Sequence, step_sequences
 from ragkv.engine.layout import make_layout
-from ragkv.engine.loading import LoadingPlanner
+from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
+from ragkv.engine.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
-from ragkv.engine.prefix_cache import prefill_prefix
-from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments
+from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments, tokenize
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
@@ -34,7 +35,8 @@ from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.models.registry import DEFAULT_MODEL
-from ragkv.store.base import KVStore, MemoryStore
+from ragkv.store.base import CacheKey, KVStore
+from ragkv.store.memory import MemoryStore
 
 
 @dataclass
@@ -80,47 +82,152 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
 
 
 class Engine:
+    """Public surface: the request methods below, the model facts (`model_name`, `fingerprint`, `device`,
+    `num_layers`, `info()`), tokenizing (`tokenize`, `passage_ids`, `*_segments`), the cache (`warm`,
+    `cache_keys`, `forget`, `store_stats`) and the store profile. `model`, `decode_model` and `tokenizer` are
+    there for raw forwards in benchmarks and tests; everything else is internal."""
+
     def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
-                 prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact"):
-        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
-        self.decode_model = decode_copy(self.model, decode_weights)  # the model itself unless quantized
+                 prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact",
+                 ape_params: tuple[float, float, str] = (DEFAULT_T, DEFAULT_S, "default"),
+                 profiles: StoreProfiles | None = None, _decode_model=None):
+        self._loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        # the model itself unless quantized (shared when `with_store` makes a sibling engine)
+        self._decode_model = _decode_model or decode_copy(self.model, decode_weights)
+        self._decode_weights = decode_weights
         if self.model.device.type == "cpu":
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
-        self.store = store if store is not None else MemoryStore()
-        self.blocks = BlockCache(self.model, loaded.fingerprint, self.store, namespace)
+        self._store = store if store is not None else MemoryStore()
+        self._blocks = BlockCache(self.model, loaded.fingerprint, self._store, namespace)
         self.namespace = namespace
         self.prompt_format = prompt_format
         self.eos_ids = _eos_ids(loaded)
         self.max_positions = loaded.args.max_positions
-        self.ape_temperature, self.ape_scale, self.ape_source = load_ape_params(loaded.fingerprint)
+        self.ape_temperature, self.ape_scale, self.ape_source = ape_params
         self.lock = threading.RLock()  # the model runs one request at a time
-        self.planner = LoadingPlanner(self)
+        self._planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
              store: KVStore | None = None, namespace: str = "default", decode_weights: str = "exact") -> "Engine":
+        """Load the model, and the start-up state: APE's calibration and the store's saved load profiles."""
         dev = resolve_device(device)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev), store=store, namespace=namespace,
-                   decode_weights=decode_weights)
+        loaded = load_model(model, resolve_dtype(dtype, dev), dev)
+        return cls(loaded, store=store, namespace=namespace, decode_weights=decode_weights,
+                   ape_params=load_ape_params(loaded.fingerprint), profiles=StoreProfiles.load())
 
+    def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
+        """An engine over the same model (weights shared) reading and writing another store."""
+        return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
+                      (self.ape_temperature, self.ape_scale, self.ape_source), self._planner.profiles,
+                      _decode_model=self._decode_model)
+
+    # -- model facts ------------------------------------------------------------------------------------
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.model.dtype)
+
+    @property
+    def model_name(self) -> str:
+        return self._loaded.name
+
+    @property
+    def model_path(self):
+        return self._loaded.path
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the weights: part of every cache key, so that no two models share entries."""
+        return self._loaded.fingerprint
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.args.num_layers
+
+    @property
+    def decode_model(self):
+        """The module decode steps run on: `model` itself, or its int8/int4 copy (`decode_weights`)."""
+        return self._decode_model
+
+    @property
+    def store(self) -> KVStore:
+        return self._store
+
+    def info(self) -> dict:
+        return {"model": self.model_name, "path": str(self.model_path), "fingerprint": self.fingerprint,
+                "dtype": self.dtype_name, "device": str(self.device), "layers": self.num_layers,
+                "max_positions": self.max_positions, "decode_weights": self._decode_weights,
+                "threads": torch.get_num_threads()}
+
+    # -- the store --------------------------------------------------------------------------------------
+    def store_stats(self) -> dict:
+        return self._store.stats() if hasattr(self._store, "stats") else {}
+
+    def describe_store(self) -> str:
+        return self._store.describe()
+
+    def cache_keys(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+                   namespace: str | None = None) -> list[CacheKey]:
+        """The store entries `fusion.mode` reads for `segs`: block KV (reuse, ape, blend; the prefix as a block
+        too) or the hash-chained prefix chunks (prefix); none for full."""
+        ns = namespace or self.namespace
+        if fusion.mode == "prefix":
+            return chunk_keys(segs.all_ids(), fusion.prefix_chunk, self.fingerprint, ns)
+        if fusion.mode == "full":
+            return []
+        pre = [self._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
+        cond = prefix_conditioning(segs.prefix) if fusion.mode == "ape" else NO_CONDITIONING
+        return pre + [self._blocks.key(ids, cond, ns) for ids in segs.blocks]
+
+    def forget(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32) -> int:
+        """Delete what any mode stored for `segs`, keeping its shared prefix (system prompt); returns the count."""
+        keys = []
+        for mode in ("reuse", "ape"):
+            keys += self.cache_keys(segs, FusionOptions(mode=mode), namespace)[1 if segs.prefix else 0:]
+        chunks = self.cache_keys(segs, FusionOptions(mode="prefix", prefix_chunk=prefix_chunk), namespace)
+        keys += chunks[len(segs.prefix) // prefix_chunk:]
+        return sum(bool(self._store.delete(k)) for k in keys)
+
+    def profile_store(self, refresh: bool = False) -> dict:
+        """Measure (or re-measure) what the loading controller needs: each tier's load bandwidth and this
+        model's recompute cost; saved for later processes. Runs at start-up or on `ragkv store profile`."""
+        with self.lock:
+            return self._planner.profile(refresh)
 
     # -- segments ---------------------------------------------------------------------------------------
     def segments(self, question: str, passages=(), system: str | None = None,
                  prompt_format: PromptFormat | None = None) -> Segments:
         return build_segments(self.tokenizer, question, passages, prompt_format or self.prompt_format, system)
 
-    def chat_segments(self, prompt: str, system: str | None = None) -> Segments:
+    def chat_segments(self, prompt, system: str | None = None) -> Segments:
+        """A chat without passages (a prompt, or turns [{"role", "content"}]) as one query segment."""
         return chat_segments(self.tokenizer, prompt, system)
+
+    def text_segments(self, text: str) -> Segments:
+        """Raw text (no chat template) as one query segment: what /v1/completions without documents runs."""
+        return Segments([], [], self.tokenize(text))
+
+    def tokenize(self, text: str) -> list[int]:
+        return tokenize(self.tokenizer, text)
+
+    def passage_ids(self, passage: Passage) -> list[int]:
+        """The token ids of `passage` as a block, exactly as a request would cache it."""
+        return self.context_segments([passage]).blocks[0]
+
+    def context_segments(self, passages, system: str | None = None) -> Segments:
+        """Prefix and blocks of `passages` with no query: what `warm` takes to precompute them."""
+        return build_segments(self.tokenizer, None, passages, self.prompt_format, system)
 
     def warm(self, segs: Segments, fusion: FusionOptions = FusionOptions(), namespace: str | None = None):
         """Precompute and store the blocks of `segs` for `fusion.mode` without answering."""
         if fusion.mode == "ape":
-            self.blocks.ensure([segs.prefix] if segs.prefix else [], NO_CONDITIONING, namespace=namespace)
-            return self.blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, namespace)
-        return self.blocks.ensure(([segs.prefix] if segs.prefix else []) + segs.blocks, namespace=namespace)
+            self._blocks.ensure([segs.prefix] if segs.prefix else [], NO_CONDITIONING, namespace=namespace)
+            return self._blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, namespace)
+        return self._blocks.ensure(([segs.prefix] if segs.prefix else []) + segs.blocks, namespace=namespace)
 
     # -- prefill ----------------------------------------------------------------------------------------
     def _check_length(self, positions: int, what: str = "fused prompt") -> None:
@@ -144,7 +251,7 @@ class Engine:
         mode = fusion.mode
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
-        store = self.store
+        store = self._store
         ns = namespace or self.namespace
         if mode in ("full", "prefix"):
             self._check_length(segs.num_tokens, "prompt")
@@ -152,7 +259,7 @@ class Engine:
             if mode == "full":
                 state = yield from prefill_full(self.model, segs.all_ids(), capacity, stats, chunk)
             else:
-                state = yield from prefill_prefix(self.model, store, self.loaded.fingerprint, ns, segs.all_ids(),
+                state = yield from prefill_prefix(self.model, store, self.fingerprint, ns, segs.all_ids(),
                                                   fusion.prefix_chunk, capacity, stats, chunk)
         else:
             layout_kind = "shared" if mode == "ape" else "sequential"
@@ -161,21 +268,23 @@ class Engine:
             self._check_length(layout.query_start + len(segs.query))
             capacity = segs.num_tokens + max_new_tokens
             if mode == "ape":
-                pre = yield from self.blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
-                blk = yield from self.blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix),
+                pre = yield from self._blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
+                blk = yield from self._blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix),
                                                           segs.prefix, ns)
                 keys = pre.keys + blk.keys
                 stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
                 stats.encode_ms = pre.encode_ms + blk.encode_ms
             else:
-                res = yield from self.blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING,
+                res = yield from self._blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING,
                                                           namespace=ns)
                 keys = res.keys
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
             layer_iter = self._layer_stream(keys, segs, fusion, ns)
             if mode == "blend":
-                plan = self.planner.plan(keys, fusion.ratio)
-                if plan is not None:
+                plan = self._planner.plan(keys, fusion.ratio)
+                if isinstance(plan, str):
+                    stats.extra["loading_plan"] = {"none": plan}
+                elif plan is not None:
                     stats.extra["loading_plan"] = plan.as_dict()
                     if fusion.auto_ratio:
                         fusion = replace(fusion, ratio=plan.ratio)
@@ -203,10 +312,10 @@ class Engine:
         if not keys:
             return iter(())
         try:
-            return self.store.iter_layers(keys, self.model.args.num_layers)
+            return self._store.iter_layers(keys, self.model.args.num_layers)
         except (MissingBlockError, KeyError):
             self.warm(segs, fusion, namespace)
-            return self.store.iter_layers(keys, self.model.args.num_layers)
+            return self._store.iter_layers(keys, self.model.args.num_layers)
 
     # -- generation ----------------------------------------------------------------------------------------
     def start(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
@@ -225,7 +334,7 @@ class Engine:
     def step(self, seqs: list[Sequence]) -> None:
         """Advance every unfinished sequence by one token in one batched forward (call `advance()` first)."""
         with self.lock:
-            step_sequences(self.decode_model, seqs)
+            step_sequences(self._decode_model, seqs)
 
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:
@@ -244,10 +353,6 @@ class Engine:
     def generate(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                  gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Answer:
         return self.stream(segs, fusion, gen, namespace).answer()
-
-    def ask(self, question: str, passages=(), fusion: FusionOptions = FusionOptions(),
-            gen: GenerationOptions = GenerationOptions(), **kw) -> Answer:
-        return self.generate(self.segments(question, passages), fusion, gen, **kw)
 
 
 __all__ = ["Engine", "Answer", "Run", "Passage", "FusionOptions", "GenerationOptions", "Segments"]

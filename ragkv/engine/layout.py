@@ -1,4 +1,4 @@
-"""Position layouts: where each segment sits once the blocks are fused (DESIGN "position layout")."""
+"""Position layouts: where each segment sits once the blocks are fused ("position layout" in docs/invariants.md)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ MODES = ("full", "prefix", "reuse", "ape", "blend")
 
 @dataclass(frozen=True)
 class FusionOptions:
-    """How cached blocks become the KV the query attends to (DESIGN "fusion mode")."""
+    """How cached blocks become the KV the query attends to (README "How a request flows")."""
     mode: str = "reuse"
     ratio: float = 0.15                   # blend: fraction of block tokens recomputed (r_min when auto_ratio)
     auto_ratio: bool = False              # blend: the loading controller raises r to what loading hides

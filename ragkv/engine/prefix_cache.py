@@ -2,7 +2,7 @@
 
 Chunk j's key hashes chunk j's tokens chained to chunk j-1's hash, so a hit implies the whole prefix matches.
 Chunks hold K already rotated (their positions never change). The longest cached prefix is reused and the
-rest prefilled over it; then the new full chunks are stored. Equal to `full` (DESIGN Invariant 3).
+rest prefilled over it; then the new full chunks are stored. Equal to `full` (docs/invariants.md, invariant 3).
 """
 
 from __future__ import annotations

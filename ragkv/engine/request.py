@@ -73,10 +73,11 @@ def render_passage(p: Passage | str, fmt: PromptFormat) -> str:
     return fmt.untitled_block_template.format(text=p.text)
 
 
-def build_segments(tokenizer, question: str, passages=(), fmt: PromptFormat = PromptFormat(),
+def build_segments(tokenizer, question: str | None, passages=(), fmt: PromptFormat = PromptFormat(),
                    system: str | None = None) -> Segments:
-    """Tokenize prefix, passages and query separately; empty passages are skipped with a warning."""
-    if not question or not question.strip():
+    """Tokenize prefix, passages and query separately; empty passages are skipped with a warning. With
+    `question=None`, the context alone (no query segment): what warming a store caches."""
+    if question is not None and not question.strip():
         raise InvalidRequestError("the question is empty; pass a non-empty question")
     system = fmt.system if system is None else system
     if fmt.use_chat_template:
@@ -91,17 +92,18 @@ def build_segments(tokenizer, question: str, passages=(), fmt: PromptFormat = Pr
             continue
         blocks.append(tokenize(tokenizer, render_passage(p, fmt)))
         titles.append(p.title if isinstance(p, Passage) else "")
-    query = tokenize(tokenizer, fmt.query_template.format(question=question) + tail)
+    query = [] if question is None else tokenize(tokenizer, fmt.query_template.format(question=question) + tail)
     return Segments(prefix=tokenize(tokenizer, head), blocks=blocks, query=query, block_titles=titles)
 
 
-def chat_segments(tokenizer, prompt: str, system: str | None = None) -> Segments:
-    """A plain chat prompt (no passages) as one query segment: what `ragkv generate` runs."""
-    if not prompt or not prompt.strip():
-        raise InvalidRequestError("the prompt is empty; pass a non-empty --prompt")
+def chat_segments(tokenizer, prompt: str | list[dict], system: str | None = None) -> Segments:
+    """A plain chat (no passages) as one query segment: a prompt, or the turns [{"role", "content"}, ...]."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if not turns or not str(turns[-1].get("content") or "").strip():
+        raise InvalidRequestError("the prompt is empty; pass a non-empty prompt")
     if getattr(tokenizer, "chat_template", None):
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        msgs = ([{"role": "system", "content": system}] if system else []) + turns
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     else:
-        text = (system + "\n\n" if system else "") + prompt
+        text = (system + "\n\n" if system else "") + "\n".join(t["content"] for t in turns)
     return Segments(prefix=[], blocks=[], query=tokenize(tokenizer, text))

@@ -55,9 +55,9 @@ def results_config(engine, dataset: dict, max_new_tokens: int) -> dict:
     """What every record of one results file shares (modes and limit excluded: they may grow on resume)."""
     import torch
 
-    return {"harness": HARNESS_VERSION, **dataset, "model": engine.loaded.name,
-            "fingerprint": engine.loaded.fingerprint, "dtype": engine.dtype_name,
-            "device": engine.model.device.type, "threads": torch.get_num_threads(),
+    return {"harness": HARNESS_VERSION, **dataset, "model": engine.model_name,
+            "fingerprint": engine.fingerprint, "dtype": engine.dtype_name,
+            "device": engine.device.type, "threads": torch.get_num_threads(),
             "max_new_tokens": max_new_tokens,
             "prompt_format": asdict(engine.prompt_format)}
 
@@ -89,15 +89,7 @@ def _warm_group(mode: str) -> str | None:
 def forget_example(engine, segs, chunk: int = FusionOptions().prefix_chunk) -> None:
     """Drop the example's blocks and prefix-cache chunks from the store (keeping the shared system prompt's), so
     memory stays flat over hundreds of examples."""
-    from ragkv.engine.blocks import NO_CONDITIONING, prefix_conditioning
-    from ragkv.engine.prefix_cache import chunk_keys
-
-    for cond in (NO_CONDITIONING, prefix_conditioning(segs.prefix)):
-        for ids in segs.blocks:
-            engine.store.delete(engine.blocks.key(ids, cond))
-    keys = chunk_keys(segs.all_ids(), chunk, engine.loaded.fingerprint, engine.namespace)
-    for key in keys[len(segs.prefix) // chunk:]:
-        engine.store.delete(key)
+    engine.forget(segs, prefix_chunk=chunk)
 
 
 def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n_fid: int) -> dict:

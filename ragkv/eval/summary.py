@@ -87,8 +87,3 @@ def text_table(summary: dict[str, dict]) -> str:
         return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
-
-def markdown_table(summary: dict[str, dict]) -> str:
-    headers, rows = table_rows(summary)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

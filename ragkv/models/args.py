@@ -63,8 +63,3 @@ class ModelArgs:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope=rope, sliding_window=window,
         )
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 1 byte per element (multiply by element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -23,7 +23,7 @@ class LoadedModel:
     path: Path
     model: Transformer
     tokenizer: object
-    fingerprint: str  # identity of weights + tokenizer + dtype + RoPE: part of every cache key (Invariant 8)
+    fingerprint: str  # identity of weights + tokenizer + dtype + RoPE: part of every cache key (docs/invariants.md, invariant 8)
 
     @property
     def args(self) -> ModelArgs:

@@ -4,8 +4,8 @@ from ragkv.rag.chunking import Chunk, ChunkConfig, chunk_document
 from ragkv.rag.documents import Document, DocumentError, find_document_files, read_document
 from ragkv.rag.embedding import Embedder, EmbeddingModelError, get_embedder
 from ragkv.rag.index import DocumentInfo, VectorIndex, VectorIndexError
-from ragkv.rag.pipeline import IngestReport, Retriever, default_index_dir
+from ragkv.rag.pipeline import IngestReport, Retriever
 
 __all__ = ["Chunk", "ChunkConfig", "chunk_document", "Document", "DocumentError", "find_document_files",
            "read_document", "Embedder", "EmbeddingModelError", "get_embedder", "DocumentInfo", "VectorIndex",
-           "VectorIndexError", "IngestReport", "Retriever", "default_index_dir"]
+           "VectorIndexError", "IngestReport", "Retriever"]

@@ -13,6 +13,8 @@ is the start-up time of every `ragkv ask`.
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import json
 import threading
@@ -181,9 +183,7 @@ class Embedder:
         return out
 
 
-_DEFAULT = Embedder()  # cheap: nothing loads until the first encode
-
-
+@functools.lru_cache(maxsize=1)
 def get_embedder() -> Embedder:
-    """The process-wide default embedder; its model loads once, on the first encode."""
-    return _DEFAULT
+    """The process-wide default embedder, made on first use; its model loads once, on the first encode."""
+    return Embedder()

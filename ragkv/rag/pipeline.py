@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from ragkv.config import cache_dir
 from ragkv.errors import RagkvError
 from ragkv.rag.chunking import Chunk, ChunkConfig, CountTokens, chunk_document
 from ragkv.rag.documents import Document, DocumentError, find_document_files, read_document
@@ -21,10 +20,6 @@ from ragkv.rag.index import DocumentInfo, VectorIndex
 
 EMBED_BATCH = 64    # chunks embedded, indexed and handed to on_chunk per step
 SAVE_EVERY_S = 60   # during a long ingest, persist the index at least this often
-
-
-def default_index_dir() -> Path:
-    return cache_dir() / "index"
 
 
 @dataclass
@@ -39,11 +34,11 @@ class IngestReport:
 class Retriever:
     """Reads, chunks, embeds and indexes documents; retrieves chunks by cosine similarity to a question."""
 
-    def __init__(self, index_dir: str | Path | None = None, embedder: Embedder | None = None,
+    def __init__(self, index_dir: str | Path, embedder: Embedder | None = None,
                  chunking: ChunkConfig = ChunkConfig()):
         self.embedder = embedder or get_embedder()
         self.chunking = chunking
-        self.index = VectorIndex.open(index_dir or default_index_dir(), embedding_model=self.embedder.name)
+        self.index = VectorIndex.open(index_dir, embedding_model=self.embedder.name)
 
     def ingest(self, paths: Iterable[str | Path], count_tokens: CountTokens,
                on_chunk: Callable[[Chunk], None] | None = None,

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -62,10 +62,10 @@ class Prepared:
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
-                 default_mode: str = "reuse", max_batch: int = 16, prefill_chunk: int = 512,
+                 default_fusion: FusionOptions = FusionOptions(), max_batch: int = 16, prefill_chunk: int = 512,
                  worker_thread: bool = True):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
-        self.default_mode = default_mode
+        self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
         self.metrics = Metrics()
         self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
         self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
@@ -75,7 +75,7 @@ class Server:
     @property
     def library(self):
         if self._library is None:  # loading the embedder costs seconds: only when retrieval is used
-            from ragkv.serve.library import DocumentLibrary
+            from ragkv.rag.library import DocumentLibrary
             self._library = DocumentLibrary(self.engine, self.index_dir)
         return self._library
 
@@ -97,10 +97,9 @@ class Server:
 
     def _fusion(self, extras: RagkvExtras | None, has_blocks: bool) -> FusionOptions:
         e = extras or RagkvExtras()
-        mode = e.mode or (self.default_mode if has_blocks else "prefix")
-        kw = {k: v for k, v in (("ratio", e.ratio), ("ape_temperature", e.ape_temperature),
-                                ("ape_scale", e.ape_scale)) if v is not None}
-        return FusionOptions(mode=mode, **kw)  # validates: unknown mode, r outside [0, 1], T or S <= 0
+        given = e.fusion_fields()
+        given.setdefault("mode", self.default_fusion.mode if has_blocks else "prefix")
+        return replace(self.default_fusion, **given)  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...
 
     def _generation(self, req, default_max: int) -> GenerationOptions:
         max_new = getattr(req, "max_completion_tokens", None) or req.max_tokens
@@ -121,13 +120,9 @@ class Server:
             history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
             segs = self.engine.segments((history + question) if history else question, passages, system=system)
         else:
-            tok = self.engine.tokenizer
-            chat = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": m.role, "content": m.text()} for m in turns]
             if not question.strip():
                 raise ApiError(400, "the last user message is empty", param="messages")
-            text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            segs = Segments([], [], tok(text, add_special_tokens=False)["input_ids"])
+            segs = self.engine.chat_segments([{"role": m.role, "content": m.text()} for m in turns], system)
         return Prepared(segs, fusion, self._generation(req, 256), req.ragkv.namespace if req.ragkv else None,
                         sources)
 
@@ -140,7 +135,7 @@ class Server:
         if passages:
             segs = self.engine.segments(prompt, passages)
         else:
-            segs = Segments([], [], self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            segs = self.engine.text_segments(prompt)
         return Prepared(segs, fusion, self._generation(req, 16), req.ragkv.namespace if req.ragkv else None,
                         sources)
 
@@ -188,7 +183,7 @@ def create_app(server: Server) -> FastAPI:
             raise ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None)
 
     def check_model(name: str | None) -> None:
-        if name and name not in (server.model_id, str(server.engine.loaded.path)):
+        if name and name not in (server.model_id, str(server.engine.model_path)):
             raise ApiError(404, f"model {name!r} is not served here; this server runs {server.model_id!r}",
                            code="model_not_found", param="model")
 
@@ -331,7 +326,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        stats = server.engine.store.stats() if hasattr(server.engine.store, "stats") else {}
+        stats = server.engine.store_stats()
         return PlainTextResponse(server.metrics.render(stats, server.scheduler.stats()),
                                  media_type="text/plain; version=0.0.4")
 

@@ -22,13 +22,27 @@ class Retrieval(_Loose):
 
 
 class RagkvExtras(_Loose):
+    # FusionOptions' fields (ragkv.engine.options): unset ones take the server's defaults
     mode: str | None = None
     ratio: float | None = None
+    auto_ratio: bool | None = None
+    check_layers: list[int] | None = None
+    deviation: str | None = None
+    gradual: bool | None = None
+    sink_tokens: int | None = Field(None, ge=0)
     ape_temperature: float | None = None
     ape_scale: float | None = None
     documents: list[Union[str, DocumentIn]] | None = None  # inline passages, used as they are
     retrieval: Retrieval | None = None  # retrieve top_k chunks from the ingested documents
     namespace: str | None = None
+
+    def fusion_fields(self) -> dict:
+        fields = ("mode", "ratio", "auto_ratio", "check_layers", "deviation", "gradual", "sink_tokens",
+                  "ape_temperature", "ape_scale")
+        out = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        if "check_layers" in out:
+            out["check_layers"] = tuple(out["check_layers"])
+        return out
 
 
 class TextPart(_Loose):

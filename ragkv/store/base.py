@@ -1,6 +1,6 @@
 """Cache keys, the block KV record, and the store interface every tier implements.
 
-A key names exactly what a cached KV depends on (DESIGN Invariant 8): the model fingerprint (weights,
+A key names exactly what a cached KV depends on (docs/invariants.md, invariant 8): the model fingerprint (weights,
 tokenizer, dtype, RoPE), the conditioning (what the block attended to), the block's token ids, and the
 tenant namespace. A miss is `None`, never an exception.
 """
@@ -188,31 +188,3 @@ class KVStore(ABC):
 
     def stats(self) -> dict:
         return {}
-
-
-class MemoryStore(KVStore):
-    """Unbounded in-process dict; ragkv.store.spec.open_store builds byte-bounded LRU, disk and Redis tiers."""
-
-    def __init__(self):
-        self._data: dict[CacheKey, BlockKV] = {}
-
-    def get(self, key):
-        return self._data.get(key)
-
-    def put(self, key, kv):
-        self._data[key] = kv
-
-    def contains(self, key):
-        return key in self._data
-
-    def delete(self, key):
-        return self._data.pop(key, None) is not None
-
-    def stats(self):
-        return {"entries": len(self._data), "bytes": sum(kv.nbytes for kv in self._data.values())}
-
-    def clear(self, namespace=None):
-        doomed = [k for k in self._data if namespace is None or k.namespace == namespace]
-        for k in doomed:
-            del self._data[k]
-        return len(doomed)

@@ -28,7 +28,7 @@ class CorruptEntryError(StoreError):
 
 class EntryMismatchError(CorruptEntryError):
     """A well-formed entry whose header names another key (model fingerprint, conditioning, tokens or
-    namespace): never used for the requested key (DESIGN Invariant 8)."""
+    namespace): never used for the requested key (docs/invariants.md, invariant 8)."""
 
 
 class MissingBlockError(StoreError, KeyError):

@@ -12,25 +12,26 @@ from ragkv.store.sizes import format_size
 log = logging.getLogger(__name__)
 
 
-class LRUMemoryStore(KVStore):
-    """Holds BlockKV objects (no serialization) up to `capacity_bytes` of tensor data.
+class MemoryStore(KVStore):
+    """Holds BlockKV objects (no serialization) up to `capacity_bytes` of tensor data (None: unbounded, for
+    tests and short-lived tools).
 
     An entry larger than the whole capacity is refused with a warning instead of evicting everything.
     """
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes <= 0:
+    def __init__(self, capacity_bytes: int | None = None):
+        if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"memory tier capacity must be positive, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes if capacity_bytes is not None else float("inf")
         self._data: OrderedDict[CacheKey, BlockKV] = OrderedDict()
         self._bytes = 0
         self._lock = threading.RLock()
         self.counters = dict(hits=0, misses=0, puts=0, evictions=0, refused=0)
 
     def describe(self) -> str:
-        return f"memory:{format_size(self.capacity_bytes)}"
+        return "memory" if self.capacity_bytes == float("inf") else f"memory:{format_size(self.capacity_bytes)}"
 
     def get(self, key):
         with self._lock:
@@ -95,5 +96,6 @@ class LRUMemoryStore(KVStore):
             ns["bytes"] += size
         with self._lock:
             return {"tier": self.name, "describe": self.describe(), "entries": len(self._data),
-                    "bytes": self._bytes, "capacity_bytes": self.capacity_bytes, "namespaces": namespaces,
+                    "bytes": self._bytes,
+                    "capacity_bytes": None if self.capacity_bytes == float("inf") else self.capacity_bytes, "namespaces": namespaces,
                     **self.counters}

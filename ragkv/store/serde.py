@@ -4,7 +4,7 @@ Layout: a 16-byte prelude (magic, header length, crc32 of the header), a JSON he
 64-byte aligned, then the payload layer by layer, each layer its K [Hkv, T, D] then its V, so one layer can be
 read alone with a seek or a GETRANGE. Every layer carries its own crc32, checked whenever it is read.
 The header repeats the full cache key: an entry is only ever returned for the key it was written for
-(DESIGN Invariant 8). Tensors go through `.view(torch.uint8)`, so bf16 round-trips bit-exactly.
+(docs/invariants.md, invariant 8). Tensors go through `.view(torch.uint8)`, so bf16 round-trips bit-exactly.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ragkv.store.errors import StoreSpecError
 from ragkv.store.sizes import parse_size
-from ragkv.store.tiered import TieredStore
 
 DEFAULT_SPEC = "memory:2GiB"
 DEFAULT_MEMORY = "2GiB"
@@ -137,8 +136,8 @@ def parse_spec(text: str | None) -> StoreSpec:
 def build_tier(t):
     """Construct one tier; raises StoreUnavailableError when it cannot be used (see each tier)."""
     if isinstance(t, MemoryTierSpec):
-        from ragkv.store.memory import LRUMemoryStore
-        return LRUMemoryStore(t.capacity_bytes)
+        from ragkv.store.memory import MemoryStore
+        return MemoryStore(t.capacity_bytes)
     if isinstance(t, DiskTierSpec):
         from ragkv.store.disk import DiskStore
         return DiskStore(t.path, t.capacity_bytes)
@@ -148,7 +147,7 @@ def build_tier(t):
     raise TypeError(f"not a tier spec: {t!r}")
 
 
-def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True) -> TieredStore:
+def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True) -> "TieredStore":
     """A TieredStore from a spec string (None -> DEFAULT_SPEC).
 
     Raises:
@@ -156,4 +155,6 @@ def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, prom
         StoreUnavailableError: a tier cannot be used (unwritable directory, unreachable Redis).
     """
     parsed = spec if isinstance(spec, StoreSpec) else parse_spec(spec)
+    from ragkv.store.tiered import TieredStore  # torch: only when a store is opened
+
     return TieredStore([build_tier(t) for t in parsed.tiers], pipelined=pipelined, promote=promote)

@@ -1,15 +1,13 @@
 """The fine-tuning table (Block-Attention table 1 layout) and accuracy-vs-steps plot (its figure 4) from
 `ragkv eval` results files of the base model, the fine-tuned models and their checkpoints.
 
-    python -m ragkv.train.report --row base=runs/base.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
+    ragkv finetune-report --row base=runs/base.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
         --row block-ft=runs/block.jsonl --curve vanilla-ft:25=runs/v25.jsonl ... --plot docs/results/finetune_curve.png
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
 ROWS = [("base", "full"), ("base", "reuse"), ("vanilla-ft", "full"), ("vanilla-ft", "reuse"),
@@ -83,46 +81,3 @@ def plot_curve(series: dict[str, dict[int, float]], path: Path, title: str) -> P
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
-
-
-def _pairs(items: list[str], flag: str) -> list[tuple[str, Path]]:
-    out = []
-    for item in items:
-        key, sep, path = item.partition("=")
-        if not sep:
-            sys.exit(f"{flag} wants KEY=FILE, got {item!r}")
-        out.append((key, Path(path)))
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ragkv.train.report", description=__doc__.splitlines()[0])
-    p.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft)")
-    p.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
-    p.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
-    p.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
-    p.add_argument("--plot", default=None, help="PNG path of the accuracy-vs-steps curve")
-    p.add_argument("--title", default="HotpotQA dev accuracy vs fine-tuning steps (SmolLM2-135M)")
-    args = p.parse_args(argv)
-    rows = dict(_pairs(args.row, "--row"))
-    if rows:
-        print(table(rows, args.limit))
-    if args.curve:
-        points: dict[str, dict[int, Path]] = {}
-        for key, path in _pairs(args.curve, "--curve"):
-            model, _, step = key.partition(":")
-            points.setdefault(model, {})[int(step)] = path
-        series = curve(points, args.curve_limit)
-        print()
-        steps = sorted({s for pts in series.values() for s in pts})
-        print("| curve | " + " | ".join(str(s) for s in steps) + " |")
-        print("|---|" + "---|" * len(steps))
-        for name, pts in series.items():
-            print(f"| {name} | " + " | ".join(f"{pts[s]:.1f}" if s in pts else "" for s in steps) + " |")
-        if args.plot:
-            print(f"\nplot: {plot_curve(series, Path(args.plot), args.title)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

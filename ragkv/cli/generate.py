@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
-from ragkv.commands.common import add_model_args, engine_from_args, print_json
+from ragkv.cli.common import add_model_args, engine_from_args, print_json
+from ragkv.errors import RagkvError
 
 
 def register(sub) -> None:
@@ -22,7 +23,8 @@ def register(sub) -> None:
     p.set_defaults(func=run_generate)
 
     m = sub.add_parser("models", help="list known and converted models")
-    m.add_argument("--prepare", action="store_true", help="convert the default model now if needed")
+    m.add_argument("--prepare", nargs="?", const="smollm2", default=None, metavar="NAME",
+                   help="convert a known model now if needed (default: smollm2)")
     m.set_defaults(func=run_models)
 
 
@@ -41,7 +43,7 @@ def run_generate(args) -> int:
         print_json({"text": ans.text, "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
                     "ttft_ms": round(s.ttft_ms, 2), "tokens_per_s": round(s.tokens_per_s, 2),
                     "total_ms": round((time.perf_counter() - t0) * 1000, 2), "finish_reason": ans.finish_reason,
-                    "model": args.model, "dtype": engine.dtype_name, "device": str(engine.model.device)})
+                    "model": args.model, "dtype": engine.dtype_name, "device": str(engine.device)})
     else:
         for delta in run:
             sys.stdout.write(delta.text)
@@ -55,12 +57,15 @@ def run_models(args) -> int:
     from ragkv.models.registry import KNOWN_MODELS, converted_path, is_converted, resolve_model_path
 
     if args.prepare:
-        resolve_model_path("smollm2")
+        if args.prepare not in KNOWN_MODELS:
+            raise RagkvError(f"--prepare {args.prepare!r}: not a known model; choose from {', '.join(KNOWN_MODELS)}")
+        resolve_model_path(args.prepare)
     print(f"known models (converted into {models_dir()}):")
     for name, km in KNOWN_MODELS.items():
         state = "converted" if is_converted(converted_path(name)) else "not converted yet (first use converts)"
-        print(f"  {name:10s} {km.description} [{state}]")
-    others = [p for p in models_dir().glob("*") if p.is_dir() and p.name not in KNOWN_MODELS] if models_dir().exists() else []
+        print(f"  {name:20s} {km.description} [{state}]")
+    others = [p for p in models_dir().glob("*") if p.is_dir() and p.name not in KNOWN_MODELS and p.name != "gguf"] \
+        if models_dir().exists() else []
     if others:
         print("other folders in the models directory:")
         for p in sorted(others):

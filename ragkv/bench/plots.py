@@ -1,4 +1,4 @@
-"""PNG plots of sweeps and of the quality table (matplotlib, Agg backend, imported only when plotting)."""
+"""PNG plots of the benchmarks: sweeps, the quality table, TTFT curves (matplotlib Agg, imported only to plot)."""
 
 from __future__ import annotations
 
@@ -63,4 +63,19 @@ def plot_grouped_bars(path: Path, groups: list[str], series: dict[str, list[floa
     ax.set_ylabel(ylabel), ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
+    return _save(fig, path)
+
+
+def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str,
+               logy: bool = True) -> Path:
+    fig, ax = _plt().subplots(figsize=(7, 4.5))
+    for name, pts in series.items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel), ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
     return _save(fig, path)

@@ -36,7 +36,7 @@ class SweepRun:
     def results(self, kind: str, dataset: dict | None = None) -> ResultsFile | None:
         if self.results_dir is None:
             return None
-        name = f"sweep-{kind}-{self.label}-{self.engine.loaded.name}.jsonl"
+        name = f"sweep-{kind}-{self.label}-{self.engine.model_name}.jsonl"
         config = results_config(self.engine, {**(dataset or self.dataset), "sweep": kind}, self.max_new_tokens)
         return ResultsFile(Path(self.results_dir) / name, config, self.overwrite)
 
@@ -51,7 +51,7 @@ class SweepRun:
 
     def header(self, kind: str, n: int) -> dict:
         e = self.engine
-        return {"kind": kind, "dataset": self.label, "n_examples": n, "model": e.loaded.name,
+        return {"kind": kind, "dataset": self.label, "n_examples": n, "model": e.model_name,
                 "dtype": e.dtype_name, "device": e.model.device.type, "max_new_tokens": self.max_new_tokens}
 
     def save(self, name: str, obj: dict) -> Path:
@@ -67,7 +67,7 @@ def _task_metric(examples) -> str:
 
 def blend_ratio_sweep(sw: SweepRun, examples, ratios=BLEND_RATIOS) -> dict:
     """Quality and TTFT of `blend` against its recompute ratio r (CacheBlend fig. 16); r=0 is `reuse`, r=1 `full`."""
-    from ragkv.eval.plots import plot_panels
+    from ragkv.bench.plots import plot_panels
 
     keys = ["full"] + [blend_key(r) for r in ratios]
     summary, run = sw.evaluate(examples, keys, "blend-ratio")
@@ -96,7 +96,7 @@ def blend_ratio_sweep(sw: SweepRun, examples, ratios=BLEND_RATIOS) -> dict:
 def ape_grid_sweep(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID, kind: str = "ape-grid",
                    name: str | None = None) -> dict:
     """Mean first-token KL to `full` (and the task score when generating) over APE's T x S grid (APE fig. 8)."""
-    from ragkv.eval.plots import plot_heatmap
+    from ragkv.bench.plots import plot_heatmap
 
     keys = [ape_key(t, s) for t in temperatures for s in scales]
     summary, run = sw.evaluate(examples, keys, kind)
@@ -125,7 +125,7 @@ def ape_grid_sweep(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRI
 def passages_sweep(sw: SweepRun, load: Callable[[int], list], counts=PASSAGE_COUNTS,
                    keys: tuple[str, ...] = ("full", "reuse", "ape", "blend")) -> dict:
     """Task score per mode against the number of passages; `load(k)` gives the examples with k passages."""
-    from ragkv.eval.plots import plot_panels
+    from ragkv.bench.plots import plot_panels
 
     rows, metric = [], None
     for k in counts:
@@ -150,7 +150,7 @@ def calibrate_ape(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID
 
     grid = ape_grid_sweep(sw, examples, temperatures, scales, kind="calibrate", name=f"calibration-{sw.label}")
     best = grid["best"]
-    path = save_ape_params(sw.engine.loaded.fingerprint, best["temperature"], best["scale"],
+    path = save_ape_params(sw.engine.fingerprint, best["temperature"], best["scale"],
                            kl=best["first_token_kl"], kl_median=best["first_token_kl_median"],
                            top1_agreement=best["top1_agreement"], n=grid["n_examples"], data=sw.label,
                            temperatures=list(temperatures), scales=list(scales), default_kl=grid.get("default", {}).get("first_token_kl"))

@@ -21,19 +21,18 @@ class Retrieved:
 
 
 class DocumentLibrary:
-    def __init__(self, engine, index_dir: str | Path | None = None):
+    def __init__(self, engine, index_dir: str | Path):
         from ragkv.rag.pipeline import Retriever
 
         self.engine = engine
         self.retriever = Retriever(index_dir)
 
     def count_tokens(self, text: str) -> int:
-        return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self.engine.tokenize(text))
 
     def _precompute(self, chunk) -> None:
         """Store the chunk's block KV (conditioning: none, used by reuse and blend) right after indexing."""
-        segs = self.engine.segments("x", [Passage(chunk.text, chunk.title)])
-        self.engine.warm(segs, FusionOptions(mode="reuse"))
+        self.engine.warm(self.engine.context_segments([Passage(chunk.text, chunk.title)]), FusionOptions(mode="reuse"))
 
     def ingest_paths(self, paths, progress: bool = False, on_error=None):
         return self.retriever.ingest(paths, self.count_tokens, on_chunk=self._precompute, on_error=on_error,

@@ -65,6 +65,16 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_finetune)
 
+    r = sub.add_parser("finetune-report", help="Block-Attention table 1 and the accuracy-vs-steps curve from "
+                                               "`ragkv eval` results of base and fine-tuned models")
+    r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft)")
+    r.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
+    r.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
+    r.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
+    r.add_argument("--plot", default=None, help="PNG path of the accuracy-vs-steps curve")
+    r.add_argument("--title", default="HotpotQA dev accuracy vs fine-tuning steps (SmolLM2-135M)")
+    r.set_defaults(func=run_finetune_report)
+
 
 def run_finetune(args) -> int:
     import torch
@@ -125,4 +135,41 @@ def run_finetune(args) -> int:
     minutes = (time.perf_counter() - t_start) / 60
     print(f"ragkv: done in {minutes:.1f} min, last loss {loss if loss is None else round(loss, 4)}; "
           f"model saved to {output} (use --model {output})", file=sys.stderr)
+    return 0
+
+
+def _pairs(items: list[str], flag: str) -> list[tuple[str, Path]]:
+    out = []
+    for item in items:
+        key, sep, path = item.partition("=")
+        if not sep:
+            raise RagkvError(f"{flag} wants KEY=FILE, got {item!r}")
+        out.append((key, Path(path)))
+    return out
+
+
+def run_finetune_report(args) -> int:
+    from ragkv.bench.finetune_report import curve, plot_curve, table
+
+    rows = dict(_pairs(args.row, "--row"))
+    if not rows and not args.curve:
+        raise RagkvError("nothing to report: pass --row MODEL=FILE and/or --curve MODEL:STEP=FILE")
+    if rows:
+        print(table(rows, args.limit))
+    if args.curve:
+        points: dict[str, dict[int, Path]] = {}
+        for key, path in _pairs(args.curve, "--curve"):
+            model, _, step = key.partition(":")
+            if not step.isdigit():
+                raise RagkvError(f"--curve wants MODEL:STEP=FILE with an integer STEP, got {key!r}")
+            points.setdefault(model, {})[int(step)] = path
+        series = curve(points, args.curve_limit)
+        print()
+        steps = sorted({s for pts in series.values() for s in pts})
+        print("| curve | " + " | ".join(str(s) for s in steps) + " |")
+        print("|---|" + "---|" * len(steps))
+        for name, pts in series.items():
+            print(f"| {name} | " + " | ".join(f"{pts[s]:.1f}" if s in pts else "" for s in steps) + " |")
+        if args.plot:
+            print(f"\nplot: {plot_curve(series, Path(args.plot), args.title)}")
     return 0

@@ -1,5 +1,6 @@
-"""`ragkv store stats`, `ragkv store clear` and `ragkv store warm`. ragkv.cli calls `register(subparsers)`; each
-command sets `args.func(args) -> int` (exit code) and raises RagkvError subclasses for bad input."""
+"""`ragkv store stats|clear|warm|profile`: inspect, clear, precompute into and profile the KV store.
+
+Every subcommand opens the same default store as `ask`, `ingest` and `serve` (ragkv.settings)."""
 
 from __future__ import annotations
 
@@ -7,34 +8,28 @@ import argparse
 import json
 import sys
 
-from ragkv.commands.common import add_model_args, add_store_args
-from ragkv.store.base import check_namespace
+from ragkv.cli.ask import read_passages
+from ragkv.cli.common import add_model_args, add_store_args, engine_from_args, make_store
+from ragkv.engine.options import FusionOptions
+from ragkv.errors import RagkvError
 from ragkv.store.sizes import human_size
-from ragkv.store.spec import DEFAULT_SPEC, SYNTAX, open_store
 
-STORE_HELP = f"tiers, fastest first (default {DEFAULT_SPEC}); {SYNTAX}"
 WARM_MODES = ("reuse", "ape", "blend")  # the modes that read cached blocks (prefix caches chunks per request)
 
 
-def default_warm_spec() -> str:
-    """Where `store warm` writes without --store: the disk tier other processes read (memory would die with us)."""
-    from ragkv.config import cache_dir
-
-    return f"disk:{cache_dir() / 'kv'}:20GiB"
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("store", help="inspect or clear the KV store",
-                                   description="Inspect or clear cached block KV in every tier of a store.")
-    sub = parser.add_subparsers(dest="store_command", metavar="{stats,clear,warm}", required=True)
+    parser = subparsers.add_parser("store", help="inspect, clear, warm or profile the KV store",
+                                   description="Inspect or clear cached block KV in every tier of a store, "
+                                               "precompute documents into it, or measure its load profile.")
+    sub = parser.add_subparsers(dest="store_command", metavar="{stats,clear,warm,profile}", required=True)
 
     stats = sub.add_parser("stats", help="entries and bytes per tier and namespace")
-    stats.add_argument("--store", default=DEFAULT_SPEC, metavar="SPEC", help=STORE_HELP)
     stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    add_store_args(stats, namespace=False)
     stats.set_defaults(func=cmd_stats)
 
     clear = sub.add_parser("clear", help="delete cached blocks (of one namespace, or all)")
-    clear.add_argument("--store", default=DEFAULT_SPEC, metavar="SPEC", help=STORE_HELP)
+    add_store_args(clear, namespace=False)
     clear.add_argument("--namespace", metavar="NS", default=None,
                        help="delete only this tenant's blocks (default: every namespace)")
     clear.set_defaults(func=cmd_clear)
@@ -51,16 +46,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                      "depend on it)")
     add_model_args(warm)
     add_store_args(warm)
-    for action in warm._actions:  # the shared --store help describes `ask`'s memory-only default
-        if action.dest == "store":
-            action.help = ("tiers, fastest first, e.g. memory:2GiB,disk:PATH:20GiB,redis://HOST:PORT/DB (default: "
-                           "disk:~/.cache/ragkv/kv:20GiB, under $RAGKV_CACHE_DIR when set)")
     warm.set_defaults(func=cmd_warm)
+
+    profile = sub.add_parser("profile", help="measure each tier's load bandwidth and the model's recompute cost",
+                             description="What blend's loading controller plans with (CacheBlend sec. 5.1). "
+                                         "Saved for every later process; `ragkv serve` measures what is missing "
+                                         "at start-up, never inside a request.")
+    profile.add_argument("--refresh", action="store_true", help="measure again even what is already saved")
+    profile.add_argument("--json", action="store_true")
+    add_model_args(profile, decode_weights=False)
+    add_store_args(profile, namespace=False)
+    profile.set_defaults(func=cmd_profile)
 
 
 def cmd_stats(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
-    stats = open_store(args.store).stats()
+    stats = make_store(args.store).stats()
     if args.json:
         json.dump(stats, out, indent=2, sort_keys=True)
         out.write("\n")
@@ -78,9 +79,11 @@ def cmd_stats(args: argparse.Namespace, out=None) -> int:
 
 def cmd_clear(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
+    from ragkv.store.base import check_namespace
+
     if args.namespace is not None:
         check_namespace(args.namespace)
-    store = open_store(args.store)
+    store = make_store(args.store)
     total = 0
     for tier in store.tiers:
         n = tier.clear(args.namespace)
@@ -94,24 +97,34 @@ def cmd_clear(args: argparse.Namespace, out=None) -> int:
 def cmd_warm(args: argparse.Namespace, out=None) -> int:
     from tqdm import tqdm
 
-    from ragkv.commands.ask import read_passages
-    from ragkv.commands.common import engine_from_args, make_store
-    from ragkv.engine.options import FusionOptions
-    from ragkv.errors import RagkvError
+    from ragkv.store.base import check_namespace
 
     out = out or sys.stdout
     check_namespace(args.namespace)
     passages = read_passages(args.doc, args.docs_dir)
     if not passages:
         raise RagkvError("nothing to warm: pass --docs-dir DIR or --doc FILE")
-    spec = args.store or default_warm_spec()
-    engine = engine_from_args(args, store=make_store(spec))
+    engine = engine_from_args(args)
     fusion = FusionOptions(mode=args.mode)
     computed = present = blocks = 0
     for passage in tqdm(passages, desc="warming", unit="doc", file=sys.stderr):
-        res = engine.warm(engine.segments("x", [passage], system=args.system), fusion)
+        res = engine.warm(engine.context_segments([passage], system=args.system), fusion)
         computed, present = computed + (res.misses > 0), present + (res.misses == 0)
         blocks += res.misses
-    out.write(f"{len(passages)} documents in {engine.store.describe()} (namespace {args.namespace!r}, mode "
+    out.write(f"{len(passages)} documents in {engine.describe_store()} (namespace {args.namespace!r}, mode "
               f"{args.mode}): {computed} computed, {present} already present ({blocks} blocks encoded)\n")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout
+    profile = engine_from_args(args).profile_store(refresh=args.refresh)
+    if args.json:
+        json.dump(profile, out, indent=2)
+        out.write("\n")
+        return 0
+    for tier, bw in profile["tiers"].items():
+        out.write(f"{tier}: loads at {bw / 1e9:.2f} GB/s\n")
+    out.write(f"recompute: {profile['s_per_token_layer'] * 1e6:.2f} us per token and layer\n"
+              f"saved to {profile['saved_to']}\n")
     return 0

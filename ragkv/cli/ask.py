@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ragkv.commands.common import (add_fusion_args, add_model_args, add_store_args, engine_from_args,
-                                   fusion_from_args, print_json)
+from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
+                              fusion_from_args, print_json)
 from ragkv.errors import RagkvError
 
 DOC_SUFFIXES = (".txt", ".md")
@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--doc", action="append", default=[], help="a passage file (repeatable)")
     p.add_argument("--docs-dir", default=None, help="use every .txt/.md file of this folder as a passage")
     p.add_argument("--top-k", type=int, default=5, help="without --doc/--docs-dir: chunks retrieved from the index")
-    p.add_argument("--index", default=None, help="index folder of `ragkv ingest` (default: ~/.cache/ragkv/index)")
+    add_index_arg(p)
     p.add_argument("--system", default=None, help="replace the default instruction")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print answer and statistics as JSON")
@@ -87,7 +87,7 @@ def run_ask(args) -> int:
 
 def retrieve_for(questions, args, engine):
     """Top-k chunks per question from the persisted index of `ragkv ingest`: [(Passage, score, chunk_id)]."""
-    from ragkv.serve.library import DocumentLibrary
+    from ragkv.rag.library import DocumentLibrary
 
     library = DocumentLibrary(engine, args.index)
     if not library.documents():

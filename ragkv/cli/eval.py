@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_from_args, ints, print_json
 from ragkv.errors import RagkvError
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
@@ -14,17 +15,11 @@ EVAL_DATASETS = ("musique", "hotpotqa", "multi_news", "samsum", "nq", "nq-distra
 
 
 def _floats(s: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise RagkvError(f"expected comma-separated numbers, got {s!r}") from None
+    return floats(s, "this option")
 
 
 def _ints(s: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise RagkvError(f"expected comma-separated integers, got {s!r}") from None
+    return ints(s, "this option")
 
 
 def _data_args(p, default: str | None, limit: int | None) -> None:
@@ -40,17 +35,11 @@ def _data_args(p, default: str | None, limit: int | None) -> None:
 
 
 def _model_args(p) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2", help="known name (smollm2) or a local Hugging Face folder")
-    g.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | auto")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    add_model_args(p, decode_weights=False)
 
 
 def _fusion_args(p) -> None:
-    from ragkv.commands.common import add_fusion_params
-
-    add_fusion_params(p.add_argument_group("defaults for bare mode keys (a key's own parameters win)"),
-                      auto_ratio=False)
+    add_fusion_args(p, default_mode=None, title="defaults for bare mode keys (a key's own parameters win)")
 
 
 def _run_args(p, output_help: str) -> None:
@@ -117,12 +106,9 @@ def register(sub) -> None:
 def _base_fusion(args):
     from ragkv.engine.options import FusionOptions
 
-    return FusionOptions(mode="full", ratio=getattr(args, "ratio", 0.15),
-                         check_layers=_ints(getattr(args, "check_layers", "1")) or (1,),
-                         deviation=getattr(args, "deviation", "v"), gradual=getattr(args, "gradual", False),
-                         sink_tokens=getattr(args, "sink_tokens", 0),
-                         ape_temperature=getattr(args, "ape_temperature", None),
-                         ape_scale=getattr(args, "ape_scale", None))
+    if not hasattr(args, "check_layers"):  # calibrate has no mode parameters
+        return FusionOptions(mode="full")
+    return fusion_from_args(args, mode="full")
 
 
 def _dataset(args, name: str | None) -> tuple[str, dict, dict]:
@@ -166,7 +152,6 @@ def _say(msg: str) -> None:
 # -- handlers ---------------------------------------------------------------------------------------------
 
 def run_eval_cmd(args) -> int:
-    from ragkv.commands.common import print_json
     from ragkv.eval.harness import results_config, run_eval
     from ragkv.eval.modes import parse_mode_key, resolve_modes, split_mode_list
     from ragkv.eval.results import ResultsFile
@@ -197,22 +182,21 @@ def run_eval_cmd(args) -> int:
         print_json({"summary": summary, "dataset": label, "n_examples": len(examples) - len(run["skipped"]),
                     "skipped": run["skipped"], "results_file": str(output)})
     else:
-        print(f"{label}: {len(examples) - len(run['skipped'])} examples, {engine.loaded.name} {engine.dtype_name} "
-              f"on {engine.model.device.type}; records in {output}\n")
+        print(f"{label}: {len(examples) - len(run['skipped'])} examples, {engine.model_name} {engine.dtype_name} "
+              f"on {engine.device.type}; records in {output}\n")
         print(text_table(summary))
     return 0
 
 
 def _sweep_run(args, label, desc, engine, out_dir, max_new):
-    from ragkv.eval.sweeps import SweepRun
+    from ragkv.bench.sweeps import SweepRun
 
     return SweepRun(engine, Path(out_dir), Path(args.results_dir), label, desc, max_new,
                     _base_fusion(args), args.overwrite, not args.no_progress)
 
 
 def run_sweep_cmd(args) -> int:
-    from ragkv.commands.common import print_json
-    from ragkv.eval import sweeps
+    from ragkv.bench import sweeps
 
     default = {"blend-ratio": "musique", "ape-grid": "hotpotqa", "passages": "nq-distractors"}[args.kind]
     if args.kind == "passages" and args.num_passages:
@@ -281,8 +265,7 @@ def _print_sweep(s: dict) -> None:
 
 
 def run_calibrate_cmd(args) -> int:
-    from ragkv.commands.common import print_json
-    from ragkv.eval import sweeps
+    from ragkv.bench import sweeps
 
     if args.dataset in EVAL_DATASETS and not args.allow_eval_data:
         raise RagkvError(f"{args.dataset!r} is evaluation data: calibrating on it would tune APE on the test set; "
@@ -312,7 +295,7 @@ def run_calibrate_cmd(args) -> int:
 
 
 def run_report_cmd(args) -> int:
-    from ragkv.eval.report import render_report
+    from ragkv.bench.report import render_report
 
     paths = [Path(p) for p in args.runs] or sorted(Path("runs").glob("eval-*.jsonl"))
     missing = [str(p) for p in paths if not p.is_file()]

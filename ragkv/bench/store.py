@@ -4,7 +4,7 @@ The request is the TTFT benchmark's (real MuSiQue passages up to `--context` tok
 once and copied into each tier; every configuration then has its own single-tier store, so the tier being timed
 is the one read (disk-only and Redis-only stores have no memory tier in front). TTFT runs go round-robin over
 the configurations, so drift in a shared machine's load hits them alike, against `full` in the same run.
-DESIGN target: disk-tier TTFT <= 1.3x memory-tier TTFT with pipelined per-layer loading (CacheBlend sec. 5).
+Target (README "Performance"): disk-tier TTFT <= 1.3x memory-tier TTFT with pipelined per-layer loading (CacheBlend sec. 5).
 """
 
 from __future__ import annotations
@@ -22,43 +22,32 @@ from typing import Callable
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from ragkv.commands.common import add_model_args, print_json
+from ragkv.engine.options import FusionOptions
+from ragkv.errors import InvalidRequestError
 
 NAMESPACE = "bench-store"  # the benchmark's entries, cleared afterwards (a given --redis keeps everything else)
 DISK_TARGET = 1.3
 
 
-def register(bsub) -> None:
-    s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
-    s.add_argument("--context", type=int, default=4096, help="context tokens of the request")
-    s.add_argument("--modes", default="reuse,blend", help="fusion modes reading the blocks (reuse, ape, blend)")
-    s.add_argument("--query-tokens", type=int, default=50)
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
-    s.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server on "
-                   "a free port for the run; the Redis rows are skipped if redis-server is not installed)")
-    s.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary directory "
-                   "under $RAGKV_CACHE_DIR/bench, removed afterwards)")
-    s.add_argument("--output-dir", default="bench_out")
-    s.add_argument("--json", action="store_true")
-    add_model_args(s)
-    s.set_defaults(func=run_store_cmd, dtype="float32")
+@dataclass(frozen=True)
+class StoreBenchConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "auto"
+    context: int = 4096                        # context tokens of the request
+    modes: tuple[str, ...] = ("reuse", "blend")  # modes reading the blocks; full is always measured
+    query_tokens: int = 50
+    repeats: int = 3
+    fusion: FusionOptions = FusionOptions()    # blend's parameters (ratio, check layers, ...)
+    redis: str | None = None                   # a Redis URL; None: a private redis-server for the run
+    disk_dir: str | None = None                # None: a temporary directory under $RAGKV_CACHE_DIR/bench
 
-
-def run_store_cmd(args) -> int:
-    from ragkv.errors import RagkvError
-
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or any(m not in ("reuse", "ape", "blend") for m in modes):
-        raise RagkvError(f"--modes {args.modes!r}: choose among reuse, ape, blend (full is always measured)")
-    if args.repeats < 1 or args.context < 64:
-        raise RagkvError("--repeats must be >= 1 and --context >= 64")
-    result = run_store_bench(args, modes, lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.json:
-        print_json(result)
-    else:
-        print((Path(args.output_dir) / "store_bench.md").read_text())
-    return 0
+    def __post_init__(self):
+        if not self.modes or any(m not in ("reuse", "ape", "blend") for m in self.modes):
+            raise InvalidRequestError(f"modes {self.modes!r}: choose among reuse, ape, blend (full is always "
+                                      "measured)")
+        if self.repeats < 1 or self.context < 64:
+            raise InvalidRequestError("repeats must be >= 1 and context >= 64")
 
 
 @dataclass
@@ -67,6 +56,7 @@ class Config:
     tier: str                                # memory | disk | disk (cold) | redis
     pipelined: bool | None                   # None: in-memory views, nothing to pipeline
     engine: object
+    store: object = None                     # the engine's store (its hit counters tell which tier was read)
     before: Callable[[], None] = lambda: None  # untimed, before each request (drop the page cache)
     runs: list = field(default_factory=list)
     waits: list = field(default_factory=list)
@@ -74,23 +64,22 @@ class Config:
     read_from: set = field(default_factory=set)  # tiers whose hit counters moved: proof of what was read
 
 
-def run_store_bench(args, modes: list[str], progress=print) -> dict:
+def run_store_bench(cfg: StoreBenchConfig, out_dir: Path = Path("bench_out"), progress=print) -> dict:
     from ragkv.bench.common import real_passages, save_json
     from ragkv.bench.ttft import build_request
     from ragkv.engine.engine import Engine
-    from ragkv.engine.options import FusionOptions
     from ragkv.store.spec import open_store
 
     mem = open_store("memory:64GiB")
-    engine = Engine.load(args.model, dtype=args.dtype, device=args.device, store=mem, namespace=NAMESPACE)
+    engine = Engine.load(cfg.model, dtype=cfg.dtype, device=cfg.device, store=mem, namespace=NAMESPACE)
     passages, questions = real_passages()
-    segs = build_request(engine, passages, questions[0], args.context, args.query_tokens)
+    segs = build_request(engine, passages, questions[0], cfg.context, cfg.query_tokens)
     keys = engine.warm(segs).keys  # reuse and blend read the same blocks; ape's are added below
-    if "ape" in modes:
+    if "ape" in cfg.modes:
         keys = list(dict.fromkeys(keys + engine.warm(segs, FusionOptions(mode="ape")).keys))
     kvs = [mem.get(k) for k in keys]
     nbytes = sum(kv.nbytes for kv in kvs)
-    L = engine.model.args.num_layers
+    L = engine.num_layers
     progress(f"request: {segs.num_tokens} tokens, {len(segs.blocks)} blocks, {nbytes / 1e6:.1f} MB of KV "
              f"({engine.dtype_name})")
 
@@ -98,39 +87,41 @@ def run_store_bench(args, modes: list[str], progress=print) -> dict:
         store = open_store(spec, pipelined=pipelined)
         for k, kv in zip(keys, kvs):
             store.put(k, kv)
-        return Engine(engine.loaded, store=store, namespace=NAMESPACE)
+        return engine.with_store(store, NAMESPACE), store
 
     with contextlib.ExitStack() as stack:
-        disk_dir = Path(args.disk_dir).expanduser() if args.disk_dir else stack.enter_context(_temp_dir())
+        disk_dir = Path(cfg.disk_dir).expanduser() if cfg.disk_dir else stack.enter_context(_temp_dir())
         disk_spec = f"disk:{disk_dir}:{max(4 << 30, 4 * nbytes)}B"
-        redis_url = args.redis or stack.enter_context(_private_redis(progress))
-        engines = {("memory", None): engine}
-        stack.callback(lambda: [e.store.clear(NAMESPACE) for (t, _), e in engines.items() if t != "memory"])
+        redis_url = cfg.redis or stack.enter_context(_private_redis(progress))
+        engines = {("memory", None): (engine, mem)}
+        stack.callback(lambda: [s.clear(NAMESPACE) for (t, _), (e, s) in engines.items() if t != "memory"])
         for tier, spec in (("disk", disk_spec), ("redis", redis_url)):
             for pipelined in (True, False) if spec else ():
                 engines[tier, pipelined] = engine_on(spec, pipelined)
-        disk = engines["disk", True].store.tiers[0]
-        throwaway = [t for given, t in ((args.disk_dir, "disk"), (args.redis, "redis")) if not given]
-        stack.callback(_forget_profiles, [e.store.tiers[0] for (t, p), e in engines.items() if t in throwaway and p])
+        disk = engines["disk", True][1].tiers[0]
+        throwaway = [t for given, t in ((cfg.disk_dir, "disk"), (cfg.redis, "redis")) if not given]
+        stack.callback(_forget_profiles, [s.tiers[0] for (t, p), (e, s) in engines.items() if t in throwaway and p])
         drop = lambda: [disk.drop_page_cache(k) for k in keys]  # noqa: E731
 
-        loads = measure_loads(engines, keys, L, nbytes, drop, args.repeats)
+        loads = measure_loads(engines, keys, L, nbytes, drop, cfg.repeats)
         for row in loads:
             progress(f"  load {row['tier']:<28s} {row['GBps']:9.2f} GB/s  {row['ms']:8.1f} ms")
-        configs = [Config("full", "memory", None, engine)]
-        for mode in modes:
-            for (tier, pipelined), e in engines.items():
-                configs.append(Config(mode, tier, pipelined, e))
+        for (tier, pipelined), (e, _) in engines.items():
+            if pipelined is not False:
+                e.profile_store()  # the loading controller's profile, before (never inside) the timed requests
+        configs = [Config("full", "memory", None, engine, mem)]
+        for mode in cfg.modes:
+            for (tier, pipelined), (e, s) in engines.items():
+                configs.append(Config(mode, tier, pipelined, e, s))
                 if tier == "disk":
-                    configs.append(Config(mode, "disk (cold)", pipelined, e, drop))
-        time_configs(configs, segs, args.ratio, args.repeats, progress)
-    result = {"model": engine.loaded.name, "dtype": engine.dtype_name, "device": str(engine.model.device),
-              "threads": torch.get_num_threads(), "context_tokens": args.context, "prompt_tokens": segs.num_tokens,
-              "blocks": len(keys), "kv_bytes": nbytes, "repeats": args.repeats, "ratio": args.ratio,
-              "redis": "given" if args.redis else ("private redis-server" if redis_url else "skipped"),
+                    configs.append(Config(mode, "disk (cold)", pipelined, e, s, drop))
+        time_configs(configs, segs, cfg.fusion, cfg.repeats, progress)
+    result = {**engine.info(), "context_tokens": cfg.context, "prompt_tokens": segs.num_tokens,
+              "blocks": len(keys), "kv_bytes": nbytes, "repeats": cfg.repeats, "ratio": cfg.fusion.ratio,
+              "redis": "given" if cfg.redis else ("private redis-server" if redis_url else "skipped"),
               "argv": sys.argv[1:],
               "loads": loads, "ttft": summarize(configs)}
-    out = Path(args.output_dir)
+    out = Path(out_dir)
     save_json(out / "store_bench.json", result)
     (out / "store_bench.md").write_text(render_markdown(result))
     _plot(out / "store_bench.png", result)
@@ -140,17 +131,17 @@ def run_store_bench(args, modes: list[str], progress=print) -> dict:
 def measure_loads(engines, keys, num_layers, nbytes, drop, repeats) -> list[dict]:
     """GB/s of reading every layer of every block (no pipelining, nothing to hide behind), per tier."""
     rows = []
-    cases = [("memory (in-process views)", engines["memory", None], lambda: None),
-             ("disk, page cache dropped", engines["disk", False], drop),
-             ("disk, page cache warm", engines["disk", False], lambda: None)]
+    cases = [("memory (in-process views)", engines["memory", None][1], lambda: None),
+             ("disk, page cache dropped", engines["disk", False][1], drop),
+             ("disk, page cache warm", engines["disk", False][1], lambda: None)]
     if ("redis", False) in engines:
-        cases.append(("redis (localhost)", engines["redis", False], lambda: None))
-    for name, e, before in cases:
+        cases.append(("redis (localhost)", engines["redis", False][1], lambda: None))
+    for name, store, before in cases:
         times = []
         for _ in range(repeats):
             before()
             t0 = time.perf_counter()
-            for _layer in e.store.iter_layers(keys, num_layers):
+            for _layer in store.iter_layers(keys, num_layers):
                 pass
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1000
@@ -166,17 +157,18 @@ def measure_loads(engines, keys, num_layers, nbytes, drop, repeats) -> list[dict
     return rows
 
 
-def time_configs(configs: list[Config], segs, ratio: float, repeats: int, progress) -> None:
-    """One untimed request per configuration (profiles, allocations), then `repeats` rounds over all of them."""
-    from ragkv.engine.options import FusionOptions
+def time_configs(configs: list[Config], segs, fusion: FusionOptions, repeats: int, progress) -> None:
+    """One untimed request per configuration (allocations, page cache), then `repeats` rounds over all."""
+    from dataclasses import replace
 
     def request(c: Config):
         c.before()
-        hits = dict(c.engine.store.counters["hits"])
+        counters = getattr(c.store, "counters", {"hits": {}})
+        hits = dict(counters["hits"])
         t0 = time.perf_counter()
-        _, stats = c.engine.prefill(segs, FusionOptions(mode=c.mode, ratio=ratio))
+        _, stats = c.engine.prefill(segs, replace(fusion, mode=c.mode))
         ms = (time.perf_counter() - t0) * 1000
-        c.read_from |= {t for t, n in c.engine.store.counters["hits"].items() if n > hits[t]}
+        c.read_from |= {t for t, n in counters["hits"].items() if n > hits[t]}
         return ms, stats
 
     for c in configs:

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from ragkv.eval.results import read_results
-from ragkv.eval.summary import markdown_table, summarize
+from ragkv.bench.common import markdown_table
+from ragkv.eval.summary import summarize, table_rows
 
 NOTES = "notes.md"  # hand-written analysis beside the page, included verbatim (the page itself is generated)
 
@@ -53,7 +54,7 @@ def load_eval(paths: list[Path]) -> list[dict]:
 
 
 def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
-    from ragkv.eval.plots import plot_grouped_bars
+    from ragkv.bench.plots import plot_grouped_bars
 
     lines = ["## Quality per mode and data set", ""]
     if not evals:
@@ -70,7 +71,7 @@ def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
                   f"{e['n_examples']} examples, {c['model']} {c['dtype']} on {c['device']} "
                   f"({c.get('threads', '?')} threads), greedy, "
                   f"{c['max_new_tokens']} new tokens max. Results: `{e['path']}`.", "",
-                  markdown_table(e["summary"]), ""]
+                  markdown_table(*table_rows(e["summary"])), ""]
         params = _params_line(e["summary"])
         lines += ([params, ""] if params else []) + ["```", _command(c, e["summary"], e["n_examples"]), "```", ""]
     modes = list(dict.fromkeys(m for e in evals for m in e["summary"] if m != "full"))

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import sys
 
-from ragkv.commands.common import add_model_args, add_store_args, engine_from_args, print_json
+from ragkv.cli.common import add_index_arg, add_model_args, add_store_args, engine_from_args, print_json
 
 
 def register(sub) -> None:
     p = sub.add_parser("ingest", help="index documents for retrieval and precompute their KV caches")
     p.add_argument("paths", nargs="+", help="files (.txt, .md, .json, .jsonl) or folders")
-    p.add_argument("--index", default=None, help="index folder (default: ~/.cache/ragkv/index)")
+    add_index_arg(p)
     p.add_argument("--skip-errors", action="store_true", help="skip unreadable files instead of stopping")
     p.add_argument("--json", action="store_true")
     add_model_args(p)
     add_store_args(p)
-    p.set_defaults(func=run_ingest, store="memory:2GiB,disk:~/.cache/ragkv/kv:20GiB")
+    p.set_defaults(func=run_ingest)
 
 
 def run_ingest(args) -> int:
-    from ragkv.serve.library import DocumentLibrary
+    from ragkv.rag.library import DocumentLibrary
 
     engine = engine_from_args(args)
     library = DocumentLibrary(engine, args.index)

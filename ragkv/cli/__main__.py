@@ -1,0 +1,5 @@
+import sys
+
+from ragkv.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""`ragkv bench ttft|engine|decode|store|serve`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ragkv.cli.common import (add_fusion_args, add_model_args, engine_from_args, fusion_from_args, ints,
+                              print_json, say)
+from ragkv.engine.options import MODES
+from ragkv.errors import RagkvError
+
+
+def _output_args(p) -> None:
+    p.add_argument("--output-dir", default="bench_out", help="where the JSON, markdown and PNG go")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the markdown table)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, store, serve")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+
+    t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
+    t.add_argument("--contexts", default="512,1024,2048,4096,8192")
+    t.add_argument("--modes", default=",".join(MODES))
+    t.add_argument("--query-tokens", type=int, default=50)
+    t.add_argument("--repeats", type=int, default=3)
+    _output_args(t)
+    add_fusion_args(t, default_mode=None, title="mode parameters")
+    add_model_args(t)
+    t.set_defaults(func=run_ttft)
+
+    e = bsub.add_parser("engine", help="our full prefill vs transformers' forward on the same tokens")
+    e.add_argument("--lengths", default="512,1024,2048,4096")
+    e.add_argument("--dtypes", default="float32,bfloat16")
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--model", default="smollm2")
+    _output_args(e)
+    e.set_defaults(func=run_engine)
+
+    d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--configs", default="float32:exact,bfloat16:exact,float32:int8,float32:int4,bfloat16:int4",
+                   help="comma-separated dtype:decode-weights pairs")
+    d.add_argument("--batch-sizes", default="1,4,16")
+    d.add_argument("--steps", type=int, default=32)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--fidelity-examples", type=int, default=8)
+    _output_args(d)
+    d.set_defaults(func=run_decode)
+
+    s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
+    s.add_argument("--context", type=int, default=4096, help="context tokens of the request")
+    s.add_argument("--modes", default="reuse,blend", help="fusion modes reading the blocks (reuse, ape, blend)")
+    s.add_argument("--query-tokens", type=int, default=50)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server on "
+                   "a free port for the run; the Redis rows are skipped if redis-server is not installed)")
+    s.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary directory "
+                   "under $RAGKV_CACHE_DIR/bench, removed afterwards)")
+    _output_args(s)
+    add_fusion_args(s, default_mode=None, title="mode parameters")
+    add_model_args(s, decode_weights=False)
+    s.set_defaults(func=run_store)
+
+    v = bsub.add_parser("serve", help="load benchmark of `ragkv serve`: requests/s and TTFT per mode and "
+                                      "concurrency, optionally beside llama.cpp's server (--peer llama-cpp)")
+    v.add_argument("--url", default=None, help="a running server (default: start one here and stop it after)")
+    v.add_argument("--modes", default="full,prefix,reuse,blend",
+                   help="ragkv modes, comma-separated (empty with --peer: the peer only)")
+    v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
+    v.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency) cell")
+    v.add_argument("--passages-per-request", type=int, default=4)
+    v.add_argument("--pool-size", type=int, default=40, help="MuSiQue passages shared by all requests")
+    v.add_argument("--passage-words", type=int, default=210, help="passages cut to this many words (~300 tokens)")
+    v.add_argument("--max-tokens", type=int, default=64, help="answer length limit (greedy, streamed)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
+    v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
+    v.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
+    _output_args(v)
+    from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
+
+    g = v.add_argument_group("peer (the same requests to another OpenAI server, after ragkv's cells)")
+    g.add_argument("--peer", choices=PEERS, default=None,
+                   help=f"llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on the model's GGUF")
+    g.add_argument("--peer-python", default=None,
+                   help=f"python with {PEER_PACKAGE} (default: {DEFAULT_PEER_PYTHON}; "
+                        "install: bash scripts/install_peer.sh)")
+    g.add_argument("--peer-url", default=None, help="a running peer server (default: start one here)")
+    g.add_argument("--peer-gguf", default=None, help="the GGUF the peer loads (default: the model's own)")
+    g.add_argument("--peer-threads", type=int, default=None,
+                   help="peer's n_threads and n_threads_batch (default: torch's thread count, as ragkv)")
+    g.add_argument("--peer-ctx", type=int, default=4096, help="peer's n_ctx")
+    g.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the peer server, repeatable (e.g. --peer-arg=--flash_attn "
+                        "--peer-arg=True)")
+    add_model_args(v)
+    v.set_defaults(func=run_serve)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _finish(args, result: dict, markdown: str) -> int:
+    if args.json:
+        print_json(result)
+    else:
+        print((Path(args.output_dir) / markdown).read_text())
+    return 0
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    return tuple(m for m in text.split(",") if m)
+
+
+def run_ttft(args) -> int:
+    from ragkv.bench.ttft import TtftBenchConfig, run_ttft_bench
+
+    cfg = TtftBenchConfig(contexts=ints(args.contexts, "--contexts"), modes=_modes(args.modes),
+                          query_tokens=args.query_tokens, repeats=args.repeats, fusion=fusion_from_args(args))
+    result = run_ttft_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
+    return _finish(args, result, "ttft.md")
+
+
+def run_engine(args) -> int:
+    from ragkv.bench.engine_vs_hf import EngineBenchConfig, run_engine_bench
+
+    cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats)
+    return _finish(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
+
+
+def run_decode(args) -> int:
+    from ragkv.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    configs = tuple(tuple(c.split(":")) for c in args.configs.split(",") if c)
+    if not configs or any(len(c) != 2 for c in configs):
+        raise RagkvError(f"--configs wants dtype:weights pairs like float32:int4, got {args.configs!r}")
+    cfg = DecodeBenchConfig(model=args.model, configs=configs, batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
+                            steps=args.steps, rounds=args.rounds, fidelity_examples=args.fidelity_examples)
+    return _finish(args, run_decode_bench(cfg, Path(args.output_dir), say), "decode.md")
+
+
+def run_store(args) -> int:
+    from ragkv.bench.store import StoreBenchConfig, run_store_bench
+
+    cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, context=args.context,
+                           modes=_modes(args.modes), query_tokens=args.query_tokens, repeats=args.repeats,
+                           fusion=replace(fusion_from_args(args), mode="full"), redis=args.redis,
+                           disk_dir=args.disk_dir)
+    return _finish(args, run_store_bench(cfg, Path(args.output_dir), say), "store_bench.md")
+
+
+def run_serve(args) -> int:
+    from ragkv.bench.serve import LlamaCppServer, ServeBenchConfig, ServerProcess, run_serve_bench
+
+    cfg = ServeBenchConfig(modes=_modes(args.modes), concurrency=ints(args.concurrency, "--concurrency"),
+                           requests=args.requests, passages_per_request=args.passages_per_request,
+                           pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
+                           seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
+    server = None if args.url or not cfg.modes else ServerProcess(
+        args.model, args.dtype, args.device, args.server_store,
+        extra=("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch)))
+    peer = None
+    if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
+        peer = LlamaCppServer(args.model, args.peer_python, args.peer_gguf, args.peer_threads, args.peer_ctx,
+                              extra=tuple(args.peer_arg))
+    result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, server, peer, args.peer_url,
+                             model=args.model)
+    return _finish(args, result, "serve_bench.md")

@@ -1,0 +1,52 @@
+"""Every module imports only its own package and lower layers (ragkv/layers.py): the house imports downward."""
+
+import ast
+from pathlib import Path
+
+import ragkv
+from ragkv.layers import LAYERS, RANK, allowed, layer_of
+
+ROOT = Path(ragkv.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every ragkv import in the file, function-level ones included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            if node.module == "ragkv":  # `from ragkv import cli` imports the subpackage
+                out += [(node.lineno, f"ragkv.{a.name}") for a in node.names]
+    return [(line, m) for line, m in out if m == "ragkv" or m.startswith("ragkv.")]
+
+
+def test_every_package_has_a_layer():
+    names = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+    assert names <= set(RANK), f"packages without a layer in ragkv/layers.py: {sorted(names - set(RANK))}"
+    assert len(RANK) == sum(len(layer) for layer in LAYERS), "a package is listed on two layers"
+
+
+def test_no_module_imports_a_higher_layer_or_a_sibling():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        for line, imported in _imports(path):
+            if imported != "ragkv" and not allowed(module, imported):
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} ({layer_of(module)}) imports {imported} "
+                           f"({layer_of(imported)})")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_the_check_catches_an_upward_import():
+    assert not allowed("ragkv.store.disk", "ragkv.engine.engine")
+    assert not allowed("ragkv.serve.app", "ragkv.train.loop")       # siblings on one layer
+    assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion", "ragkv.engine.blend")
