@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ragkv.cli.common import add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args, fusion_from_args
+import logging
+import math
+
+from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
+                              fusion_from_args)
+from ragkv.errors import InvalidRequestError
+
+log = logging.getLogger("ragkv.serve")
 
 
 def register(sub) -> None:
@@ -17,10 +24,43 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="while other answers decode, a full/prefix prefill runs this many tokens between two "
                         "decode steps (bounds the pause a new request imposes on them)")
+    a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")
+    a.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
+                   help="accept `Authorization: Bearer KEY`; its tenant (default: default) owns its documents and "
+                        "KV namespace (repeatable)")
+    a.add_argument("--api-keys", action="append", default=[], metavar="FILE",
+                   help="a file of `KEY TENANT` lines (# comments)")
+    a.add_argument("--metrics-need-key", action="store_true", help="/metrics needs a key too (default: open)")
+    lim = p.add_argument_group("limits (each refusal names its limit)")
+    lim.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes (413 above)")
+    lim.add_argument("--max-documents", type=int, default=64, help="documents per request")
+    lim.add_argument("--max-document-chars", type=int, default=1_000_000, help="characters per document")
+    lim.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt tokens (default: the model's)")
+    lim.add_argument("--ingest-timeout", type=float, default=1800.0, help="seconds a document ingestion job may run")
     add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve)
+
+
+def check_flags(args) -> None:
+    """Every flag checked before anything loads: a one-line error naming it."""
+    from ragkv.store.base import check_namespace
+    from ragkv.store.spec import parse_spec
+
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("max_queue", "max_batch", "prefill_chunk", "max_body", "max_documents", "max_document_chars"):
+        if getattr(args, flag) < 1:
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise InvalidRequestError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    for flag in ("timeout", "ingest_timeout"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
+    check_namespace(args.namespace)
+    parse_spec(args.store)
 
 
 def run_serve(args) -> int:
@@ -29,23 +69,25 @@ def run_serve(args) -> int:
 
     import uvicorn
 
-    from ragkv.errors import InvalidRequestError
-    from ragkv.serve.app import Server, create_app
+    from ragkv.serve.app import Limits, Server, create_app
+    from ragkv.serve.auth import ApiKeys
 
-    fusion = fusion_from_args(args)  # fail fast on a bad default
-    if args.max_batch < 1 or args.prefill_chunk < 1:
-        raise InvalidRequestError(f"--max-batch and --prefill-chunk must be >= 1, got {args.max_batch} and "
-                                  f"{args.prefill_chunk}")
+    check_flags(args)
+    fusion = fusion_from_args(args)
+    keys = ApiKeys.parse(args.api_key, args.api_keys)
     engine = engine_from_args(args)
+    limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
+                    args.ingest_timeout)
     server = Server(engine, args.model, args.index, args.max_queue, args.timeout, fusion,
-                    args.max_batch, args.prefill_chunk, worker_thread=False)
+                    args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits)
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
-    http = uvicorn.Server(uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,
+                                         log_level="warning"))
     web = threading.Thread(target=http.run, name="ragkv-http", daemon=True)
 
     def stop(signum, frame):
-        http.should_exit = True
+        http.should_exit = True  # stop accepting; the worker leaves after the unit it is in
         server.scheduler.stop()
 
     signal.signal(signal.SIGTERM, stop)
@@ -54,17 +96,19 @@ def run_serve(args) -> int:
     # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, as
     # the worker's first job, never inside a request; later starts read the saved one
     server.scheduler.submit(lambda job: _profile(engine))
-    print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1", flush=True)
+    if not keys:
+        log.warning("no --api-key: the server is open, and every client shares tenant 'default' (documents and "
+                    "KV); pass --api-key KEY[:TENANT] to require keys")
+    print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1"
+          f"{f' for {len(keys.tenants)} tenant(s)' if keys else ''}", flush=True)
     server.scheduler.serve_forever()
     web.join(timeout=10)
     return 0
 
 
 def _profile(engine) -> None:
-    import logging
-
     try:
         engine.profile_store()
     except Exception as e:  # no profile only means blend runs at its r_min: say so, keep serving
-        logging.getLogger("ragkv.serve").warning("could not profile the store (%s); blend runs without a "
-                                                 "loading plan until `ragkv store profile` succeeds", e)
+        log.warning("could not profile the store (%s); blend runs without a loading plan until `ragkv store "
+                    "profile` succeeds", e)

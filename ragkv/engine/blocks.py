@@ -8,7 +8,7 @@ instead conditions every block on a shared prefix; that conditioning is part of 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,7 @@ class EnsureResult:
     hits: int
     misses: int
     encode_ms: float
+    uncached: dict = field(default_factory=dict)  # key -> BlockKV the store could not keep: used from memory
 
 
 class BlockCache:
@@ -91,7 +92,7 @@ class BlockCache:
     def ensure_steps(self, blocks: list[list[int]], conditioning: str = NO_CONDITIONING,
                      prefix_ids: list[int] | None = None, namespace: str | None = None) -> Steps[EnsureResult]:
         """`ensure`, yielding after each block it encodes."""
-        keys, hits, misses, encode_ms = [], 0, 0, 0.0
+        keys, hits, misses, encode_ms, uncached = [], 0, 0, 0.0, {}
         prefix_kv = None
         for ids in blocks:
             key = self.key(ids, conditioning, namespace)
@@ -102,11 +103,14 @@ class BlockCache:
                 t0 = time.perf_counter()
                 if conditioning != NO_CONDITIONING and prefix_kv is None and prefix_ids:
                     prefix_kv = self.get_or_encode(prefix_ids, namespace=namespace)
-                self.store.put(key, encode_block(self.model, ids, prefix_kv))
+                kv = encode_block(self.model, ids, prefix_kv)
+                self.store.put(key, kv)
+                if not self.store.contains(key):  # refused (too big, tier down, read-only): still used
+                    uncached[key] = kv
                 encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units
                 yield
             keys.append(key)
-        return EnsureResult(keys, hits, misses, encode_ms)
+        return EnsureResult(keys, hits, misses, encode_ms, uncached)
 
     def get_or_encode(self, ids: list[int], namespace: str | None = None) -> BlockKV:
         key = self.key(ids, NO_CONDITIONING, namespace)

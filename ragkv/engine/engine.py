@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -36,7 +37,11 @@ from ragkv.models.quant import decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.models.registry import DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
+from ragkv.store.errors import MissingBlockError, StoreUnavailableError
 from ragkv.store.memory import MemoryStore
+from ragkv.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -245,13 +250,27 @@ class Engine:
         """`prefill` in units (each missed block encoded; each `chunk` tokens of a full or prefix prefill, where
         `chunk` is an int, None, or a function giving the next unit's size),
         yielding between them so that a scheduler can decode other requests in between. The caller holds the
-        model (Engine.lock) while it advances the generator."""
+        model (Engine.lock) while it advances the generator.
+
+        A store that fails (a tier down, an entry that vanished or cannot be read) never fails the request: its
+        blocks are computed again into request-local memory and used from there (`store_fault` in the stats)."""
+        try:
+            return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, self._blocks))
+        except (MissingBlockError, StoreUnavailableError) as e:
+            log.warning("store failed during a request (%s); computing its blocks without the cache", e)
+            local = BlockCache(self.model, self.fingerprint, MemoryStore(), self.namespace)
+            state, stats = yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, local)
+            stats.extra["store_fault"] = f"{type(e).__name__}: {e}"
+            return state, stats
+
+    def _prefill_steps(self, segs: Segments, fusion: FusionOptions, max_new_tokens: int, namespace: str | None,
+                       chunk, blocks: BlockCache) -> Steps:
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
         mode = fusion.mode
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
-        store = self._store
+        store = blocks.store
         ns = namespace or self.namespace
         if mode in ("full", "prefix"):
             self._check_length(segs.num_tokens, "prompt")
@@ -268,18 +287,18 @@ class Engine:
             self._check_length(layout.query_start + len(segs.query))
             capacity = segs.num_tokens + max_new_tokens
             if mode == "ape":
-                pre = yield from self._blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
-                blk = yield from self._blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix),
-                                                          segs.prefix, ns)
-                keys = pre.keys + blk.keys
+                pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
+                blk = yield from blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, ns)
+                keys, uncached = pre.keys + blk.keys, {**pre.uncached, **blk.uncached}
                 stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
                 stats.encode_ms = pre.encode_ms + blk.encode_ms
             else:
-                res = yield from self._blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING,
-                                                          namespace=ns)
-                keys = res.keys
+                res = yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
+                keys, uncached = res.keys, res.uncached
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
-            layer_iter = self._layer_stream(keys, segs, fusion, ns)
+            if uncached:
+                stats.extra["uncached_blocks"] = len(uncached)  # computed and used, but the store did not keep them
+            layer_iter = self._layer_stream(keys, uncached, store)
             if mode == "blend":
                 plan = self._planner.plan(keys, fusion.ratio)
                 if isinstance(plan, str):
@@ -305,17 +324,16 @@ class Engine:
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state, stats
 
-    def _layer_stream(self, keys, segs, fusion, namespace):
-        """Per-layer KV of `keys` from the store; a block evicted since `ensure` is encoded again (once)."""
-        from ragkv.store.errors import MissingBlockError
-
+    def _layer_stream(self, keys, uncached: dict, store: KVStore):
+        """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store."""
         if not keys:
             return iter(())
-        try:
-            return self._store.iter_layers(keys, self.model.args.num_layers)
-        except (MissingBlockError, KeyError):
-            self.warm(segs, fusion, namespace)
-            return self._store.iter_layers(keys, self.model.args.num_layers)
+        if uncached:
+            here = MemoryStore()
+            for key, kv in uncached.items():
+                here.put(key, kv)
+            store = TieredStore([here, store], pipelined=getattr(store, "pipelined", False), promote=False)
+        return store.iter_layers(keys, self.model.args.num_layers)
 
     # -- generation ----------------------------------------------------------------------------------------
     def start(self, segs: Segments, fusion: FusionOptions = FusionOptions(),

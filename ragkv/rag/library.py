@@ -1,4 +1,5 @@
-"""Documents the engine answers from: the retriever's index plus each chunk's KV precomputed into the store.
+"""Documents the engine answers from: each tenant's retrieval library plus each chunk's KV precomputed into the
+store (in that tenant's namespace).
 
 Used by `ragkv ingest`, `ragkv ask` (retrieval) and the server's /v1/documents.
 """
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Passage
+from ragkv.rag.pipeline import DEFAULT_TENANT, Retriever
 
 
 @dataclass
@@ -21,30 +23,48 @@ class Retrieved:
 
 
 class DocumentLibrary:
-    def __init__(self, engine, index_dir: str | Path):
-        from ragkv.rag.pipeline import Retriever
-
+    def __init__(self, engine, index_dir: str | Path, retriever: Retriever | None = None):
         self.engine = engine
-        self.retriever = Retriever(index_dir)
+        self.retriever = retriever or Retriever(index_dir)
+
+    def tenant(self, tenant: str) -> "DocumentLibrary":
+        """The same library seen as `tenant`: its documents only, its chunks' KV in its namespace."""
+        if tenant == self.retriever.tenant:
+            return self
+        return DocumentLibrary(self.engine, None, self.retriever.for_tenant(tenant))
+
+    @property
+    def namespace(self) -> str | None:
+        return None if self.retriever.tenant == DEFAULT_TENANT else self.retriever.tenant
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.tokenize(text))
 
     def _precompute(self, chunk) -> None:
         """Store the chunk's block KV (conditioning: none, used by reuse and blend) right after indexing."""
-        self.engine.warm(self.engine.context_segments([Passage(chunk.text, chunk.title)]), FusionOptions(mode="reuse"))
+        segs = self.engine.context_segments([Passage(chunk.text, chunk.title)])
+        self.engine.warm(segs, FusionOptions(mode="reuse"), namespace=self.namespace)
 
     def ingest_paths(self, paths, progress: bool = False, on_error=None):
         return self.retriever.ingest(paths, self.count_tokens, on_chunk=self._precompute, on_error=on_error,
                                      progress=progress)
 
-    def add_documents(self, docs: list[dict]):
-        """docs: [{"text": ..., "title"?: ..., "id"?: ...}] -> IngestReport."""
+    @staticmethod
+    def parse(docs: list[dict]):
+        """[{"text": ..., "title"?: ..., "id"?: ...}] -> Documents (a clear error for an empty text)."""
         from ragkv.rag.documents import Document
 
-        parsed = [Document.from_text(d["text"], title=d.get("title"), source="api", doc_id=d.get("id"))
-                  for d in docs]
-        return self.retriever.ingest_documents(parsed, self.count_tokens, on_chunk=self._precompute)
+        return [Document.from_text(d["text"], title=d.get("title"), source="api", doc_id=d.get("id"))
+                for d in docs]
+
+    def add_documents(self, docs: list[dict]):
+        """docs: [{"text": ..., "title"?: ..., "id"?: ...}] -> IngestReport."""
+        return self.retriever.ingest_documents(self.parse(docs), self.count_tokens, on_chunk=self._precompute)
+
+    def add_steps(self, docs: list[dict], status: dict | None = None):
+        """`add_documents` in short units (a generator returning the IngestReport), for background jobs."""
+        return self.retriever.ingest_steps(self.parse(docs), self.count_tokens, on_chunk=self._precompute,
+                                           status=status)
 
     def retrieve(self, question: str, top_k: int = 5) -> list[Retrieved]:
         return [Retrieved(Passage(c.text, c.title), float(score), c.chunk_id, c.doc_id)

@@ -1,13 +1,16 @@
 """The retrieval half of RAG: ingest files (read, chunk, embed, index) and retrieve the top-k chunks for a question.
 
 Re-ingesting is incremental: chunk ids are content hashes, so an unchanged file costs no embedding, and an edited
-one embeds only its new chunks (stale ones are dropped). `on_chunk` fires once per newly indexed chunk, which is
-where the caller precomputes the chunk's KV.
+one embeds only its new chunks (stale ones are dropped). Each document lands in the library (ragkv.rag.catalog) in
+one transaction, after all its chunks are embedded. `on_chunk` fires once per newly indexed chunk, after its
+document is searchable, which is where the caller precomputes the chunk's KV.
+
+`ingest_steps` does the same in small units, yielding between them, so that a server can interleave ingestion
+with answering (and cancel it between two units).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -15,11 +18,12 @@ from typing import Callable, Iterable, Sequence
 from ragkv.errors import RagkvError
 from ragkv.rag.chunking import Chunk, ChunkConfig, CountTokens, chunk_document
 from ragkv.rag.documents import Document, DocumentError, find_document_files, read_document
+from ragkv.rag.catalog import Catalog
 from ragkv.rag.embedding import Embedder, get_embedder
 from ragkv.rag.index import DocumentInfo, VectorIndex
 
-EMBED_BATCH = 64    # chunks embedded, indexed and handed to on_chunk per step
-SAVE_EVERY_S = 60   # during a long ingest, persist the index at least this often
+EMBED_BATCH = 8   # chunks embedded per unit: a unit must stay short when a server interleaves it with answers
+DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -32,18 +36,29 @@ class IngestReport:
 
 
 class Retriever:
-    """Reads, chunks, embeds and indexes documents; retrieves chunks by cosine similarity to a question."""
+    """Reads, chunks, embeds and indexes one tenant's documents; retrieves chunks by cosine similarity."""
 
     def __init__(self, index_dir: str | Path, embedder: Embedder | None = None,
-                 chunking: ChunkConfig = ChunkConfig()):
+                 chunking: ChunkConfig = ChunkConfig(), tenant: str = DEFAULT_TENANT,
+                 catalog: Catalog | None = None):
         self.embedder = embedder or get_embedder()
         self.chunking = chunking
-        self.index = VectorIndex.open(index_dir, embedding_model=self.embedder.name)
+        self.tenant = tenant
+        self.catalog = catalog or Catalog(index_dir, embedding_model=self.embedder.name)
+
+    def for_tenant(self, tenant: str) -> "Retriever":
+        """The same library (one database connection), seen as another tenant."""
+        return Retriever(self.catalog.folder, self.embedder, self.chunking, tenant, self.catalog)
+
+    @property
+    def index(self) -> VectorIndex:
+        """This tenant's chunks as searched now (what any process committed so far)."""
+        return self.catalog.index(self.tenant)
 
     def ingest(self, paths: Iterable[str | Path], count_tokens: CountTokens,
                on_chunk: Callable[[Chunk], None] | None = None,
                on_error: Callable[[DocumentError], None] | None = None, progress: bool = False) -> IngestReport:
-        """Ingest files and folders (see `documents.find_document_files`) and save the index.
+        """Ingest files and folders (see `documents.find_document_files`).
 
         Args:
             paths: files and folders.
@@ -69,49 +84,71 @@ class Retriever:
 
     def ingest_documents(self, docs: Sequence[Document], count_tokens: CountTokens,
                          on_chunk: Callable[[Chunk], None] | None = None, progress: bool = False) -> IngestReport:
-        """Chunk, embed and index documents already in memory (e.g. sent inline to the server); saves the index."""
+        """Chunk, embed and index documents already in memory (e.g. sent inline to the server)."""
+        steps = self.ingest_steps(docs, count_tokens, on_chunk, progress)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def plan(self, docs: Sequence[Document], count_tokens: CountTokens):
+        """[(document, its chunks, the ids already indexed)] of the documents that changed, and a report of the
+        unchanged ones."""
         report = IngestReport(documents=len(docs))
-        indexed: dict[str, set[str]] = {}
-        for c in self.index.chunks():
-            indexed.setdefault(c.doc_id, set()).add(c.chunk_id)
-        pending, edited, kept = [], [], []
+        indexed = self.catalog.chunk_ids(self.tenant)
+        todo = []
         for doc in {d.doc_id: d for d in docs}.values():  # the last version of a repeated id wins
             chunks = chunk_document(doc, count_tokens, self.chunking)
             old = indexed.get(doc.doc_id, set())
-            new = [c for c in chunks if c.chunk_id not in old]
-            if not new and len(old) == len(chunks):
+            if old == {c.chunk_id for c in chunks}:
                 report.unchanged += 1
                 continue
-            if old:  # edited: drop it, re-add the chunks it kept (their index may have moved) with stored vectors
-                edited.append(doc.doc_id)
-                kept.extend(c for c in chunks if c.chunk_id in old)
-            pending.extend(new)
-        if edited:
-            kept_vectors = self.index.vectors([c.chunk_id for c in kept])
-            report.chunks_removed = self.index.remove_documents(edited) - len(kept)
-            self.index.add(kept, kept_vectors)
+            todo.append((doc, chunks, old))
+        return todo, report
+
+    def ingest_steps(self, docs: Sequence[Document], count_tokens: CountTokens,
+                     on_chunk: Callable[[Chunk], None] | None = None, progress: bool = False,
+                     status: dict | None = None):
+        """`ingest_documents` as a generator: yields after each unit (one embedding batch, one document's commit,
+        one `on_chunk` call); returns the IngestReport. `status`, when given, is kept up to date (chunks_total,
+        chunks_done, documents_done) for progress reports."""
+        todo, report = self.plan(docs, count_tokens)
+        status = status if status is not None else {}
+        status.update(chunks_total=sum(len(c) - len(old & {x.chunk_id for x in c}) for _, c, old in todo),
+                      chunks_done=0, documents_done=report.unchanged, documents_total=report.documents)
         bar = None
-        if progress and pending:
+        if progress and status["chunks_total"]:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(pending), desc="indexing", unit="chunk")
+            bar = tqdm(total=status["chunks_total"], desc="indexing", unit="chunk")
         try:
-            last_save = time.monotonic()
-            for lo in range(0, len(pending), EMBED_BATCH):
-                batch = pending[lo:lo + EMBED_BATCH]
-                added = self.index.add(batch, self.embedder.encode([c.passage for c in batch]))
-                report.chunks_added += len(added)
-                for chunk in added:
+            for doc, chunks, old in todo:
+                new = [c for c in chunks if c.chunk_id not in old]
+                kept = [c for c in chunks if c.chunk_id in old]
+                vectors = {}
+                if kept:
+                    vectors.update(zip([c.chunk_id for c in kept], self.catalog.vectors(self.tenant,
+                                                                                    [c.chunk_id for c in kept])))
+                for lo in range(0, len(new), EMBED_BATCH):
+                    batch = new[lo:lo + EMBED_BATCH]
+                    vectors.update(zip([c.chunk_id for c in batch], self.embedder.encode([c.passage for c in batch])))
+                    yield
+                self.catalog.put_document(self.tenant, doc.doc_id, doc.title, doc.source, chunks,
+                                          [vectors[c.chunk_id] for c in chunks])
+                report.chunks_added += len(new)
+                report.chunks_removed += len(old) - len(kept)
+                status["documents_done"] += 1
+                yield
+                for chunk in new:
                     if on_chunk is not None:
                         on_chunk(chunk)
+                        yield
+                    status["chunks_done"] += 1
                     if bar is not None:
                         bar.update(1)
-                if time.monotonic() - last_save > SAVE_EVERY_S:  # a long ingest (KV precompute) keeps its progress
-                    self.index.save()
-                    last_save = time.monotonic()
-        finally:  # whatever was indexed before an error stays consistent on disk
+        finally:
             if bar is not None:
                 bar.close()
-            self.index.save()
         return report
 
     def retrieve(self, question: str, top_k: int = 5,
@@ -119,20 +156,17 @@ class Retriever:
         """The `top_k` chunks most similar to `question` (cosine, best first), optionally only from `doc_ids`."""
         if not question.strip():
             raise RagkvError("the question is empty")
-        if len(self.index) == 0:
+        index = self.index
+        if len(index) == 0:
             return []
-        return self.index.search(self.embedder.encode([question])[0], top_k, doc_ids)
+        return index.search(self.embedder.encode([question])[0], top_k, doc_ids)
 
     def reload(self) -> None:
-        """Re-read the index from disk (another process, e.g. `ragkv ingest`, may have saved a newer one)."""
-        self.index = VectorIndex.open(self.index.path, embedding_model=self.embedder.name)
+        """Nothing to do: every read sees what any process committed (kept for callers of earlier versions)."""
 
     def remove(self, doc_id: str) -> int:
-        """Drop a document's chunks and save; returns how many chunks were removed."""
-        removed = self.index.remove(doc_id)
-        if removed:
-            self.index.save()
-        return removed
+        """Drop a document's chunks; returns how many chunks were removed."""
+        return self.catalog.remove(self.tenant, [doc_id])
 
     def documents(self) -> list[DocumentInfo]:
-        return self.index.documents()
+        return self.catalog.documents(self.tenant)

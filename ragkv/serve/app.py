@@ -19,7 +19,8 @@ from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.serve.metrics import Metrics
-from ragkv.serve.scheduler import JobTimeout, QueueFull, Scheduler
+from ragkv.serve.auth import DEFAULT_TENANT, ApiKeys
+from ragkv.serve.scheduler import Cancelled, JobTimeout, QueueFull, Scheduler
 from ragkv.serve.schemas import ChatRequest, CompletionRequest, DocumentsRequest, RagkvExtras
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,16 @@ log = logging.getLogger(__name__)
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 def to_api_error(e: BaseException) -> ApiError:
@@ -44,11 +48,43 @@ def to_api_error(e: BaseException) -> ApiError:
     if isinstance(e, RagkvError):
         return ApiError(400, str(e))
     if isinstance(e, QueueFull):
-        return ApiError(429, str(e), "rate_limit_error", "queue_full")
+        return ApiError(429, str(e), "rate_limit_error", "queue_full", retry_after=QueueFull.retry_after_s)
+    if isinstance(e, Cancelled):
+        return ApiError(409, f"the job was cancelled: {e}", code="cancelled")
     if isinstance(e, (JobTimeout, asyncio.TimeoutError, TimeoutError)):
         return ApiError(504, f"request timed out: {e}", "timeout_error", "timeout")
     log.exception("internal error", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server; each refusal names the limit and its flag."""
+    max_body_bytes: int = 8 << 20        # --max-body: larger bodies get 413 before being read
+    max_documents: int = 64              # --max-documents: inline documents per request, or per POST /v1/documents
+    max_document_chars: int = 1_000_000  # --max-document-chars: characters of one document
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens: prompt tokens (None: the model's positions)
+    ingest_timeout_s: float = 1800.0     # --ingest-timeout: deadline of a document ingestion job
+
+
+@dataclass
+class IngestJob:
+    id: str
+    tenant: str
+    job: object
+    status: dict
+
+    def as_dict(self) -> dict:
+        f = self.job.future
+        state = "running" if not f.done() else "cancelled" if isinstance(f.exception(), Cancelled) else \
+            "failed" if f.exception() is not None else "succeeded"
+        out = {"id": self.id, "object": "ingest.job", "status": state, **self.status}
+        if state == "failed":
+            out["error"] = str(f.exception())
+        if state == "succeeded":
+            r = f.result()
+            out.update(chunks_added=r.chunks_added, chunks_removed=r.chunks_removed, unchanged=r.unchanged)
+        return out
 
 
 @dataclass
@@ -63,8 +99,10 @@ class Prepared:
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
                  default_fusion: FusionOptions = FusionOptions(), max_batch: int = 16, prefill_chunk: int = 512,
-                 worker_thread: bool = True):
+                 worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits()):
         self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
+        self.keys, self.limits = keys, limits
+        self.ingest_jobs: dict[str, IngestJob] = {}
         self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
         self.metrics = Metrics()
         self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
@@ -72,28 +110,62 @@ class Server:
                                    lock=engine.lock, thread=worker_thread)
         self._library = None
 
-    @property
-    def library(self):
-        if self._library is None:  # loading the embedder costs seconds: only when retrieval is used
+    def library(self, tenant: str = DEFAULT_TENANT):
+        """The tenant's document library (its documents only; their KV in its namespace)."""
+        if self._library is None:  # loading the embedder costs seconds: only when documents are used
             from ragkv.rag.library import DocumentLibrary
             self._library = DocumentLibrary(self.engine, self.index_dir)
-        return self._library
+        return self._library.tenant(tenant)
+
+    def namespace(self, extras: RagkvExtras | None, tenant: str) -> str | None:
+        """The KV namespace of a request: its tenant's when keys are configured (naming another is refused)."""
+        asked = extras.namespace if extras is not None else None
+        if not self.keys:
+            return asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
+        if asked is not None and asked != tenant:
+            raise ApiError(403, f"namespace {asked!r} belongs to another tenant; this key's is {tenant!r}",
+                           "permission_error", "namespace_forbidden", "ragkv.namespace")
+        return tenant
 
     # -- request -> segments ------------------------------------------------------------------------------
-    def _passages(self, extras: RagkvExtras | None, question: str) -> tuple[list[Passage], list[dict]]:
+    def _passages(self, extras: RagkvExtras | None, question: str,
+                  tenant: str = DEFAULT_TENANT) -> tuple[list[Passage], list[dict]]:
         if extras is None:
             return [], []
         passages, sources = [], []
-        for d in extras.documents or []:
+        docs = extras.documents or []
+        self.check_documents(len(docs), (d if isinstance(d, str) else d.text for d in docs), "ragkv.documents")
+        for d in docs:
             p = Passage(d) if isinstance(d, str) else Passage(d.text, d.title or "")
             passages.append(p)
             sources.append({"title": p.title, "source": "inline"})
         if extras.retrieval is not None:
-            for r in self.library.retrieve(question, extras.retrieval.top_k):
+            for r in self.library(tenant).retrieve(question, extras.retrieval.top_k):
                 passages.append(r.passage)
                 sources.append({"title": r.passage.title, "chunk_id": r.chunk_id, "doc_id": r.doc_id,
                                 "score": round(r.score, 4)})
         return passages, sources
+
+    def check_documents(self, count: int, texts, field: str) -> None:
+        lim = self.limits
+        if count > lim.max_documents:
+            raise ApiError(400, f"{count} documents in one request; the limit is {lim.max_documents} "
+                                "(--max-documents)", param=field, code="too_many_documents")
+        for i, text in enumerate(texts):
+            if len(text) > lim.max_document_chars:
+                raise ApiError(400, f"document {i} has {len(text)} characters; the limit is "
+                                    f"{lim.max_document_chars} (--max-document-chars)", param=f"{field}.{i}",
+                               code="document_too_long")
+
+    def check_prompt(self, segs: Segments, gen: GenerationOptions) -> None:
+        lim = self.limits.max_prompt_tokens or self.engine.max_positions
+        if segs.num_tokens > lim:
+            raise ApiError(400, f"the prompt has {segs.num_tokens} tokens; the limit is {lim}"
+                                f"{' (--max-prompt-tokens)' if self.limits.max_prompt_tokens else ' (the model)'}",
+                           code="context_length_exceeded", param="messages")
+        if gen.max_new_tokens > self.engine.max_positions:
+            raise ApiError(400, f"max_tokens {gen.max_new_tokens} exceeds the model's {self.engine.max_positions} "
+                                "positions", param="max_tokens")
 
     def _fusion(self, extras: RagkvExtras | None, has_blocks: bool) -> FusionOptions:
         e = extras or RagkvExtras()
@@ -107,14 +179,14 @@ class Server:
                                  temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed,
                                  stop=req.stops())
 
-    def prepare_chat(self, req: ChatRequest) -> Prepared:
+    def prepare_chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         msgs = req.messages
         system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
         turns = [m for m in msgs if m.role in ("user", "assistant")]
         if not turns or turns[-1].role != "user":
             raise ApiError(400, "the last message must come from the user", param="messages")
         question = turns[-1].text()
-        passages, sources = self._passages(req.ragkv, question)
+        passages, sources = self._passages(req.ragkv, question, tenant)
         fusion = self._fusion(req.ragkv, bool(passages))
         if passages:
             history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
@@ -123,21 +195,23 @@ class Server:
             if not question.strip():
                 raise ApiError(400, "the last user message is empty", param="messages")
             segs = self.engine.chat_segments([{"role": m.role, "content": m.text()} for m in turns], system)
-        return Prepared(segs, fusion, self._generation(req, 256), req.ragkv.namespace if req.ragkv else None,
-                        sources)
+        gen = self._generation(req, 256)
+        self.check_prompt(segs, gen)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant), sources)
 
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    def prepare_completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
         if not prompt.strip():
             raise ApiError(400, "the prompt is empty", param="prompt")
-        passages, sources = self._passages(req.ragkv, prompt)
+        passages, sources = self._passages(req.ragkv, prompt, tenant)
         fusion = self._fusion(req.ragkv, bool(passages))
         if passages:
             segs = self.engine.segments(prompt, passages)
         else:
             segs = self.engine.text_segments(prompt)
-        return Prepared(segs, fusion, self._generation(req, 16), req.ragkv.namespace if req.ragkv else None,
-                        sources)
+        gen = self._generation(req, 16)
+        self.check_prompt(segs, gen)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant), sources)
 
     # -- running on the scheduler ---------------------------------------------------------------------------
     def start(self, prepare, emit=None):
@@ -166,21 +240,88 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(server: Server) -> FastAPI:
+def _no_constants(name: str):
+    raise ApiError(400, f"the request body contains {name}, which is not a JSON number; send a finite number")
+
+
+def parse_body(raw: bytes, schema):
+    """A request body -> the schema's model; every way it can be wrong is a 400 naming the field."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # an unpaired surrogate (\\ud800) cannot be text
+    except ApiError:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body contains an unpaired UTF-16 surrogate (like \\ud800); send valid "
+                            "Unicode text")
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply")
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    unsupported = schema.unsupported(data) if hasattr(schema, "unsupported") else []
+    if unsupported:
+        raise ApiError(400, f"unsupported field(s) {', '.join(unsupported)}: this server does not implement them "
+                            "yet; leave them out", param=unsupported[0], code="unsupported_field")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply")
+
+
+OPEN_PATHS = ("/health",)
+
+
+class Guard:
+    """Keys first (401 before anything is read), then the body size (413 before it is read); the request's
+    tenant goes into its state. Plain ASGI: Starlette's BaseHTTPMiddleware would hide client disconnects."""
+
+    def __init__(self, app, server: Server, open_paths: tuple[str, ...]):
+        self.app, self.server, self.open_paths = app, server, open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        tenant, keys = DEFAULT_TENANT, self.server.keys
+        if keys and scope.get("path") not in self.open_paths:
+            tenant = keys.tenant_of(headers.get("authorization"))
+            if tenant is None:
+                self.server.metrics.observe_request("auth", 401)
+                return await ApiError(401, "a valid API key is required: send `Authorization: Bearer KEY`",
+                                      "authentication_error", "invalid_api_key").response()(scope, receive, send)
+        limit, size = self.server.limits.max_body_bytes, headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            return await ApiError(413, f"the request body has {size} bytes; the limit is {limit} (--max-body)",
+                                  code="body_too_large").response()(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = tenant
+        return await self.app(scope, receive, send)
+
+
+def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
     app = FastAPI(title="ragkv", version="0.1.0")
     app.state.server = server
+    open_paths = OPEN_PATHS + (() if metrics_need_key else ("/metrics",))
+
+    app.add_middleware(Guard, server=server, open_paths=open_paths)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, stopping at the limit (a chunked upload has no Content-Length to check up front)."""
+        limit, parts, n = server.limits.max_body_bytes, [], 0
+        async for part in request.stream():
+            n += len(part)
+            if n > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes (--max-body)", code="body_too_large")
+            parts.append(part)
+        return b"".join(parts)
 
     async def parse(request: Request, schema):
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}")
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            raise ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None)
+        return parse_body(await read_body(request), schema)
 
     def check_model(name: str | None) -> None:
         if name and name not in (server.model_id, str(server.engine.model_path)):
@@ -191,7 +332,9 @@ def create_app(server: Server) -> FastAPI:
         try:
             req = await parse(request, schema)
             check_model(req.model)
-            prepare = (lambda: server.prepare_chat(req)) if chat else (lambda: server.prepare_completion(req))
+            tenant = request.state.tenant
+            prepare = (lambda: server.prepare_chat(req, tenant)) if chat else (
+                lambda: server.prepare_completion(req, tenant))
             if req.stream:
                 resp = await stream(req, prepare, chat)
             else:
@@ -295,26 +438,68 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/documents")
     async def add_documents(request: Request):
+        """Ingestion runs as a background job that yields to chat requests between short units. By default the
+        call waits for it (200 with the report); with `"wait": false` it answers 202 with the job to poll."""
         try:
             req = await parse(request, DocumentsRequest)
+            server.check_documents(len(req.documents), (d.text for d in req.documents), "documents")
+            tenant = request.state.tenant
+            library = await asyncio.to_thread(server.library, tenant)  # the embedder loads once, off the loop
             docs = [d.model_dump() for d in req.documents]
-            job = server.scheduler.submit(lambda job: server.library.add_documents(docs))
-            report = await asyncio.wrap_future(job.future)
+            library.parse(docs)  # an empty text is a 400 now, not a failed job later
+            status: dict = {}
+            job = server.scheduler.submit_background(lambda: library.add_steps(docs, status),
+                                                     server.limits.ingest_timeout_s)
+            ingest = IngestJob(f"ingest-{uuid.uuid4().hex[:16]}", tenant, job, status)
+            server.ingest_jobs[ingest.id] = ingest
+            if not req.wait:
+                server.metrics.observe_request("documents", 202)
+                return JSONResponse(ingest.as_dict(), status_code=202)
+            try:
+                report = await asyncio.shield(asyncio.wrap_future(job.future))
+            except asyncio.CancelledError:
+                job.cancel()
+                raise
             server.metrics.observe_request("documents", 200)
             return {"object": "list", "added_chunks": report.chunks_added, "unchanged": report.unchanged,
-                    "data": [vars(d) for d in server.library.documents()]}
+                    "job": ingest.id, "data": [vars(d) for d in library.documents()]}
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e)
             server.metrics.observe_request("documents", err.status)
             return err.response()
 
-    @app.get("/v1/documents")
-    async def list_documents():
-        return {"object": "list", "data": [vars(d) for d in server.library.documents()]}
+    def own_job(request: Request, job_id: str) -> IngestJob:
+        ingest = server.ingest_jobs.get(job_id)
+        if ingest is None or ingest.tenant != request.state.tenant:  # another tenant's job does not exist here
+            raise ApiError(404, f"no ingestion job {job_id!r}", code="job_not_found", param="job_id")
+        return ingest
 
-    @app.delete("/v1/documents/{doc_id}")
-    async def delete_document(doc_id: str):
-        removed = server.library.remove(doc_id)
+    @app.get("/v1/documents/jobs/{job_id}")
+    async def job_status(request: Request, job_id: str):
+        try:
+            return own_job(request, job_id).as_dict()
+        except ApiError as e:
+            return e.response()
+
+    @app.delete("/v1/documents/jobs/{job_id}")
+    async def cancel_job(request: Request, job_id: str):
+        """Cancel between two units: documents already committed stay (each is added atomically)."""
+        try:
+            ingest = own_job(request, job_id)
+        except ApiError as e:
+            return e.response()
+        ingest.job.cancel()
+        return {**ingest.as_dict(), "cancel_requested": True}
+
+    @app.get("/v1/documents")
+    async def list_documents(request: Request):
+        library = await asyncio.to_thread(server.library, request.state.tenant)
+        return {"object": "list", "data": [vars(d) for d in library.documents()]}
+
+    @app.delete("/v1/documents/{doc_id:path}")
+    async def delete_document(request: Request, doc_id: str):
+        library = await asyncio.to_thread(server.library, request.state.tenant)
+        removed = library.remove(doc_id)
         if not removed:
             return ApiError(404, f"no document {doc_id!r}", code="document_not_found").response()
         return {"id": doc_id, "deleted": True, "chunks_removed": removed}

@@ -6,6 +6,10 @@ the worker does one unit of other work: one unit of the current newcomer's prefi
 queued one-off job (adding documents). So a running answer pauses for at most one unit per token: the stall a
 newcomer imposes on the others, recorded as `prefill_stall_ms_max`. Finished, cancelled (client gone) and
 timed-out generations leave the batch at once.
+
+Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
+is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
+can be cancelled between two units and obey their own deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
@@ -21,10 +26,14 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    pass
+    retry_after_s = 1  # what a 429 tells the client to wait
 
 
 class JobTimeout(Exception):
+    pass
+
+
+class Cancelled(Exception):
     pass
 
 
@@ -67,6 +76,8 @@ class Scheduler:
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
         self.prefilling: Job | None = None
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.background: deque[Job] = deque()  # ingestion jobs, one unit at a time when nothing else waits
+        self.max_background = max(1, max_queue // 4)
         self.running: list[Job] = []
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
@@ -93,6 +104,14 @@ class Scheduler:
         """A one-off job run on the worker between decode steps; its future holds fn's result."""
         return self._put(Job(self.timeout_s, fn=fn))
 
+    def submit_background(self, start: Callable, timeout_s: float) -> Job:
+        """`start()` gives a generator doing the work in short units and returning the result."""
+        if len([j for j in self.background if not j.future.done()]) >= self.max_background:
+            raise QueueFull(f"{self.max_background} background jobs are already queued; retry later")
+        job = Job(timeout_s, start=start)
+        self.background.append(job)
+        return job
+
     def submit_generation(self, start: Callable, emit: Callable | None = None) -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
         to (info, sequence, finish)."""
@@ -115,6 +134,7 @@ class Scheduler:
         if job is None:
             job = self._admit()
             if job is None:
+                self._background_unit()
                 return
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
@@ -150,6 +170,32 @@ class Scheduler:
             self.stall_ms_max = max(self.stall_ms_max, ms)
             self.stall_ms_total += ms
 
+    def _background_unit(self) -> None:
+        """One unit of the oldest background job (nothing else is waiting for the model)."""
+        if not self.background:
+            return
+        job = self.background[0]
+        t0, stalled = time.perf_counter(), bool(self.running)
+        try:
+            if job.should_stop():
+                raise JobTimeout(f"the job exceeded its {job.timeout_s:.0f} s deadline") if not \
+                    job.cancelled.is_set() else Cancelled("cancelled")
+            if job.steps is None:
+                job.steps = job.start()
+            with self.lock:
+                next(job.steps)
+            return
+        except StopIteration as done:
+            job.future.set_result(done.value)
+        except BaseException as e:  # noqa: BLE001 - a failed job must not take the worker down
+            if job.steps is not None:
+                job.steps.close()
+            job.future.set_exception(e)
+        finally:
+            if stalled:
+                self.stall_ms_max = max(self.stall_ms_max, (time.perf_counter() - t0) * 1000)
+        self.background.popleft()
+
     def stop(self) -> None:
         self.stopping.set()
 
@@ -157,7 +203,8 @@ class Scheduler:
         if self.running and len(self.running) >= self.max_batch:
             return None
         try:
-            job = self.jobs.get(block=not self.running, timeout=0.5)  # wakes up to notice stop()
+            # wakes up to notice stop(); never waits while background work is pending
+            job = self.jobs.get(block=not self.running and not self.background, timeout=0.5)
         except queue.Empty:
             return None
         if job.cancelled.is_set():
@@ -205,7 +252,8 @@ class Scheduler:
             job.future.set_result((job.info, job.seq, reason))
 
     def stats(self) -> dict:
-        return {"queue_depth": self.depth, "batch_size": self.batch_size, "max_batch": self.max_batch,
+        return {"queue_depth": self.depth, "background_jobs": len(self.background), "batch_size": self.batch_size,
+                "max_batch": self.max_batch,
                 "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
                 "prefill_stall_ms_max": round(self.stall_ms_max, 3),

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from ragkv.store.errors import InvalidNamespaceError
+from ragkv.store.errors import InvalidNamespaceError, MissingBlockError
 
 # Namespaces become part of file names and Redis keys: keep them to a safe alphabet (no '/', '*', leading '.').
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -182,7 +182,7 @@ class KVStore(ABC):
             for key in keys:
                 kv = self.get_layer(key, i)
                 if kv is None:
-                    raise KeyError(f"block {key.digest()} vanished from the store during a request")
+                    raise MissingBlockError(f"block {key.digest()} vanished from the store during a request")
                 layer.append(kv)
             yield layer
 

@@ -91,7 +91,11 @@ class RedisStore(KVStore):
         pipe = self.client.pipeline(transaction=False)
         pipe.getrange(name, 0, serde.HEADER_PROBE - 1)
         pipe.strlen(name)
-        head, size = pipe.execute()
+        try:
+            head, size = pipe.execute()
+        except redis.exceptions.ResponseError as e:  # WRONGTYPE: not a string, so not one of our entries
+            self._discard(name, CorruptEntryError(f"holds a non-string value ({e})"))
+            return None
         if size == 0:
             return None
         try:
@@ -157,12 +161,12 @@ class RedisStore(KVStore):
         name = self._name(key)
         data = serde.encode(key, kv)
         try:
-            # same key -> same bytes: an existing value is kept and only its TTL refreshed
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(name, memoryview(data), nx=True, ex=self.ttl_s)
+            # same key -> same bytes, so overwriting is harmless, and it replaces whatever else sits under the
+            # name (an empty value, a list written by someone else) instead of leaving the block uncacheable
             if self.ttl_s:
-                pipe.expire(name, self.ttl_s)
-            pipe.execute()
+                self.client.set(name, memoryview(data), ex=self.ttl_s)
+            else:  # keep a TTL another server set on the same entry
+                self.client.set(name, memoryview(data), keepttl=True)
         except redis.exceptions.RedisError as e:
             self._failed("put", e)
             return

@@ -74,10 +74,15 @@ def _parse_disk(rest: str, text: str) -> DiskTierSpec:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory: disk:PATH[:SIZE], e.g. "
                              "disk:~/.cache/ragkv/kv:20GiB")
     path, size = rest, DEFAULT_DISK
-    if ":" in rest:
-        head, tail = rest.rsplit(":", 1)
-        if tail and tail[0].isdigit():  # a trailing size (directories rarely start with a digit after a ':')
-            path, size = head, tail
+    parts = rest.split(":")
+    # a size is the first field after the path that starts like a number (directories rarely do after a ':')
+    sized = [i for i, part in enumerate(parts) if i > 0 and part[:1] in "0123456789-+."]
+    if sized:
+        i = sized[0]
+        if i != len(parts) - 1:
+            raise StoreSpecError(f"disk tier in {text!r} has {':'.join(parts[i + 1:])!r} after its size; write "
+                                 "disk:PATH[:SIZE]")
+        path, size = ":".join(parts[:i]), parts[i]
     if not path:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory before the size: disk:PATH:SIZE")
     return DiskTierSpec(Path(path).expanduser(), parse_size(size))

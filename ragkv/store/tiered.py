@@ -11,9 +11,11 @@ from typing import Sequence
 import torch
 
 from ragkv.store.base import BlockKV, CacheKey, KVStore, LayerReader, check_namespace
-from ragkv.store.errors import MissingBlockError
+from ragkv.store.errors import MissingBlockError, StoreError
 
 log = logging.getLogger(__name__)
+
+MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # a failing tier is retried after 1, 2, 4, ... 60 s
 
 
 class TieredStore(KVStore):
@@ -32,7 +34,38 @@ class TieredStore(KVStore):
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers, self.pipelined, self.promote = list(tiers), pipelined, promote
-        self.counters = dict(misses=0, promotions=0, hits={t.describe(): 0 for t in self.tiers})
+        self.counters = dict(misses=0, promotions=0, hits={t.describe(): 0 for t in self.tiers},
+                             faults={t.describe(): 0 for t in self.tiers})
+        self._down_until = [0.0] * len(self.tiers)  # a failing tier is skipped until then (backoff)
+        self._backoff = [0.0] * len(self.tiers)
+
+    # -- faults: a tier that raises is a miss for this call, then skipped with exponential backoff ----------
+    def _up(self, i: int) -> bool:
+        return time.monotonic() >= self._down_until[i]
+
+    def _fault(self, i: int, what: str, err: BaseException) -> None:
+        t = self.tiers[i]
+        self.counters["faults"][t.describe()] += 1
+        first = self._backoff[i] == 0
+        self._backoff[i] = min(MAX_BACKOFF_S, max(MIN_BACKOFF_S, 2 * self._backoff[i]))
+        self._down_until[i] = time.monotonic() + self._backoff[i]
+        if first:  # logged once per outage; the counter in /metrics keeps the count
+            log.warning("store tier %s failed on %s (%s: %s); skipping it for %.0f s and retrying with backoff; "
+                        "requests compute what it cannot give", t.describe(), what, type(err).__name__, err,
+                        self._backoff[i])
+
+    def _call(self, i: int, what: str, fn, default=None):
+        if not self._up(i):
+            return default
+        try:
+            out = fn(self.tiers[i])
+        except Exception as e:  # noqa: BLE001 - any tier failure (OSError, Redis, a bug) degrades to a miss
+            self._fault(i, what, e)
+            return default
+        if self._backoff[i]:
+            log.warning("store tier %s answers again", self.tiers[i].describe())
+            self._backoff[i] = 0.0
+        return out
 
     def describe(self) -> str:
         return ",".join(t.describe() for t in self.tiers)
@@ -47,15 +80,15 @@ class TieredStore(KVStore):
     def _promote(self, key: CacheKey, kv: BlockKV, found_at: int) -> None:
         if not self.promote:
             return
-        for faster in self.tiers[:found_at]:
-            faster.put(key, kv)
+        for i in range(found_at):
+            self._call(i, "put", lambda t: t.put(key, kv))
         if found_at:
             self.counters["promotions"] += 1
 
     def get(self, key):
         check_namespace(key.namespace)
         for i, t in enumerate(self.tiers):
-            kv = t.get(key)
+            kv = self._call(i, "get", lambda t: t.get(key))
             if kv is not None:
                 self.counters["hits"][t.describe()] += 1
                 self._promote(key, kv, i)
@@ -65,8 +98,8 @@ class TieredStore(KVStore):
 
     def put(self, key, kv):
         check_namespace(key.namespace)
-        for t in self.tiers:
-            t.put(key, kv)
+        for i in range(len(self.tiers)):
+            self._call(i, "put", lambda t: t.put(key, kv))
 
     def contains(self, key):
         return self.locate(key) is not None
@@ -74,13 +107,13 @@ class TieredStore(KVStore):
     def locate(self, key: CacheKey) -> str | None:
         """Kind of the fastest tier holding `key` (memory, disk, redis), or None."""
         check_namespace(key.namespace)
-        for t in self.tiers:
-            if t.contains(key):
+        for i, t in enumerate(self.tiers):
+            if self._call(i, "contains", lambda t: t.contains(key), False):
                 return t.name
         return None
 
     def delete(self, key):
-        return any([t.delete(key) for t in self.tiers])
+        return any([self._call(i, "delete", lambda t: t.delete(key), False) for i in range(len(self.tiers))])
 
     def clear(self, namespace=None):
         if namespace is not None:
@@ -88,8 +121,8 @@ class TieredStore(KVStore):
         return sum(t.clear(namespace) for t in self.tiers)
 
     def open_layers(self, key):
-        for t in self.tiers:
-            reader = t.open_layers(key)
+        for i in range(len(self.tiers)):
+            reader = self._call(i, "open", lambda t: t.open_layers(key))
             if reader is not None:
                 return reader
         return None
@@ -140,7 +173,7 @@ class _Fetcher:
 
     def _open(self, key, tier_ids) -> tuple[LayerReader | None, int]:
         for i in tier_ids:
-            reader = self.store.tiers[i].open_layers(key)
+            reader = self.store._call(i, "open", lambda t: t.open_layers(key))
             if reader is not None:
                 return reader, i
         return None, -1
@@ -149,6 +182,10 @@ class _Fetcher:
         t0 = time.perf_counter()
         try:
             return self._read(layer)
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a tier failing mid-read: the engine computes the blocks instead
+            raise MissingBlockError(f"reading layer {layer} failed ({type(e).__name__}: {e})") from e
         finally:
             self.load_ms += (time.perf_counter() - t0) * 1000
 

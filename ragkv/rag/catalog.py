@@ -1,0 +1,198 @@
+"""The durable document library: every tenant's documents, chunks and their vectors in one SQLite database.
+
+Why SQLite (WAL mode): several processes (`ragkv ingest`, one or more servers) read and write one library. Each
+document is added or replaced in one transaction, so a crash at any point leaves the state before or after that
+document, never a mixture, and no process overwrites another's writes (the file-per-save index it replaces let
+the last writer win). Readers see other processes' commits at once: the in-memory search matrix of a tenant is
+rebuilt when `PRAGMA data_version` says the database changed.
+
+Search stays an exact cosine product over a numpy matrix per tenant (ragkv.rag.index.VectorIndex, in memory):
+thousands to tens of thousands of 384-dim vectors take milliseconds.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ragkv.errors import RagkvError
+from ragkv.rag.chunking import Chunk
+from ragkv.rag.index import MANIFEST, DocumentInfo, VectorIndex, VectorIndexError
+
+DB_FILE = "library.sqlite3"
+FORMAT = "1"
+BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another process's transaction
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS documents (
+    tenant TEXT NOT NULL, doc_id TEXT NOT NULL, title TEXT NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL,
+    PRIMARY KEY (tenant, doc_id));
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, doc_id TEXT NOT NULL, chunk_id TEXT NOT NULL,
+    idx INTEGER NOT NULL, title TEXT NOT NULL, text TEXT NOT NULL, source TEXT NOT NULL, vector BLOB NOT NULL,
+    UNIQUE (tenant, chunk_id),
+    FOREIGN KEY (tenant, doc_id) REFERENCES documents (tenant, doc_id) ON DELETE CASCADE);
+CREATE INDEX IF NOT EXISTS chunks_by_doc ON chunks (tenant, doc_id);
+"""
+
+
+class CatalogError(RagkvError):
+    pass
+
+
+class Catalog:
+    """Documents, chunks and vectors per tenant; safe to share between threads and processes."""
+
+    def __init__(self, folder: str | Path, embedding_model: str | None = None):
+        self.folder = Path(folder).expanduser()
+        self.path = self.folder / DB_FILE
+        self.embedding_model = embedding_model
+        self._lock = threading.RLock()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.exists()
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False,
+                                       isolation_level=None)  # explicit BEGIN/COMMIT below
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints, never corrupt
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise CatalogError(f"document library {self.path} is unusable ({e}); move it away and ingest your "
+                               "documents again") from None
+        self._check_meta()
+        self._search: dict[str, tuple[int, VectorIndex]] = {}  # tenant -> (data version, in-memory index)
+        self._writes = 0  # this connection's own commits (data_version only counts other connections')
+        if fresh and (self.folder / MANIFEST).exists():
+            self._import_legacy()
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def _check_meta(self) -> None:
+        with self._lock:
+            meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+            if meta.get("format", FORMAT) != FORMAT:
+                raise CatalogError(f"document library {self.path} has format {meta['format']}; this version "
+                                   f"reads {FORMAT}")
+            stored = meta.get("embedding_model")
+            if stored and self.embedding_model and stored != self.embedding_model:
+                raise CatalogError(f"document library {self.path} was built with embedding model {stored!r}, not "
+                                   f"{self.embedding_model!r}; use another --index folder")
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+            if self.embedding_model:
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('embedding_model', ?)", (self.embedding_model,))
+            self.embedding_model = self.embedding_model or stored
+
+    def _import_legacy(self, tenant: str = "default") -> None:
+        """A folder written by the file-based index of earlier versions: its documents join tenant `default`."""
+        try:
+            old = VectorIndex.open(self.folder, self.embedding_model)
+        except VectorIndexError:
+            return  # unreadable: start empty; the old files stay where they are
+        by_doc: dict[str, list[Chunk]] = {}
+        for c in old.chunks():
+            by_doc.setdefault(c.doc_id, []).append(c)
+        for doc_id, chunks in by_doc.items():
+            self.put_document(tenant, doc_id, chunks[0].title, chunks[0].source, chunks,
+                              old.vectors([c.chunk_id for c in chunks]))
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def _version(self) -> int:
+        return self._db.execute("PRAGMA data_version").fetchone()[0] * 1_000_003 + self._writes
+
+    def index(self, tenant: str) -> VectorIndex:
+        """The tenant's chunks and vectors for search, rebuilt when any process changed the library."""
+        with self._lock:
+            version = self._version()
+            cached = self._search.get(tenant)
+            if cached is not None and cached[0] == version:
+                return cached[1]
+            rows = self._db.execute("SELECT chunk_id, doc_id, title, text, idx, source, vector FROM chunks "
+                                    "WHERE tenant = ? ORDER BY id", (tenant,)).fetchall()
+            index = VectorIndex(self.folder, self.embedding_model)
+            if rows:
+                vectors = np.stack([np.frombuffer(r[6], dtype=np.float32) for r in rows])
+                index.add([Chunk(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows], vectors)
+            self._search[tenant] = (version, index)
+            return index
+
+    def chunk_ids(self, tenant: str) -> dict[str, set[str]]:
+        """doc_id -> its chunk ids."""
+        out: dict[str, set[str]] = {}
+        with self._lock:
+            for doc_id, chunk_id in self._db.execute("SELECT doc_id, chunk_id FROM chunks WHERE tenant = ?",
+                                                     (tenant,)):
+                out.setdefault(doc_id, set()).add(chunk_id)
+        return out
+
+    def vectors(self, tenant: str, chunk_ids: Sequence[str]) -> np.ndarray:
+        with self._lock:
+            got = dict(self._db.execute(
+                f"SELECT chunk_id, vector FROM chunks WHERE tenant = ? AND chunk_id IN "
+                f"({','.join('?' * len(chunk_ids))})", (tenant, *chunk_ids)).fetchall()) if chunk_ids else {}
+        missing = [c for c in chunk_ids if c not in got]
+        if missing:
+            raise KeyError(f"chunks not in the library: {missing[:3]}")
+        return np.stack([np.frombuffer(got[c], dtype=np.float32) for c in chunk_ids]) if chunk_ids else \
+            np.zeros((0, 0), np.float32)
+
+    def documents(self, tenant: str) -> list[DocumentInfo]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT d.doc_id, d.title, d.source, COUNT(c.id) FROM documents d LEFT JOIN chunks c "
+                "ON c.tenant = d.tenant AND c.doc_id = d.doc_id WHERE d.tenant = ? GROUP BY d.doc_id "
+                "ORDER BY d.added_at, d.doc_id", (tenant,)).fetchall()
+        return [DocumentInfo(*r) for r in rows]
+
+    def count(self, tenant: str) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM chunks WHERE tenant = ?", (tenant,)).fetchone()[0]
+
+    # -- writes: one transaction each --------------------------------------------------------------------------
+    def put_document(self, tenant: str, doc_id: str, title: str, source: str, chunks: Sequence[Chunk],
+                     vectors: np.ndarray) -> None:
+        """Add or replace a document with all its chunks and vectors, atomically."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2 or len(vectors) != len(chunks):
+            raise ValueError(f"one vector per chunk: {len(chunks)} chunks, vectors {vectors.shape}")
+        rows = [(tenant, doc_id, c.chunk_id, c.index, c.title, c.text, c.source, v.tobytes())
+                for c, v in zip(chunks, vectors)]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM documents WHERE tenant = ? AND doc_id = ?", (tenant, doc_id))
+                self._db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?)",
+                                 (tenant, doc_id, title, source, time.time()))
+                self._db.executemany("INSERT OR REPLACE INTO chunks (tenant, doc_id, chunk_id, idx, title, text, "
+                                     "source, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._writes += 1
+
+    def remove(self, tenant: str, doc_ids: Sequence[str]) -> int:
+        """Delete documents (and their chunks); returns how many chunks went."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                n = 0
+                for doc_id in doc_ids:
+                    n += self._db.execute("SELECT COUNT(*) FROM chunks WHERE tenant = ? AND doc_id = ?",
+                                          (tenant, doc_id)).fetchone()[0]
+                    self._db.execute("DELETE FROM documents WHERE tenant = ? AND doc_id = ?", (tenant, doc_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._writes += 1
+            return n
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
