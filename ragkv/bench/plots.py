@@ -79,3 +79,32 @@ def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], xlabel:
     ax.grid(True, alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def plot_position_curves(path: Path, panels: dict[str, dict[str, list[tuple]]], xlabel: str, ylabel: str,
+                         title: str) -> Path:
+    """One panel per title, one line per series through points (x, y, lo, hi) with (lo, hi) drawn as error bars;
+    series are shifted sideways a little so their bars do not overlap. Same y range in every panel."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        xs_all = sorted({p[0] for pts in series.values() for p in pts})
+        span = (max(xs_all) - min(xs_all)) if len(xs_all) > 1 else 1.0
+        for k, (label, pts) in enumerate(series.items()):
+            pts = [p for p in pts if p[1] is not None]
+            if not pts:
+                continue
+            dx = (k - (len(series) - 1) / 2) * 0.025 * span
+            xs = [p[0] + dx for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[y - (p[2] if p[2] is not None else y) for y, p in zip(ys, pts)],
+                   [(p[3] if p[3] is not None else y) - y for y, p in zip(ys, pts)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+        ax.set_xticks(xs_all)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -17,7 +17,9 @@ NOTES = "notes.md"  # hand-written analysis beside the page, included verbatim (
 
 def _label(config: dict) -> str:
     name = config.get("dataset") or Path(str(config.get("data_file") or "data")).stem
-    return f"{name}-k{config['num_passages']}" if config.get("num_passages") else name
+    if config.get("num_passages"):
+        name += f"-k{config['num_passages']}"
+    return name + (f"-g{config['gold_position']}" if config.get("gold_position") is not None else "")
 
 
 def _params_line(summary: dict) -> str:
@@ -31,6 +33,8 @@ def _command(config: dict, summary: dict, n: int) -> str:
            else f"--data-file {config.get('data_file')} --format {config.get('format')}")
     if config.get("num_passages"):
         src += f" --num-passages {config['num_passages']}"
+    if config.get("gold_position") is not None:
+        src += f" --gold-position {config['gold_position']}"
     env = f"OMP_NUM_THREADS={config['threads']} " if config.get("threads") else ""
     return (f"{env}ragkv eval {src} --modes {','.join(summary)} --limit {n} --max-new-tokens {config['max_new_tokens']} "
             f"--model {config['model']} --dtype {config['dtype']} --device {config['device']}")
@@ -53,6 +57,118 @@ def load_eval(paths: list[Path]) -> list[dict]:
     return out
 
 
+def eval_tables(evals: list[dict], level: str = "###") -> list[str]:
+    """Markdown per results file: caption, the table (accuracy with its 95% bootstrap interval and the paired
+    difference to `full`), the mode parameters and the command that produced it."""
+    lines = []
+    for e in evals:
+        c = e["config"]
+        lines += [f"{level} {e['label']}", "",
+                  f"{e['n_examples']} examples, {c['model']} {c['dtype']} on {c['device']} "
+                  f"({c.get('threads', '?')} threads), greedy, "
+                  f"{c['max_new_tokens']} new tokens max. Results: `{e['path']}`.", "",
+                  markdown_table(*table_rows(e["summary"])), ""]
+        params = _params_line(e["summary"])
+        lines += ([params, ""] if params else []) + ["```", _command(c, e["summary"], e["n_examples"]), "```", ""]
+    return lines
+
+
+def lost_in_the_middle(paths: list[Path], png: Path | None = None, metric: str = "accuracy") -> dict:
+    """Accuracy against the gold passage's position, per mode and model, from results files of one data set run
+    at several `--gold-position`s (Liu et al. 2023, figure 5, here with the fusion modes side by side).
+
+    Per model, only the examples that every mode has finished at every position count, so each point of one
+    model stands on the same questions. Returns {"models": {model: {"n", "positions", "modes": {mode: [summary
+    per position]}}}, "markdown": table}; writes the figure (one panel per model, 95% intervals) to `png`.
+    """
+    from ragkv.eval.summary import summarize
+
+    runs: dict[str, dict[int, tuple[dict, list[dict]]]] = {}
+    for path in paths:
+        config, records = read_results(path)
+        if config.get("gold_position") is None:
+            raise ValueError(f"{path}: not a run with a fixed --gold-position")
+        model = f"{config['model']} ({config['dtype']})"
+        if config["gold_position"] in runs.setdefault(model, {}):
+            raise ValueError(f"{path}: a second results file for {model} at gold position {config['gold_position']}")
+        runs[model][config["gold_position"]] = (config, records)
+    out: dict = {"metric": metric, "models": {}}
+    rows = []
+    for model, by_pos in runs.items():
+        positions = sorted(by_pos)
+        modes = list(dict.fromkeys(r["mode_key"] for _, recs in by_pos.values() for r in recs))
+        done = None
+        for _, recs in by_pos.values():
+            have: dict[str, set] = {}
+            for r in recs:
+                have.setdefault(r["example_id"], set()).add(r["mode_key"])
+            ids = {ex for ex, ms in have.items() if set(modes) <= ms}
+            done = ids if done is None else done & ids
+        done = done or set()
+        per_mode = {m: [] for m in modes}
+        for pos in positions:
+            summary = summarize([r for r in by_pos[pos][1] if r["example_id"] in done], modes)
+            for m in modes:
+                per_mode[m].append(summary.get(m, {}))
+        pooled = _pooled_over_positions([r for _, recs in by_pos.values() for r in recs if r["example_id"] in done],
+                                        modes, metric)
+        out["models"][model] = {"n": len(done), "positions": positions, "modes": per_mode, "pooled": pooled}
+        for m in modes:
+            cells = [_cell(s, metric) for s in per_mode[m]] + [_cell(pooled.get(m, {}), metric)]
+            rows.append([model, str(len(done)), m] + cells)
+    all_pos = sorted({p for m in out["models"].values() for p in m["positions"]})
+    if all(m["positions"] == all_pos for m in out["models"].values()):
+        out["markdown"] = markdown_table(["model", "n", "mode"] + [f"gold at {p}" for p in all_pos]
+                                         + ["all positions"], rows)
+    else:
+        out["markdown"] = markdown_table(["model", "n", "mode", "positions: accuracy", "all positions"],
+                                         [r[:3] + ["; ".join(r[3:-1]), r[-1]] for r in rows])
+    if png is not None and out["models"]:
+        from ragkv.bench.plots import plot_position_curves
+
+        panels = {f"{model}, n={v['n']}": {m: [(p, s.get(metric), *(s.get(f"{metric}_ci") or (None, None)))
+                                                for p, s in zip(v["positions"], ss)] for m, ss in v["modes"].items()}
+                  for model, v in out["models"].items()}
+        plot_position_curves(png, panels, "position of the gold passage (0 = first of 10)",
+                             f"{metric} (95% bootstrap interval)", "NQ-open, 10 passages: accuracy vs gold position")
+        out["png"] = str(png)
+    return out
+
+
+def _cell(s: dict, metric: str) -> str:
+    """'0.400 [0.300, 0.500]; -0.050 [-0.100, +0.000]': the metric and, for a mode other than full, its paired
+    difference to full, each with its 95% interval."""
+    v, ci, d, dci = s.get(metric), s.get(f"{metric}_ci"), s.get(f"{metric}_vs_full"), s.get(f"{metric}_vs_full_ci")
+    cell = "-" if v is None else f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+    return cell + (f"; {d:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}]" if d is not None else "")
+
+
+def _pooled_over_positions(records: list[dict], modes: list[str], metric: str) -> dict[str, dict]:
+    """Per mode: the metric averaged over every position, its interval resampling questions (each question keeps
+    all its positions together, since they share the question and the distractors), and the same for the paired
+    difference to `full`."""
+    from ragkv.eval.summary import bootstrap_ci
+
+    per_q: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        if metric in r.get("scores", {}):
+            per_q.setdefault(r["mode_key"], {}).setdefault(r["example_id"], []).append(r["scores"][metric])
+    out = {}
+    full = {q: sum(v) / len(v) for q, v in per_q.get("full", {}).items()}
+    for m in modes:
+        vals = {q: sum(v) / len(v) for q, v in per_q.get(m, {}).items()}
+        if not vals:
+            continue
+        xs = list(vals.values())
+        s = {metric: round(sum(xs) / len(xs), 6), f"{metric}_ci": list(bootstrap_ci(xs))}
+        diffs = [v - full[q] for q, v in vals.items() if q in full]
+        if m != "full" and diffs:
+            s[f"{metric}_vs_full"] = round(sum(diffs) / len(diffs), 6)
+            s[f"{metric}_vs_full_ci"] = list(bootstrap_ci(diffs))
+        out[m] = s
+    return out
+
+
 def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
     from ragkv.bench.plots import plot_grouped_bars
 
@@ -65,15 +181,7 @@ def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
               "greedy tokens identical, prefix len = leading tokens shared; TTFT with the example's blocks already "
               "cached (mean, and relative to `full` over the same examples); encode ms = one-time cost of encoding "
               "the example's blocks (not part of TTFT); reused / recomputed tokens at prefill.", ""]
-    for e in evals:
-        c = e["config"]
-        lines += [f"### {e['label']}", "",
-                  f"{e['n_examples']} examples, {c['model']} {c['dtype']} on {c['device']} "
-                  f"({c.get('threads', '?')} threads), greedy, "
-                  f"{c['max_new_tokens']} new tokens max. Results: `{e['path']}`.", "",
-                  markdown_table(*table_rows(e["summary"])), ""]
-        params = _params_line(e["summary"])
-        lines += ([params, ""] if params else []) + ["```", _command(c, e["summary"], e["n_examples"]), "```", ""]
+    lines += eval_tables(evals)
     modes = list(dict.fromkeys(m for e in evals for m in e["summary"] if m != "full"))
     groups = [e["label"] for e in evals]
     for key, ylabel, name in (("first_token_kl", "mean first-token KL to full", "quality-kl.png"),

@@ -30,6 +30,9 @@ def _data_args(p, default: str | None, limit: int | None) -> None:
     g.add_argument("--limit", type=int, default=limit, help="first N examples" + (f" (default {limit})" if limit
                                                                                     else " (default: all)"))
     g.add_argument("--num-passages", type=int, default=None, help="nq: gold passage + N-1 distractors")
+    g.add_argument("--gold-position", type=int, default=None,
+                   help="nq with distractors (nq-distractors or --num-passages > 1): 0-based index of the gold "
+                   "passage (default: cycles over every position)")
     g.add_argument("--split", default=None, help="samsum: test (default) | train | validation | all")
     p.set_defaults(default_dataset=default)
 
@@ -98,6 +101,11 @@ def register(sub) -> None:
     r.add_argument("--bench", default="bench_out/ttft.json", help="`ragkv bench ttft` JSON")
     r.add_argument("--output-dir", default="docs/results", help="page, PNGs and summary.json; also where sweep "
                    "and calibration JSON are looked up, and notes.md is read")
+    r.add_argument("--tables", action="store_true", help="only print the markdown tables of the given runs "
+                   "(accuracy with 95%% bootstrap intervals), write nothing")
+    r.add_argument("--lost-in-the-middle", metavar="PNG", default=None,
+                   help="only the accuracy-vs-gold-position figure and table from runs of one data set at several "
+                   "--gold-position values (one or more models): write PNG, print the markdown table")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -119,12 +127,17 @@ def _dataset(args, name: str | None) -> tuple[str, dict, dict]:
     if name is None and not args.data_file:
         raise RagkvError("no data: pass --dataset NAME or --data-file PATH --format F")
     label = name or Path(args.data_file).stem
+    gold = getattr(args, "gold_position", None)
     if args.num_passages:
         label += f"-k{args.num_passages}"
+    if gold is not None:
+        label += f"-g{gold}"
     desc = {"dataset": name, "data_file": str(Path(args.data_file).resolve()) if args.data_file else None,
             "format": args.format, "num_passages": args.num_passages, "split": args.split}
+    if gold is not None:  # only when set: results files written before the flag existed still resume
+        desc["gold_position"] = gold
     kw = {"name": name, "data_file": args.data_file, "fmt": args.format, "num_passages": args.num_passages,
-          "split": args.split}
+          "split": args.split, "gold_position": gold}
     return label, desc, kw
 
 
@@ -132,7 +145,7 @@ def _load(kw: dict, limit):
     from ragkv.eval.datasets import load_dataset
 
     return load_dataset(kw["name"], kw["data_file"], kw["fmt"], limit, split=kw["split"],
-                        num_passages=kw["num_passages"])
+                        num_passages=kw["num_passages"], gold_position=kw.get("gold_position"))
 
 
 def _engine(args):
@@ -301,6 +314,22 @@ def run_report_cmd(args) -> int:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise RagkvError(f"results file(s) not found: {', '.join(missing)}")
+    if args.lost_in_the_middle:
+        from ragkv.bench.report import lost_in_the_middle
+
+        if not args.runs:
+            raise RagkvError("--lost-in-the-middle wants the results files, e.g. runs/eval-nq-distractors-g*.jsonl")
+        try:
+            result = lost_in_the_middle(paths, Path(args.lost_in_the_middle))
+        except ValueError as e:
+            raise RagkvError(str(e)) from None
+        print(result["markdown"])
+        return 0
+    if args.tables:
+        from ragkv.bench.report import eval_tables, load_eval
+
+        print("\n".join(eval_tables(load_eval(paths))))
+        return 0
     path = render_report(paths, Path(args.bench) if args.bench else None, Path(args.output_dir))
     print(path)
     return 0

@@ -31,7 +31,7 @@ from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
 from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments, tokenize
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stepwise import Steps, drain
-from ragkv.errors import PromptTooLongError
+from ragkv.errors import InvalidRequestError, PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
@@ -268,6 +268,9 @@ class Engine:
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
         mode = fusion.mode
+        if mode == "blend" and fusion.check_layers[-1] >= self.num_layers:
+            raise InvalidRequestError(f"check layer {fusion.check_layers[-1]} does not exist: this model's check "
+                                      f"layers are 1..{self.num_layers - 1} (check_layers)")
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
         store = blocks.store

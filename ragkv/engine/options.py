@@ -30,9 +30,10 @@ class FusionOptions:
             raise InvalidRequestError(f"blend ratio must be in [0, 1], got {self.ratio}")
         if self.deviation not in ("k", "v"):
             raise InvalidRequestError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
-        if not self.check_layers or any(c < 0 for c in self.check_layers) or list(self.check_layers) != sorted(
+        # layer 0 has nothing to compare yet (every deviation is zero there): the first check layer is 1
+        if not self.check_layers or any(c < 1 for c in self.check_layers) or list(self.check_layers) != sorted(
                 set(self.check_layers)):
-            raise InvalidRequestError(f"check_layers must be increasing non-negative ints, got {self.check_layers}")
+            raise InvalidRequestError(f"check_layers must be increasing layer numbers >= 1, got {self.check_layers}")
         for name in ("ape_temperature", "ape_scale"):
             val = getattr(self, name)
             if val is not None and val <= 0:

@@ -233,7 +233,10 @@ def _usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens, "reused_tokens": stats.reused_tokens,
             "recomputed_tokens": stats.recomputed_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
+            "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
+            # blocks computed for this request that the store could not keep, and whether a store fault made it
+            # compute everything without the cache
+            "uncached_blocks": stats.extra.get("uncached_blocks", 0), "store_fault": "store_fault" in stats.extra}
 
 
 def _sse(obj) -> str:
@@ -447,7 +450,7 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
             library = await asyncio.to_thread(server.library, tenant)  # the embedder loads once, off the loop
             docs = [d.model_dump() for d in req.documents]
             library.parse(docs)  # an empty text is a 400 now, not a failed job later
-            status: dict = {}
+            status: dict = {"documents_total": len(docs), "documents_done": 0, "chunks_total": None, "chunks_done": 0}
             job = server.scheduler.submit_background(lambda: library.add_steps(docs, status),
                                                      server.limits.ingest_timeout_s)
             ingest = IngestJob(f"ingest-{uuid.uuid4().hex[:16]}", tenant, job, status)

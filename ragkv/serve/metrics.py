@@ -16,6 +16,7 @@ class Metrics:
         self.ttft_sum = 0.0
         self.hits = self.misses = 0
         self.reused = self.recomputed = self.completion = 0
+        self.uncached = self.store_faults = 0  # blocks computed but not kept; requests recomputed after a fault
 
     def observe_request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -31,6 +32,8 @@ class Metrics:
             self.reused += stats.reused_tokens
             self.recomputed += stats.recomputed_tokens
             self.completion += stats.completion_tokens
+            self.uncached += stats.extra.get("uncached_blocks", 0)
+            self.store_faults += "store_fault" in stats.extra
 
     def render(self, store_stats: dict, sched: dict) -> str:
         out = ["# HELP ragkv_requests_total HTTP requests by endpoint and status.", "# TYPE ragkv_requests_total counter"]
@@ -53,7 +56,12 @@ class Metrics:
                     f"ragkv_block_cache_hit_ratio {self.hits / total if total else 0:.6f}",
                     "# TYPE ragkv_reused_tokens_total counter", f"ragkv_reused_tokens_total {self.reused}",
                     "# TYPE ragkv_recomputed_tokens_total counter", f"ragkv_recomputed_tokens_total {self.recomputed}",
-                    "# TYPE ragkv_completion_tokens_total counter", f"ragkv_completion_tokens_total {self.completion}"]
+                    "# TYPE ragkv_completion_tokens_total counter", f"ragkv_completion_tokens_total {self.completion}",
+                    "# HELP ragkv_uncached_blocks_total Blocks computed and used but not kept by the store.",
+                    "# TYPE ragkv_uncached_blocks_total counter", f"ragkv_uncached_blocks_total {self.uncached}",
+                    "# HELP ragkv_store_fault_requests_total Requests answered without the cache after a store fault.",
+                    "# TYPE ragkv_store_fault_requests_total counter",
+                    f"ragkv_store_fault_requests_total {self.store_faults}"]
         out += ["# TYPE ragkv_queue_depth gauge", f"ragkv_queue_depth {sched['queue_depth']}",
                 "# HELP ragkv_batch_size Generations decoding together now.", "# TYPE ragkv_batch_size gauge",
                 f"ragkv_batch_size {sched['batch_size']}",
@@ -64,6 +72,11 @@ class Metrics:
                 "# HELP ragkv_store_bytes Bytes held per KV store tier.", "# TYPE ragkv_store_bytes gauge"]
         for tier, val in flatten_store_bytes(store_stats).items():
             out.append(f'ragkv_store_bytes{{tier="{tier}"}} {val}')
+        faults = store_stats.get("faults", {})
+        if faults:
+            out += ["# HELP ragkv_store_tier_faults_total Calls to a store tier that failed (then skipped with "
+                    "backoff).", "# TYPE ragkv_store_tier_faults_total counter"]
+            out += [f'ragkv_store_tier_faults_total{{tier="{t}"}} {n}' for t, n in sorted(faults.items())]
         return "\n".join(out) + "\n"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -88,7 +88,7 @@ class _Sampling(_Loose):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
-    stop: Union[str, list[str], None] = Field(None, max_length=16)
+    stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
     ragkv: RagkvExtras | None = None

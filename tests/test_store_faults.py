@@ -1,0 +1,132 @@
+"""Store faults degrade, never fail (issue 12): whatever the store does, a request is answered with the same
+logits as with a healthy store, and its stats say what was not cached. Real tiers (memory, disk, a real Redis)."""
+
+import os
+import tempfile
+
+import pytest
+import redis
+import torch
+
+from ragkv.engine.options import FusionOptions
+from ragkv.store.base import storage_name
+from ragkv.store.disk import SUFFIX, DiskStore
+from ragkv.store.memory import MemoryStore
+from ragkv.store.redis_server import private_redis
+from ragkv.store.redis_store import DEFAULT_PREFIX
+from ragkv.store.spec import open_store
+from redis_fixture import redis_server, redis_url  # noqa: F401
+from tiny import make_segs
+
+MODES = ("reuse", "blend", "ape")
+
+
+def reference(tiny_engine, segs, mode):
+    return tiny_engine(store=MemoryStore()).prefill(segs, FusionOptions(mode=mode))[0].logits
+
+
+def same_answer(engine, tiny_engine, segs, mode="reuse"):
+    state, stats = engine.prefill(segs, FusionOptions(mode=mode))
+    torch.testing.assert_close(state.logits, reference(tiny_engine, segs, mode), rtol=0, atol=1e-5)
+    return stats
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_store_smaller_than_one_block_still_answers(tiny_engine, mode):
+    engine = tiny_engine(store=open_store("memory:1KiB"))
+    stats = same_answer(engine, tiny_engine, make_segs(), mode)
+    assert stats.extra["uncached_blocks"] == stats.cache_misses > 0
+    stats = same_answer(engine, tiny_engine, make_segs(), mode)  # and again: nothing was kept
+    assert stats.cache_hits == 0
+
+
+def test_a_memory_tier_that_evicts_within_one_request_still_answers(tiny_engine):
+    probe = MemoryStore()
+    tiny_engine(store=probe).warm(make_segs(blocks=(25,), prefix=0))
+    kv_bytes = probe.stats()["bytes"]
+    engine = tiny_engine(store=open_store(f"memory:{int(kv_bytes * 1.5)}B"))  # holds one block of the three
+    stats = same_answer(engine, tiny_engine, make_segs())
+    assert "store_fault" in stats.extra or stats.extra.get("uncached_blocks")
+
+
+def test_a_disk_tier_below_one_request_still_answers(tiny_engine, tmp_path):
+    engine = tiny_engine(store=open_store(f"memory:1KiB,disk:{tmp_path}:2KiB"))
+    stats = same_answer(engine, tiny_engine, make_segs())
+    assert stats.extra["uncached_blocks"] == stats.cache_misses
+
+
+def test_a_disk_that_refuses_writes_still_answers(tiny_engine, tmp_path, monkeypatch):
+    store = open_store(f"disk:{tmp_path}:1GiB")
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(os, "replace", read_only)  # what a directory remounted read-only does to a put
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    stats = same_answer(tiny_engine(store=store), tiny_engine, make_segs())
+    assert stats.extra["uncached_blocks"] == stats.cache_misses == 4
+
+
+def test_a_tier_that_raises_is_skipped_with_backoff_and_counted(tiny_engine, tmp_path, monkeypatch):
+    store = open_store(f"memory:64MiB,disk:{tmp_path}:1GiB")
+    disk = store.tiers[1]
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("disk controller on fire")
+    monkeypatch.setattr(disk, "contains", broken)
+    monkeypatch.setattr(disk, "put", broken)
+    engine = tiny_engine(store=store)
+    same_answer(engine, tiny_engine, make_segs())
+    assert store.counters["faults"][disk.describe()] == 1 and len(calls) == 1  # then skipped while down
+    same_answer(engine, tiny_engine, make_segs(seed=3))
+    assert len(calls) == 1
+
+
+def test_a_flipped_bit_on_disk_is_recomputed(tiny_engine, tmp_path):
+    segs = make_segs()
+    tiny_engine(store=DiskStore(tmp_path, 1 << 30)).warm(segs)
+    for f in tmp_path.rglob(f"*{SUFFIX}"):
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0x10
+        f.write_bytes(bytes(data))
+    stats = same_answer(tiny_engine(store=open_store(f"disk:{tmp_path}:1GiB")), tiny_engine, segs)
+    assert stats.cache_misses > 0 or "store_fault" in stats.extra
+
+
+def test_a_disk_entry_corrupted_between_check_and_read_is_recomputed(tiny_engine, tmp_path, monkeypatch):
+    """The entry passes `contains`, then fails while its layers are read: the request computes it instead."""
+    segs = make_segs()
+    store = open_store(f"disk:{tmp_path}:1GiB")
+    engine = tiny_engine(store=store)
+    engine.warm(segs)
+    monkeypatch.setattr(store.tiers[0], "open_layers", lambda key: None)  # vanished after `contains`
+    stats = same_answer(engine, tiny_engine, segs)
+    assert "store_fault" in stats.extra
+
+
+def test_redis_down_with_a_redis_only_store_still_answers(tiny_engine, tmp_path):
+    with private_redis(tmp_path) as url:
+        store = open_store(url)
+        engine = tiny_engine(store=store)
+        same_answer(engine, tiny_engine, make_segs())
+    for seed in range(3):  # redis-server is gone now
+        stats = same_answer(engine, tiny_engine, make_segs(seed=seed))
+        assert stats.cache_hits == 0
+
+
+@pytest.mark.parametrize("bad", ["list", "empty", "garbage"])
+def test_a_redis_key_of_the_wrong_type_or_value_is_overwritten(tiny_engine, redis_url, bad):  # noqa: F811
+    segs = make_segs(prefix=0, blocks=(20,))
+    key = tiny_engine().cache_keys(segs, FusionOptions(mode="reuse"))[0]
+    name = DEFAULT_PREFIX + storage_name(key)
+    client = redis.Redis.from_url(redis_url)
+    if bad == "list":
+        client.rpush(name, "a", "b")
+    else:
+        client.set(name, b"" if bad == "empty" else b"not a kv entry at all")
+    engine = tiny_engine(store=open_store(redis_url))
+    same_answer(engine, tiny_engine, segs)
+    assert client.type(name) == b"string" and client.strlen(name) > 100  # our entry replaced it
+    stats = same_answer(engine, tiny_engine, segs)
+    assert stats.cache_hits == 1 and stats.cache_misses == 0
