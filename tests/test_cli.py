@@ -77,3 +77,42 @@ def test_ask_two_questions_second_hits_every_block(capsys):
     assert code == 0 and first["cache_misses"] == 4 and second["cache_hits"] == 4 and second["cache_misses"] == 0
     assert {"answer", "mode", "ttft_ms", "prompt_tokens", "reused_tokens", "recomputed_tokens", "fetch_ms",
             "rerotate_ms", "recompute_ms", "query_prefill_ms"} <= second.keys()
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("brace", "not valid JSON"), ("empty", "not valid JSON"), ("list", "not an object"),
+    ("no vocab", "vocab_size"), ("negative size", "positive integer"), ("a billion layers", "num_hidden_layers"),
+    ("wrong hidden size", "does not match the weights"), ("garbage weights", "not a readable safetensors"),
+])
+def test_a_broken_model_folder_is_one_line_before_anything_is_allocated(capsys, tmp_path, tiny_dirs, case, needle):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    text = {"brace": "{", "empty": "", "list": "[]"}.get(case)
+    if case == "no vocab":
+        del cfg["vocab_size"]
+    elif case == "negative size":
+        cfg["intermediate_size"] = -5
+    elif case == "a billion layers":
+        cfg["num_hidden_layers"] = 1_000_000_000
+    elif case == "wrong hidden size":
+        cfg["hidden_size"] *= 2
+    elif case == "garbage weights":
+        (folder / "model.safetensors").write_bytes(b"not safetensors" * 64)
+    (folder / "config.json").write_text(text if text is not None else json.dumps(cfg))
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--model", str(folder))
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "80000"], "--port"), (["--max-queue", "0"], "--max-queue"), (["--timeout", "-1"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"), (["--namespace", "../x"], "namespace"), (["--max-body", "0"], "--max-body"),
+    (["--store", "disk:/tmp/x:-5GiB"], "-5GiB"), (["--store", "disk:/tmp/x:1GiB:extra"], "extra"),
+    (["--api-key", "short"], "API key"), (["--api-keys", "/no/such/keys.txt"], "--api-keys"),
+    (["--api-key", "key-aaaaaaaa:../tenant"], "namespace"), (["--mode", "blend", "--ratio", "2"], "ratio"),
+])
+def test_serve_flags_are_checked_before_the_model_loads(capsys, argv, needle):
+    code, _, err = run(capsys, "serve", "--model", "/no/such/model", *argv)
+    assert code == 2 and needle in err and "/no/such/model" not in err, err

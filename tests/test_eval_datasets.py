@@ -227,3 +227,46 @@ def test_limit_larger_than_synthetic_data(tmp_path):
 
 def test_every_named_dataset_has_a_known_format():
     assert all(info.fmt in FORMATS for info in DATASETS.values())
+
+
+# --- NQ-open with 10 passages at a fixed gold position (issue 14: "lost in the middle" per mode) ---
+
+@needs_data
+def test_real_nq10_gold_positions_0_4_9():
+    from ragkv.eval.metrics import normalize_answer
+
+    oracle = load_dataset("nq", limit=200)
+    golds = {ex.passages[0] for ex in load_dataset("nq")}  # every question's gold passage
+    sets = {g: load_dataset("nq-distractors", limit=200, gold_position=g) for g in (0, 4, 9)}
+    assert load_dataset("nq-distractors", limit=200, gold_position=4) == sets[4]  # deterministic
+    for g, examples in sets.items():
+        assert len(examples) == 200 and len({ex.id for ex in examples}) == 200
+        for ex, orig in zip(examples, oracle):
+            assert ex.question == orig.question and ex.answers == orig.answers
+            assert len(ex.passages) == 10 and len(set(ex.passages)) == 10
+            assert ex.meta["gold_index"] == g and ex.passages[g] == orig.passages[0]
+            distractors = ex.passages[:g] + ex.passages[g + 1:]
+            assert orig.passages[0] not in distractors  # never the question's own gold passage
+            assert all(d in golds for d in distractors)  # gold passages of other questions
+            answers = [normalize_answer(a) for a in ex.answers if normalize_answer(a)]
+            assert not any(f" {a} " in f" {normalize_answer(d.title + ' ' + d.text)} " for a in answers
+                           for d in distractors)  # and none of them holds the answer
+    # the same distractors in the same order at every position: the three sets differ only in where the gold is
+    for e0, e4, e9 in zip(sets[0], sets[4], sets[9]):
+        assert e0.passages[1:] == e4.passages[:4] + e4.passages[5:] == e9.passages[:9]
+
+
+def test_nq_distractors_skip_a_duplicate_of_the_own_gold(tmp_path):
+    recs = [{"question": f"q{i}", "answers": [f"ans{i}"],
+             "ctxs": [{"title": f"T{i}", "text": f"body {i}", "hasanswer": True, "isgold": True}]}
+            for i in range(8)]
+    recs[5]["ctxs"][0] = dict(recs[0]["ctxs"][0])  # question 5 shares question 0's gold passage
+    path = _jsonl(tmp_path / "nq.jsonl", recs)
+    for pos in (0, 2, 4):
+        for seed in range(5):
+            d = load_dataset(data_file=path, fmt="nq", num_passages=5, gold_position=pos, seed=seed)
+            assert all(e.passages[pos] == Passage(title=f"T{0 if i == 5 else i}", text=f"body {0 if i == 5 else i}")
+                       for i, e in enumerate(d))
+            for e in d:
+                others = e.passages[:pos] + e.passages[pos + 1:]
+                assert e.passages[pos] not in others and len(set(e.passages)) == 5

@@ -145,7 +145,13 @@ def test_summary_means_medians_and_ttft_ratio():
     assert r["ttft_vs_full"] == pytest.approx(40 / 400)  # over the examples `full` also ran: a and b
     assert "rouge_l" not in r and summarize(recs)["other"]["rouge_l"] == 0.25
     table = text_table(s)
-    assert table.splitlines()[0].split()[:4] == ["mode", "n", "accuracy", "f1"] and "10.0%" in table
+    assert table.splitlines()[0].split()[:6] == ["mode", "n", "accuracy", "[95%", "CI]", "f1"] and "10.0%" in table
+    # every task metric has a 95% bootstrap interval; the other modes a paired difference to `full`
+    assert s["full"]["accuracy_ci"] == [0.0, 1.0] and "accuracy_vs_full" not in s["full"]
+    assert r["accuracy_vs_full"] == 0.0 and r["accuracy_vs_full_ci"] == [0.0, 0.0] and r["accuracy_vs_full_n"] == 2
+    assert r["f1_vs_full"] == pytest.approx(0.25) and r["f1_vs_full_ci"] == [0.0, 0.5]
+    assert "0.667 [" in table and "+0.000 [+0.000, +0.000]" in table
+    assert summarize(recs, ["full", "reuse"]) == s  # seeded: the same records give the same intervals
 
 
 def test_task_scores_per_task():
@@ -219,6 +225,8 @@ def test_cli_bad_input(tmp_path, capsys):
              (["eval", "--data-file", str(tmp_path / "missing.json"), "--format", "hotpotqa"], "not found"),
              (["eval"], "no data"),
              (["calibrate", "--dataset", "musique"], "evaluation data"),
+             (["eval", "--dataset", "hotpotqa", "--gold-position", "1"], "nq format only"),
+             (["eval", "--dataset", "nq-distractors", "--gold-position", "10"], "gold_position must be in [0, 9]"),
              (["report", str(tmp_path / "none.jsonl")], "not found")]
     for argv, msg in cases:
         assert main(argv) == 2, argv
@@ -242,3 +250,48 @@ def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monke
     assert "--overwrite" in capsys.readouterr().err
     assert main(argv[:-6] + ["--max-new-tokens", "2", "--output", str(out), "--no-progress", "--overwrite"]) == 0
     assert "reuse" in capsys.readouterr().out
+
+
+def test_cli_gold_position_names_the_run():
+    import argparse
+
+    from ragkv.cli.eval import _dataset
+
+    args = argparse.Namespace(dataset="nq-distractors", data_file=None, format=None, num_passages=None, split=None,
+                              gold_position=4)
+    label, desc, kw = _dataset(args, None)
+    assert label == "nq-distractors-g4" and desc["gold_position"] == 4 and kw["gold_position"] == 4
+    label, desc, kw = _dataset(argparse.Namespace(**{**vars(args), "gold_position": None}), None)
+    assert label == "nq-distractors" and "gold_position" not in desc  # older results files still resume
+
+
+def test_lost_in_the_middle_table_and_figure(tmp_path, capsys):
+    def rec(ex, mode, acc):
+        return {"example_id": ex, "mode_key": mode, "scores": {"accuracy": acc}, "ttft_ms": 1.0,
+                "fidelity": {"first_token_kl": 0.0, "top1_agreement": 1.0}}
+
+    paths = []
+    for g, full_right in ((0, 3), (4, 1), (9, 2)):
+        path = tmp_path / f"eval-nq-g{g}.jsonl"
+        rf = ResultsFile(path, {"model": "m", "dtype": "bfloat16", "device": "cpu", "threads": 1, "max_new_tokens": 32,
+                                "dataset": "nq-distractors", "gold_position": g})
+        for i in range(4):
+            rf.append(rec(str(i), "full", float(i < full_right)))
+            rf.append(rec(str(i), "reuse", 0.0))
+        if g == 4:
+            rf.append(rec("4", "full", 1.0))  # `reuse` still pending on example 4: left out everywhere
+        paths.append(str(path))
+    png = tmp_path / "litm.png"
+    assert main(["report", *paths, "--lost-in-the-middle", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert png.is_file()
+    assert table.splitlines()[0] == "| model | n | mode | gold at 0 | gold at 4 | gold at 9 | all positions |"
+    assert "| m (bfloat16) | 4 | full | 0.750 [" in table and "; -0.750 [" in table  # reuse vs full at gold 0
+    # all positions: per question the mean over its 3 positions (full: 1, 2/3, 1/3, 0), resampled by question
+    full_row, reuse_row = table.splitlines()[2:4]
+    assert full_row.split(" | ")[-1].startswith("0.500 [") and reuse_row.split(" | ")[-1].startswith("0.000 [0.000, "
+                                                                                                     "0.000]; -0.500 [")
+    assert main(["report", *paths, "--tables"]) == 0
+    out = capsys.readouterr().out
+    assert "### nq-distractors-g4" in out and "--gold-position 4" in out and "acc - full [95% CI]" in out
+    assert not (tmp_path / "README.md").exists()

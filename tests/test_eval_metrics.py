@@ -121,3 +121,45 @@ def test_greedy_and_prefix_agreement():
     assert prefix_agreement(ref, ref[:5] + [99, 6]) == 5
     assert prefix_agreement(ref, ref, n=32) == 32
     assert prefix_agreement([7], [8]) == 0
+
+
+# --- 95% bootstrap intervals of the summaries (ragkv.eval.summary) ---
+
+def test_bootstrap_ci_known_cases():
+    from ragkv.eval.summary import bootstrap_ci
+
+    assert bootstrap_ci([]) is None
+    assert bootstrap_ci([0.3] * 7) == (0.3, 0.3)  # no spread, no interval
+    # two values 0 and 1: a resample's mean is 0, 0.5 or 1 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
+    # 97.5% quantiles are exactly 0 and 1
+    assert bootstrap_ci([0.0, 1.0]) == (0.0, 1.0)
+    # 50 correct out of 100: the resampled mean is Binomial(100, 0.5) / 100, whose 2.5% and 97.5% quantiles are
+    # 0.40 and 0.60 (P(X <= 39) = 0.018, P(X <= 40) = 0.028), the normal approximation 0.5 -+ 1.96 * 0.05
+    lo, hi = bootstrap_ci([1.0] * 50 + [0.0] * 50)
+    assert (lo, hi) == (pytest.approx(0.40), pytest.approx(0.60))
+    # 90% interval is narrower; the seed makes it deterministic, another seed moves it at most a little
+    lo90, hi90 = bootstrap_ci([1.0] * 50 + [0.0] * 50, confidence=0.9)
+    assert lo < lo90 < 0.5 < hi90 < hi
+    xs = list(np.random.default_rng(1).random(37))
+    assert bootstrap_ci(xs) == bootstrap_ci(xs) and bootstrap_ci(xs, seed=1) != bootstrap_ci(xs)
+    assert bootstrap_ci(xs, seed=1) == pytest.approx(bootstrap_ci(xs), abs=0.02)
+    with pytest.raises(ValueError, match="confidence"):
+        bootstrap_ci([1.0], confidence=1.0)
+
+
+def test_bootstrap_ci_paired_difference():
+    from ragkv.eval.summary import summarize
+
+    def rec(ex, mode, acc):
+        return {"example_id": ex, "mode_key": mode, "scores": {"accuracy": acc}, "ttft_ms": 1.0,
+                "fidelity": {"first_token_kl": 0.0, "top1_agreement": 1.0}}
+    # 40 examples; `reuse` loses exactly the 4 examples it differs on: difference -0.1 on every resample's scale
+    full = [rec(str(i), "full", float(i % 2)) for i in range(40)]
+    reuse = [rec(str(i), "reuse", float(i % 2) if i >= 8 else 0.0) for i in range(40)]
+    s = summarize(full + reuse)
+    assert s["reuse"]["accuracy_vs_full"] == pytest.approx(-0.1) and s["reuse"]["accuracy_vs_full_n"] == 40
+    lo, hi = s["reuse"]["accuracy_vs_full_ci"]
+    assert -0.25 < lo < -0.1 < hi <= 0.0  # paired: never above 0, since reuse is never better
+    # the paired interval is narrower than the difference of the two separate intervals would suggest
+    (flo, fhi), (rlo, rhi) = s["full"]["accuracy_ci"], s["reuse"]["accuracy_ci"]
+    assert hi - lo < (fhi - rlo) - (flo - rhi)

@@ -240,3 +240,33 @@ def test_ingestion_is_a_background_job_to_poll_or_cancel(server):
     assert state["status"] in ("cancelled", "succeeded")  # cancelled between units, unless it had finished
     ids = {d["doc_id"] for d in send(server, "GET", "/v1/documents", None).json()["data"]}
     assert {f"d{i}" for i in range(4)} <= ids and len(ids - {f"d{i}" for i in range(4)}) == state["documents_done"]
+
+
+def test_sigterm_stops_within_a_bounded_time_during_a_generation_and_an_ingest(tmp_path):
+    import signal
+    import threading
+
+    with ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=180, cache_dir=tmp_path) as s:
+        results = {}
+
+        def long_answer():
+            try:
+                results["chat"] = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+                    **HI, "max_tokens": 4000, "messages": [{"role": "user", "content": "Tell a very long story."}]})
+            except httpx.HTTPError as e:
+                results["chat"] = e
+
+        t = threading.Thread(target=long_answer)
+        t.start()
+        job = httpx.post(s.url + "/v1/documents", timeout=60, json={"wait": False, "documents": [
+            {"text": f"Section {i}. " + "The harbour holds boats. " * 300, "id": f"s{i}"} for i in range(8)]})
+        assert job.status_code == 202
+        time.sleep(2.0)  # both are running now
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        t.join(timeout=30)
+        assert took < 20, f"SIGTERM took {took:.1f} s"
+        chat = results["chat"]
+        assert isinstance(chat, httpx.HTTPError) or chat.status_code in (200, 503)

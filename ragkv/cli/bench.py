@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine|decode|store|serve`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
+"""`ragkv bench ttft|engine|decode|store|serve|soak`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, store, serve")
+    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, store, serve, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -97,6 +97,27 @@ def register(sub) -> None:
                         "--peer-arg=True)")
     add_model_args(v)
     v.set_defaults(func=run_serve)
+
+    k = bsub.add_parser("soak", help="N clients for M minutes against `ragkv serve` (two tenants, memory+disk+Redis "
+                                     "store) while faults are injected: crashes, 5xx, lost documents, cross-tenant "
+                                     "reads, changed greedy answers")
+    k.add_argument("--clients", type=int, default=4, help="concurrent client threads")
+    k.add_argument("--minutes", type=float, default=3.0, help="minutes of load with faults (after --calm)")
+    k.add_argument("--calm", type=float, default=20.0, help="seconds of load without faults first")
+    k.add_argument("--fault-interval", type=float, default=10.0, help="mean seconds between two faults")
+    k.add_argument("--seed", type=int, default=0, help="seeds the workload, the clients and the fault injector")
+    k.add_argument("--modes", default="reuse,blend,full", help="modes the clients use, comma-separated")
+    k.add_argument("--max-tokens", type=int, default=16, help="answer length limit (greedy)")
+    k.add_argument("--memory", default="48MiB", help="memory tier of the server's store (small: blocks fall "
+                   "through to disk and Redis)")
+    k.add_argument("--disk-size", default="512MiB", help="disk tier capacity")
+    k.add_argument("--request-timeout", type=float, default=180.0, help="client-side seconds per request")
+    k.add_argument("--max-requests", type=int, default=20_000, help="requests of all clients together, at most")
+    k.add_argument("--work-dir", default=None, help="server cache folder, Redis folder and logs (default: "
+                   "OUTPUT_DIR/soak-work; cleared at the start, its KV files removed at the end)")
+    _output_args(k)
+    add_model_args(k, decode_weights=False)
+    k.set_defaults(func=run_soak)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -166,3 +187,14 @@ def run_serve(args) -> int:
     result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, server, peer, args.peer_url,
                              model=args.model)
     return _finish(args, result, "serve_bench.md")
+
+
+def run_soak(args) -> int:
+    from ragkv.bench.soak import SoakConfig, run_soak as run_soak_bench
+
+    cfg = SoakConfig(clients=args.clients, minutes=args.minutes, seed=args.seed, fault_interval_s=args.fault_interval,
+                     calm_s=args.calm, model=args.model, dtype=args.dtype, device=args.device,
+                     modes=_modes(args.modes), max_tokens=args.max_tokens, memory=args.memory,
+                     disk_size=args.disk_size, request_timeout_s=args.request_timeout,
+                     max_requests=args.max_requests, work_dir=args.work_dir)
+    return _finish(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")

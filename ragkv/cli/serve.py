@@ -75,7 +75,7 @@ def run_serve(args) -> int:
     check_flags(args)
     fusion = fusion_from_args(args)
     keys = ApiKeys.parse(args.api_key, args.api_keys)
-    engine = engine_from_args(args)
+    engine = engine_from_args(args)  # the model loads only once every flag passed
     limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
                     args.ingest_timeout)
     server = Server(engine, args.model, args.index, args.max_queue, args.timeout, fusion,

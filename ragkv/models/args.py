@@ -29,6 +29,33 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Raises UnsupportedModelError naming the field for anything missing, mistyped or out of range."""
+        if not isinstance(cfg, dict):
+            raise UnsupportedModelError(f"config.json holds a {type(cfg).__name__}, not an object")
+        try:
+            args = cls._from_hf_config(cfg)
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise UnsupportedModelError(f"config.json has a value of the wrong type or range ({e})") from None
+        args.check()
+        return args
+
+    def check(self) -> None:
+        """Sizes that are positive integers and fit together, before anything is allocated."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UnsupportedModelError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                                        f"num_key_value_heads ({self.num_kv_heads})")
+        if not self.rms_norm_eps > 0:
+            raise UnsupportedModelError(f"config.json: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict) -> "ModelArgs":
         mtype = cfg.get("model_type")
         if mtype not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(

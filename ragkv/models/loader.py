@@ -43,6 +43,42 @@ def _weight_files(path: Path) -> list[Path]:
         "re-save the model with save_pretrained(safe_serialization=True)")
 
 
+def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers, without reading the data."""
+    from safetensors import SafetensorError
+
+    shapes = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():
+                    shapes[key] = tuple(fh.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise UnsupportedModelError(f"{f} is not a readable safetensors file ({e}); restore the weights") from None
+    return shapes
+
+
+def check_against_weights(path: Path, args: ModelArgs, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The config must describe the weights present: layer count first (a config claiming 10^9 layers would
+    build 10^9 modules), then the shape of every tensor the model will take."""
+    layers = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    found = max(layers) + 1 if layers else 0
+    if args.num_layers != found:
+        raise UnsupportedModelError(f"{path}: config.json says num_hidden_layers={args.num_layers} but the weights "
+                                    f"hold {found} layers")
+    a, kv = args, args.num_kv_heads * args.head_dim
+    want = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+            "model.layers.0.self_attn.q_proj.weight": (a.num_heads * a.head_dim, a.hidden_size),
+            "model.layers.0.self_attn.k_proj.weight": (kv, a.hidden_size),
+            "model.layers.0.self_attn.v_proj.weight": (kv, a.hidden_size),
+            "model.layers.0.self_attn.o_proj.weight": (a.hidden_size, a.num_heads * a.head_dim),
+            "model.layers.0.mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
+            "model.layers.0.mlp.down_proj.weight": (a.hidden_size, a.intermediate_size)}
+    bad = [f"{k} is {shapes.get(k)}, config.json implies {s}" for k, s in want.items() if shapes.get(k) != s]
+    if bad:
+        raise UnsupportedModelError(f"{path}: config.json does not match the weights: {'; '.join(bad[:3])}")
+
+
 def _weights_digest(files: list[Path], samples: int = 32, chunk: int = 1 << 16) -> str:
     """Hash of sizes plus evenly spaced byte samples: tells fine-tuned copies apart without reading 500 MB."""
     h = hashlib.sha256()
@@ -74,8 +110,13 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ModelNotFoundError(f"{path} has no config.json; pass a Hugging Face model folder")
-    args = ModelArgs.from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(f"{cfg_file} is not valid JSON ({e}); restore the model's config.json") from None
+    args = ModelArgs.from_hf_config(cfg)
     files = _weight_files(path)
+    check_against_weights(path, args, weight_shapes(files))  # before the model exists: nothing allocated yet
     with torch.device("meta"):
         model = Transformer(args)
     state = {}

@@ -20,7 +20,7 @@ from ragkv.engine.request import Passage, Segments
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.auth import DEFAULT_TENANT, ApiKeys
-from ragkv.serve.scheduler import Cancelled, JobTimeout, QueueFull, Scheduler
+from ragkv.serve.scheduler import Cancelled, JobTimeout, QueueFull, Scheduler, ShuttingDown
 from ragkv.serve.schemas import ChatRequest, CompletionRequest, DocumentsRequest, RagkvExtras
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def to_api_error(e: BaseException) -> ApiError:
         return ApiError(400, str(e))
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), "rate_limit_error", "queue_full", retry_after=QueueFull.retry_after_s)
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e), "server_error", "shutting_down", retry_after=1)
     if isinstance(e, Cancelled):
         return ApiError(409, f"the job was cancelled: {e}", code="cancelled")
     if isinstance(e, (JobTimeout, asyncio.TimeoutError, TimeoutError)):

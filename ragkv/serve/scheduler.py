@@ -37,6 +37,10 @@ class Cancelled(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 class Job:
     """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives a generator that prefills in
     units and returns (sequence, info), then the worker decodes it; `emit(kind, payload)` streams "start" and
@@ -127,6 +131,23 @@ class Scheduler:
                     self._step()
             except BaseException:  # the worker must survive anything
                 log.exception("scheduler iteration failed")
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        """On shutdown: every running, prefilling, queued and background job ends now with ShuttingDown."""
+        jobs = list(self.running) + ([self.prefilling] if self.prefilling else []) + list(self.background)
+        while True:
+            try:
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job.steps is not None:
+                job.steps.close()
+            if not job.future.done():
+                job.future.set_exception(ShuttingDown("the server is shutting down; retry on another instance"))
+        self.running, self.prefilling = [], None
+        self.background.clear()
 
     def _unit(self) -> None:
         """One unit of work besides decoding: a unit of the current prefill, else a newly admitted job's first."""

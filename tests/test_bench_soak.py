@@ -1,0 +1,108 @@
+"""The pure parts of `ragkv bench soak` (no server): workload, ledger, probe comparison, counts, report."""
+
+import random
+
+import pytest
+
+from ragkv.bench.soak import (MARKERS, TENANTS, DocLedger, SoakConfig, compare_probes, corrupt_disk, document_id,
+                              leaked_marker, make_passage, make_probes, parse_metrics, render_markdown,
+                              summarize_requests)
+from ragkv.errors import InvalidRequestError
+
+
+def test_workload_is_seeded_and_each_tenant_holds_only_its_marker():
+    assert make_probes(3, ("reuse", "full")) == make_probes(3, ("reuse", "full"))
+    assert make_probes(3, ("reuse",)) != make_probes(4, ("reuse",))
+    probes = make_probes(0, ("reuse", "blend", "full"))
+    assert len(probes) == 12 and len({p["id"] for p in probes}) == 12
+    for p in probes:
+        text = " ".join(d["text"] + d["title"] for d in p["documents"]) + p["question"]
+        assert leaked_marker(p["tenant"], text) is None
+        assert MARKERS[p["tenant"]] in text
+    for t in TENANTS:
+        doc, questions = make_passage(0, t, 5, "library")
+        assert MARKERS[t] in doc["text"] and MARKERS[t] in doc["title"] and questions
+        assert MARKERS[t].lower() in document_id(t, 5)
+    assert leaked_marker("tenantB", f"... {MARKERS['tenantA'].lower()}-doc-001 ...") == MARKERS["tenantA"]
+
+
+def test_ledger_counts_acknowledged_documents_missing_and_deleted_ones_back():
+    led = DocLedger()
+    led.added("tenantA", "a1", 200)
+    led.added("tenantA", "a2", 200)
+    led.added("tenantA", "a3", 500)      # uncertain: not counted either way
+    led.added("tenantB", "b1", 200)
+    led.added("tenantB", "b2", 400)      # refused: not expected
+    led.deleted("tenantA", "a2", 200)
+    led.deleted("tenantB", "b1", "timeout")  # uncertain
+    assert led.live("tenantA") == ["a1"] and led.live("tenantB") == []
+    out = led.check({"tenantA": {"a2", "a3"}, "tenantB": set()})
+    assert out["lost"] == ["tenantA/a1"] and out["resurrected"] == ["tenantA/a2"]
+    assert out["ledger"] == {"acked": 1, "deleted": 1, "uncertain": 2, "failed": 1}
+    led.deleted("tenantA", "a1", 404)    # stays acknowledged: lost unless listed
+    assert led.notes and led.check({"tenantA": {"a1"}, "tenantB": set()})["lost"] == []
+
+
+def test_probe_comparison_per_phase():
+    base = {"p1": "Paris", "p2": "1893", "p3": None}
+    answers = [{"probe": "p1", "phase": "faults", "text": "Paris"},
+               {"probe": "p2", "phase": "faults", "text": "1894", "store_fault": True},
+               {"probe": "p2", "phase": "after", "text": "1893"},
+               {"probe": "p3", "phase": "after", "text": "x"},        # no baseline answer: left out
+               {"probe": "p1", "phase": "after", "text": None}]        # failed request: left out
+    out = compare_probes(base, answers)
+    assert out["phases"] == {"faults": {"sent": 2, "differ": 1}, "after": {"sent": 1, "differ": 0}}
+    assert out["examples"][0]["got"] == "1894" and out["examples"][0]["store_fault"]
+
+
+def test_metrics_parsing():
+    text = """# TYPE ragkv_requests_total counter
+ragkv_requests_total{endpoint="chat",status="200"} 10
+ragkv_requests_total{endpoint="documents",status="200"} 2
+ragkv_requests_total{endpoint="chat",status="500"} 1
+ragkv_uncached_blocks_total 3
+ragkv_store_fault_requests_total 0
+ragkv_store_tier_faults_total{tier="redis://127.0.0.1:1234/0"} 7
+ragkv_store_tier_faults_total{tier="disk:/x"} 0
+"""
+    m = parse_metrics(text)
+    assert m == {"tier_faults": {"redis://127.0.0.1:1234/0": 7, "disk:/x": 0}, "fault_requests": 0,
+                 "uncached_blocks": 3, "requests_by_status": {"200": 12, "500": 1}}
+
+
+def test_request_summary_and_report():
+    recs = [{"phase": "faults", "kind": "inline", "status": 200, "latency_s": 1.0},
+            {"phase": "faults", "kind": "probe", "status": 200, "latency_s": 3.0},
+            {"phase": "faults", "kind": "retrieval", "status": 200, "latency_s": 2.0, "stream_error": True,
+             "error": "boom"},
+            {"phase": "faults", "kind": "inline", "status": 503, "latency_s": 0.1, "error": "down"},
+            {"phase": "calm", "kind": "inline", "status": 429, "latency_s": 0.1},
+            {"phase": "faults", "kind": "documents_add", "status": "timeout", "latency_s": 9.0}]
+    s = summarize_requests(recs, {"calm": 10.0, "faults": 4.0})
+    assert s["http_5xx"] == 1 and s["other_non_2xx"] == {"429": 1} and s["transport_errors"] == {"timeout": 1}
+    assert s["stream_errors"] == 1
+    f = s["phases"]["faults"]
+    assert f["chat_requests"] == 4 and f["ok"] == 2 and f["requests_per_s"] == 0.5
+    assert f["latency_p50_ms"] == 2000.0 and s["phases"]["calm"]["latency_p50_ms"] is None
+    md = render_markdown({"figures": {"crashes": 0, "http_5xx": 1, "other_non_2xx": {"429": 1}}, "all_zero": False,
+                          "requests": s, "probes": compare_probes({}, []), "config": {}})
+    assert "NOT all zero" in md and "| HTTP 5xx | 1 |" in md and '{"429": 1}' in md
+
+
+def test_disk_corruption_flips_and_truncates(tmp_path):
+    blobs = {f"e{i}.kv": bytes(range(256)) * 4 for i in range(5)}
+    for name, data in blobs.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "ignored.tmp").write_bytes(b"x" * 100)
+    out = corrupt_disk(tmp_path, random.Random(0), files=3, flips=4)
+    assert out["kv_files"] == 5 and len(out["flipped"]) == 3 and out["truncated"]
+    changed = [n for n, data in blobs.items() if (tmp_path / n).read_bytes() != data]
+    assert len(changed) == 4 and (tmp_path / "ignored.tmp").read_bytes() == b"x" * 100
+    assert corrupt_disk(tmp_path / "none", random.Random(0))["kv_files"] == 0
+
+
+def test_config_is_validated():
+    SoakConfig()
+    for bad in ({"modes": ("warp",)}, {"clients": 0}, {"minutes": 0}, {"probe_fraction": 2}):
+        with pytest.raises(InvalidRequestError):
+            SoakConfig(**bad)
