@@ -196,3 +196,29 @@ def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
     rope_into(out, x, *half_tables(cos, sin), chunk=128)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert maxdiff(out.float(), apply_rope(x, cos, sin).float()) <= tol
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+@pytest.mark.parametrize("r", [0.0, 0.1, 0.15, 0.3, 0.9, 1.0])
+def test_gradual_filtering_schedule_narrows_and_averages_r(m, r):
+    """CacheBlend sec. 4.3: a little more than r first, narrowing at each check layer, r on average."""
+    from ragkv.engine.blend import check_ratios
+
+    ratios = check_ratios(FusionOptions(mode="blend", ratio=r, check_layers=tuple(range(1, m + 1)), gradual=True))
+    assert ratios == sorted(ratios, reverse=True) and len(ratios) == m
+    assert sum(ratios) / m == pytest.approx(r) and (r in (0, 1) or ratios[0] > r > ratios[-1])
+    assert all(0 <= x <= 1 for x in ratios)
+
+
+def test_blend_accounting_counts_token_layers(tiny_engine):
+    """Every token goes through the layers up to the check layer; after it only the selection and the query."""
+    eng = tiny_engine()
+    segs = make_segs()
+    L, total = eng.num_layers, segs.num_tokens
+    _, full = eng.prefill(segs, FusionOptions(mode="full"))
+    assert full.recomputed_token_layers == full.full_token_layers == total * L
+    _, reuse = eng.prefill(segs, FusionOptions(mode="reuse"))
+    assert reuse.recomputed_token_layers == len(segs.query) * L and reuse.to_dict()["recompute_vs_full"] < 0.2
+    _, zero = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.0, check_layers=(1,)))
+    assert zero.recomputed_token_layers == total * 1 + len(segs.query) * (L - 1)  # layer 0 for every token
+    assert zero.recomputed_tokens == len(segs.query)

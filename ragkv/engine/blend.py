@@ -31,12 +31,22 @@ def keep_count(ratio: float, n_block: int) -> int:
     return min(n_block, int(round(ratio * n_block)))
 
 
+GRADUAL_SPREAD = 0.5  # gradual filtering starts at r + 0.5 min(r, 1 - r) and ends at r - 0.5 min(r, 1 - r)
+
+
 def check_ratios(opts: FusionOptions) -> list[float]:
-    """Kept fraction after each check layer: constant r, or halving down to r with gradual filtering."""
-    m = len(opts.check_layers)
-    if opts.gradual:
-        return [min(1.0, opts.ratio * 2 ** (m - 1 - j)) for j in range(m)]
-    return [opts.ratio] * m
+    """Kept fraction after each check layer.
+
+    Gradual filtering (CacheBlend, Yao et al. 2025, sec. 4.3): select slightly more than r at the first check
+    layer and narrow it at each later one, each layer choosing among the previous layer's selection, so that the
+    selection averages r over the check layers: r_j = r + d (m - 1 - 2j) / (m - 1), j = 0..m-1, with
+    d = GRADUAL_SPREAD * min(r, 1 - r) (linear, mean exactly r, inside [0, 1]; r = 0 and r = 1 stay exact, so
+    invariant 6 holds). Without gradual filtering, the one selection at the last check layer keeps r."""
+    m, r = len(opts.check_layers), opts.ratio
+    if opts.gradual and m > 1:
+        d = GRADUAL_SPREAD * min(r, 1.0 - r)
+        return [r + d * (m - 1 - 2 * j) / (m - 1) for j in range(m)]
+    return [r] * m
 
 
 def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
@@ -84,11 +94,14 @@ class BlendPlan:
         self.positions = self.sel
         self.deviation = torch.zeros(total, device=dev, dtype=torch.float32)
         self.kept_block = self.n_block
+        self.token_layers = 0     # rows through attention + MLP, summed over layers
+        self.projected_rows = 0   # candidate rows whose V (or K) was projected at check layers, to compare
 
     def begin(self, layer, block, x):
         load_context_layer(self, layer)
         if layer in self.ratios and self.n_block:
             x = self._select(layer, block, x)
+        self.token_layers += x.shape[1]
         return x
 
     def _select(self, layer, block, x):
@@ -96,6 +109,7 @@ class BlendPlan:
         is_cand = (sel >= P) & (sel < N)
         rows = is_cand.nonzero().squeeze(1)
         idx = sel[rows]
+        self.projected_rows += len(rows)
         if opts.deviation == "v":
             fresh, cached = block.project_v(x[:, rows]), self.cache.values[layer][:, :, idx]
         else:  # post-RoPE K deviation equals raw-K deviation (RoPE is a rotation); compare rotated
@@ -138,6 +152,7 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     stats.recompute_ms += (time.perf_counter() - t0) * 1000 - (stats.fetch_ms + stats.rerotate_ms - before)
     stats.recomputed_tokens += plan.kept_block + Tq
     stats.reused_tokens += N - plan.kept_block
+    stats.recomputed_token_layers = plan.token_layers
     stats.extra.update(blend_selected=plan.kept_block, blend_block_tokens=plan.n_block,
-                       blend_check_layers=list(opts.check_layers))
+                       blend_check_layers=list(opts.check_layers), blend_projected_rows=plan.projected_rows)
     return DecodeState(cache, total, logits)

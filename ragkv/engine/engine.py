@@ -322,6 +322,9 @@ class Engine:
                     stats.extra.update(ape_temperature=T, ape_scale=S)
                 state = prefill_over_context(self.model, layer_iter, layout, segs.query, capacity, stats,
                                              attention)
+        stats.full_token_layers = (len(segs.prefix) + sum(map(len, segs.blocks)) + len(segs.query)) * self.num_layers
+        if mode != "blend":  # every recomputed token went through every layer
+            stats.recomputed_token_layers = stats.recomputed_tokens * self.num_layers
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         if hasattr(layer_iter := locals().get("layer_iter"), "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute

@@ -63,8 +63,12 @@ class GenerationOptions:
 class RequestStats:
     mode: str
     prompt_tokens: int = 0
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
+    reused_tokens: int = 0         # prompt tokens whose KV came from the cache (at the last layer, for blend)
+    recomputed_tokens: int = 0     # prompt tokens whose KV this request computed at the last layer
+    # the work behind them: rows through each layer's attention and MLP, summed over layers, and the same for a
+    # `full` prefill of this prompt (blend also runs every token through the layers up to its first check layer)
+    recomputed_token_layers: int = 0
+    full_token_layers: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
     ttft_ms: float = 0.0
@@ -84,6 +88,8 @@ class RequestStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["tokens_per_s"] = round(self.tokens_per_s, 2)
+        d["recompute_vs_full"] = round(self.recomputed_token_layers / self.full_token_layers, 4) \
+            if self.full_token_layers else None
         for k, v in d.items():
             if isinstance(v, float):
                 d[k] = round(v, 3)

@@ -235,6 +235,9 @@ def _usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens, "reused_tokens": stats.reused_tokens,
             "recomputed_tokens": stats.recomputed_tokens,
+            # the work behind the prompt: token-layers computed, and as a fraction of a full prefill's
+            "recomputed_token_layers": stats.recomputed_token_layers,
+            "recompute_vs_full": stats.to_dict()["recompute_vs_full"],
             "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
             # blocks computed for this request that the store could not keep, and whether a store fault made it
             # compute everything without the cache
