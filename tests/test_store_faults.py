@@ -67,6 +67,7 @@ def test_a_disk_that_refuses_writes_still_answers(tiny_engine, tmp_path, monkeyp
 
 
 def test_a_tier_that_raises_is_skipped_with_backoff_and_counted(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setattr("ragkv.store.tiered.MIN_BACKOFF_S", 600.0)  # stays down for the whole test
     store = open_store(f"memory:64MiB,disk:{tmp_path}:1GiB")
     disk = store.tiers[1]
     calls = []

@@ -220,3 +220,21 @@ def test_forced_tier_reads_from_that_tier(three):
     stream = store.iter_layers([make_key()], L, tier="disk")
     assert stream.pipelined and equal_layers(list(stream), layers_of(make_kv()))
     assert store.stats()["hits"][three[1].describe()] == 1
+
+
+def test_write_back_returns_before_the_slow_tier_and_flush_lands_it(tmp_path):
+    """CacheBlend writes new KV back in the background: `put` returns once the fastest tier holds the block."""
+    gate = threading.Event()
+
+    class Slow(DiskStore):
+        def put(self, key, kv):
+            assert gate.wait(30)
+            super().put(key, kv)
+
+    slow = Slow(tmp_path / "kv", 1 << 20)
+    store = TieredStore([MemoryStore(1 << 20), slow], write_back=True)
+    store.put(make_key(), make_kv())  # would block forever if it waited for the slow tier
+    assert store.tiers[0].contains(make_key()) and not slow.contains(make_key())
+    gate.set()
+    store.flush()
+    assert same(slow.get(make_key()), make_kv())

@@ -78,7 +78,7 @@ def fusion_from_args(args, mode: str | None = None) -> FusionOptions:
 def make_store(spec: str | None):
     from ragkv.store.spec import open_store
 
-    return open_store(spec or default_store_spec())
+    return open_store(spec or default_store_spec(), write_back=True)  # requests never wait for slow tiers
 
 
 def engine_from_args(args, store=None):

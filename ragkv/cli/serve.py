@@ -103,6 +103,7 @@ def run_serve(args) -> int:
           f"{f' for {len(keys.tenants)} tenant(s)' if keys else ''}", flush=True)
     server.scheduler.serve_forever()
     web.join(timeout=10)
+    engine.flush_store()  # blocks still queued for the slower tiers land before the process ends
     return 0
 
 

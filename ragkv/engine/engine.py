@@ -172,6 +172,10 @@ class Engine:
     def store_stats(self) -> dict:
         return self._store.stats() if hasattr(self._store, "stats") else {}
 
+    def flush_store(self) -> None:
+        """Wait for the store's background write-back (new blocks on their way to slower tiers)."""
+        getattr(self._store, "flush", lambda: None)()
+
     def describe_store(self) -> str:
         return self._store.describe()
 

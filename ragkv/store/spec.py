@@ -152,7 +152,8 @@ def build_tier(t):
     raise TypeError(f"not a tier spec: {t!r}")
 
 
-def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True) -> "TieredStore":
+def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True,
+               write_back: bool = False) -> "TieredStore":
     """A TieredStore from a spec string (None -> DEFAULT_SPEC).
 
     Raises:
@@ -162,4 +163,5 @@ def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, prom
     parsed = spec if isinstance(spec, StoreSpec) else parse_spec(spec)
     from ragkv.store.tiered import TieredStore  # torch: only when a store is opened
 
-    return TieredStore([build_tier(t) for t in parsed.tiers], pipelined=pipelined, promote=promote)
+    return TieredStore([build_tier(t) for t in parsed.tiers], pipelined=pipelined, promote=promote,
+                       write_back=write_back)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -16,6 +17,7 @@ from ragkv.store.errors import MissingBlockError, StoreError
 log = logging.getLogger(__name__)
 
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # a failing tier is retried after 1, 2, 4, ... 60 s
+WRITE_BACK_QUEUE = 256  # blocks waiting for the slower tiers; beyond it `put` writes them itself
 
 
 class TieredStore(KVStore):
@@ -26,14 +28,21 @@ class TieredStore(KVStore):
         pipelined: `iter_layers` prefetches layer i+1 in a background thread while the caller computes on
             layer i (CacheBlend sec. 5); False reads each layer when asked (benchmark baseline).
         promote: a hit in a slower tier is copied into every faster tier.
+        write_back: `put` writes the fastest tier now and the slower ones from a background thread (CacheBlend
+            writes new KV back asynchronously), so a request never waits for a slow disk or a remote Redis. The
+            queue is bounded (a full queue writes in the caller: slower, never lost); `flush()` waits for it,
+            and runs at interpreter exit.
     """
 
     name = "tiered"
 
-    def __init__(self, tiers: Sequence[KVStore], pipelined: bool = True, promote: bool = True):
+    def __init__(self, tiers: Sequence[KVStore], pipelined: bool = True, promote: bool = True,
+                 write_back: bool = False):
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers, self.pipelined, self.promote = list(tiers), pipelined, promote
+        self.write_back = write_back and len(self.tiers) > 1
+        self._pending: queue.Queue | None = None  # (tier index, key, kv) for the writer thread
         self.counters = dict(misses=0, promotions=0, hits={t.describe(): 0 for t in self.tiers},
                              faults={t.describe(): 0 for t in self.tiers})
         self._down_until = [0.0] * len(self.tiers)  # a failing tier is skipped until then (backoff)
@@ -98,8 +107,35 @@ class TieredStore(KVStore):
 
     def put(self, key, kv):
         check_namespace(key.namespace)
-        for i in range(len(self.tiers)):
-            self._call(i, "put", lambda t: t.put(key, kv))
+        self._call(0, "put", lambda t: t.put(key, kv))
+        for i in range(1, len(self.tiers)):
+            if not self.write_back:
+                self._call(i, "put", lambda t: t.put(key, kv))
+                continue
+            try:
+                self._writer().put_nowait((i, key, kv))
+            except queue.Full:  # backpressure: write it here rather than drop it
+                self._call(i, "put", lambda t: t.put(key, kv))
+
+    def _writer(self) -> queue.Queue:
+        if self._pending is None:
+            self._pending = queue.Queue(maxsize=WRITE_BACK_QUEUE)
+            threading.Thread(target=self._write_back, name="ragkv-write-back", daemon=True).start()
+            atexit.register(self.flush)
+        return self._pending
+
+    def _write_back(self) -> None:
+        while True:
+            i, key, kv = self._pending.get()
+            try:
+                self._call(i, "put", lambda t: t.put(key, kv))
+            finally:
+                self._pending.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued write-back reached its tier."""
+        if self._pending is not None:
+            self._pending.join()
 
     def contains(self, key):
         return self.locate(key) is not None
