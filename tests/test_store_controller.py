@@ -83,3 +83,35 @@ def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
     profile_tiers([MemoryStore(4 << 20)])
     assert (tmp_path / "store_bandwidth.json").exists()
+
+
+def test_engine_reads_each_block_from_the_tier_its_plan_names(tiny_engine, tmp_path):
+    """Issue 13: a block may be in several tiers; the plan names the one it is read from, and the engine obeys."""
+    from ragkv.engine.options import FusionOptions
+    from ragkv.store.spec import open_store
+    from tiny import make_segs
+
+    store = open_store(f"memory:64MiB,disk:{tmp_path}:1GiB")
+    engine = tiny_engine(store=store)
+    segs = make_segs(prefix=0, blocks=(20, 30))
+    engine.warm(segs)  # both blocks in memory and on disk
+    keys = engine.cache_keys(segs, FusionOptions(mode="blend"))
+    store.tiers[0].delete(keys[0])  # the first block now only on disk
+    engine.profile_store()
+    before = dict(store.counters["hits"])
+    _, stats = engine.prefill(segs, FusionOptions(mode="blend"))
+    plan = stats.extra["loading_plan"]
+    mem, disk = (t.describe() for t in store.tiers)
+    assert list(plan["tiers"]) == [disk, mem] and 0.15 <= plan["ratio"] <= 1
+    read = {t: n - before[t] for t, n in store.counters["hits"].items()}
+    assert read == {mem: 1, disk: 1} and stats.cache_misses == 0
+
+
+def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
+    from ragkv.engine.loading import StoreProfiles
+
+    p = StoreProfiles(tmp_path / "p.json", {"recompute:x": {"points": [[128, 1.0], [512, 2.0], [2048, 4.0]],
+                                                            "measured_at": 0}})
+    assert p.recompute("recompute:x", 320) == pytest.approx(1.5) and p.recompute("recompute:x", 10_000) == 4.0
+    assert p.recompute("recompute:x", 64) == 1.0 and p.recompute("nope", 100) is None
+    assert p.stale("recompute:x")  # measured at the epoch: re-measured at the next start-up

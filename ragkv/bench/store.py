@@ -223,7 +223,7 @@ def render_markdown(res: dict) -> str:
                 f"({'meets' if r['meets_disk_target'] else 'misses'} the <= {DISK_TARGET}x target; fastest runs: "
                 f"{r['best_vs_memory']:.2f}x)"
                 for r in res["ttft"] if "meets_disk_target" in r]
-    plans = {(r["tier"], r["pipelined"]): r["loading_plan"] for r in res["ttft"] if r["loading_plan"]}
+    plans = {(r["tier"], r["pipelined"]): r["loading_plan"] for r in res["ttft"] if (r["loading_plan"] or {}).get("ratio") is not None}
     plans = [f"- blend, blocks in {t}{' (no pipelining)' if p is False else ''}: the loading controller planned "
              f"r={lp['ratio']:.2f}, {lp['load_ms_per_layer']:.2f} ms/layer loading vs "
              f"{lp['recompute_ms_per_layer']:.2f} ms/layer recompute" for (t, p), lp in plans.items() if p is not False]

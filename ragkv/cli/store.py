@@ -125,6 +125,7 @@ def cmd_profile(args: argparse.Namespace, out=None) -> int:
         return 0
     for tier, bw in profile["tiers"].items():
         out.write(f"{tier}: loads at {bw / 1e9:.2f} GB/s\n")
-    out.write(f"recompute: {profile['s_per_token_layer'] * 1e6:.2f} us per token and layer\n"
-              f"saved to {profile['saved_to']}\n")
+    for tokens, s in profile["recompute_points"]:
+        out.write(f"recompute at {tokens} tokens: {s * 1e6:.2f} us per token and layer\n")
+    out.write(f"saved to {profile['saved_to']}\n")
     return 0

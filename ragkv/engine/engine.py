@@ -305,15 +305,15 @@ class Engine:
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
             if uncached:
                 stats.extra["uncached_blocks"] = len(uncached)  # computed and used, but the store did not keep them
-            layer_iter = self._layer_stream(keys, uncached, store)
+            plan = self._planner.plan(keys, fusion.ratio) if mode == "blend" and not uncached else None
+            if isinstance(plan, str):
+                stats.extra["loading_plan"], plan = {"none": plan}, None
+            elif plan is not None:  # the engine reads each block from the tier the plan names
+                stats.extra["loading_plan"] = plan.as_dict()
+                if fusion.auto_ratio:
+                    fusion = replace(fusion, ratio=plan.ratio)
+            layer_iter = self._layer_stream(keys, uncached, store, plan.tiers if plan is not None else None)
             if mode == "blend":
-                plan = self._planner.plan(keys, fusion.ratio)
-                if isinstance(plan, str):
-                    stats.extra["loading_plan"] = {"none": plan}
-                elif plan is not None:
-                    stats.extra["loading_plan"] = plan.as_dict()
-                    if fusion.auto_ratio:
-                        fusion = replace(fusion, ratio=plan.ratio)
                 context_ids = segs.prefix + [t for b in segs.blocks for t in b]
                 state = prefill_blend(self.model, layer_iter, layout, context_ids, segs.query, fusion,
                                       capacity, stats)
@@ -334,10 +334,13 @@ class Engine:
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state, stats
 
-    def _layer_stream(self, keys, uncached: dict, store: KVStore):
-        """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store."""
+    def _layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):
+        """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store (from
+        the tiers the loading plan names, when there is one)."""
         if not keys:
             return iter(())
+        if tiers is not None:
+            return store.iter_layers(keys, self.model.args.num_layers, tiers=tiers)
         if uncached:
             here = MemoryStore()
             for key, kv in uncached.items():

@@ -14,13 +14,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ragkv.config import cache_dir, dtype_name
 from ragkv.store.base import CacheKey
-from ragkv.store.controller import (PROFILE_FILE, TierProfile, _read_json, _write_json, plan_load, profile_id,
-                                    profile_tiers)
+from ragkv.store.controller import PROFILE_FILE, _read_json, _write_json, plan_blocks, profile_id, profile_tiers
 
+RECOMPUTE_LENGTHS = (128, 512, 2048)  # prompt lengths the recompute cost is measured at, then interpolated
+MAX_AGE_S = 7 * 24 * 3600             # a profile older than this is measured again at the next start-up
 NO_PROFILE = "no load profile yet for this store and model (measured at server start-up or by `ragkv store profile`)"
 
 
@@ -44,10 +46,19 @@ class StoreProfiles:
         ok = isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
         return float(entry["bytes_per_s"]) if ok else None
 
-    def recompute(self, model_key: str) -> float | None:
+    def recompute(self, model_key: str, tokens: int | None = None) -> float | None:
+        """Prefill seconds per token and layer at `tokens` (linear interpolation between the measured lengths,
+        the nearest end outside them); None when never measured."""
         entry = self.data.get(model_key)
-        ok = isinstance(entry, dict) and isinstance(entry.get("s_per_token_layer"), (int, float))
-        return float(entry["s_per_token_layer"]) if ok else None
+        points = entry.get("points") if isinstance(entry, dict) else None
+        if not (isinstance(points, list) and points and all(isinstance(p, list) and len(p) == 2 for p in points)):
+            return None
+        xs, ys = zip(*sorted(points))
+        return float(np.interp(tokens if tokens is not None else xs[len(xs) // 2], xs, ys))
+
+    def stale(self, key: str, max_age_s: float = MAX_AGE_S) -> bool:
+        entry = self.data.get(key)
+        return not isinstance(entry, dict) or time.time() - float(entry.get("measured_at", 0)) > max_age_s
 
 
 class LoadingPlanner:
@@ -62,39 +73,54 @@ class LoadingPlanner:
         return self.store.tiers if isinstance(self.store, TieredStore) else []
 
     def profile(self, refresh: bool = False) -> dict:
-        """Measure what is missing (everything with `refresh`), save it, and return the profile in use."""
-        if self._tiers():  # measures the tiers missing from the file (all with `refresh`) and saves them
-            profile_tiers(self._tiers(), self.profiles.path, refresh)
+        """Measure what is missing or stale (everything with `refresh`), save it, return the profile in use."""
+        tiers = self._tiers()
+        if tiers:  # profile_tiers measures the tiers missing from the file and saves them
+            stale = [t for t in tiers if self.profiles.stale(profile_id(t))]
+            profile_tiers(tiers, self.profiles.path, refresh)
+            if stale and not refresh:
+                profile_tiers(stale, self.profiles.path, refresh=True)
             self.profiles.data.update(StoreProfiles.load(self.profiles.path).data)
-        if refresh or self.profiles.recompute(self.model_key) is None:
-            self.profiles.data[self.model_key] = {"s_per_token_layer": self._measure_recompute(),
-                                                  "measured_at": time.time()}
+        if refresh or self.profiles.stale(self.model_key) or self.profiles.recompute(self.model_key) is None:
+            self.profiles.data[self.model_key] = {"points": self._measure_recompute(), "measured_at": time.time()}
         self.profiles.save()
-        return {"tiers": {t.describe(): self.profiles.bandwidth(t) for t in self._tiers()},
-                "s_per_token_layer": self.profiles.recompute(self.model_key), "saved_to": str(self.profiles.path)}
+        return {"tiers": {t.describe(): self.profiles.bandwidth(t) for t in tiers},
+                "s_per_token_layer": self.profiles.recompute(self.model_key),
+                "recompute_points": self.profiles.data[self.model_key]["points"], "saved_to": str(self.profiles.path)}
 
-    def _measure_recompute(self, tokens: int = 256) -> float:
-        """Prefill seconds per token and layer, on a `tokens`-long forward (after one warm-up)."""
+    def _measure_recompute(self) -> list[list[float]]:
+        """[tokens, prefill seconds per token and layer] at several lengths (attention grows with length, so one
+        short forward extrapolated linearly understates long prompts); best of two after a warm-up."""
         model = self.model
-        ids = torch.randint(10, model.args.vocab_size - 1, (1, tokens), device=model.device)
+        lengths = sorted({min(n, model.args.max_positions) for n in RECOMPUTE_LENGTHS})
+        points = []
         with torch.inference_mode():
-            model(ids)
-            t0 = time.perf_counter()
-            model(ids)
-        return (time.perf_counter() - t0) / (tokens * model.args.num_layers)
+            model(torch.randint(10, model.args.vocab_size - 1, (1, lengths[0]), device=model.device))
+            for n in lengths:
+                ids = torch.randint(10, model.args.vocab_size - 1, (1, n), device=model.device)
+                best = float("inf")
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    model(ids)
+                    best = min(best, time.perf_counter() - t0)
+                points.append([n, best / (n * model.args.num_layers)])
+        return points
 
     def plan(self, keys: list[CacheKey], r_min: float):
-        """The plan for a request's blocks, a string saying why there is none, or None (no tiered store)."""
-        tiers = self._tiers()
-        if not tiers or not keys:
+        """The plan for a request's blocks (the tier each is read from, and r), a string saying why there is
+        none, or None (no tiered store). Every block must be held by a profiled tier."""
+        if not self._tiers() or not keys:
             return None
-        s_token_layer = self.profiles.recompute(self.model_key)
-        holding = {self.store.locate(k) for k in keys} - {None}
-        profiles = [TierProfile(t.name, bw) for t in tiers if (bw := self.profiles.bandwidth(t)) is not None
-                    and (t.name in holding or not holding)]
-        if s_token_layer is None or not profiles:
+        s_token_layer = self.profiles.recompute(self.model_key, sum(k.num_tokens for k in keys))
+        if s_token_layer is None:
             return NO_PROFILE
         a = self.model.args
-        tokens = sum(k.num_tokens for k in keys)
-        bytes_per_layer = 2 * a.num_kv_heads * a.head_dim * tokens * self.model.dtype.itemsize
-        return plan_load(profiles, bytes_per_layer, tokens, s_token_layer, r_min)
+        per_token = 2 * a.num_kv_heads * a.head_dim * self.model.dtype.itemsize
+        blocks = []
+        for key in keys:
+            holders = {t.describe(): bw for t in self.store.holders(key)
+                       if (bw := self.profiles.bandwidth(t)) is not None}
+            if not holders:
+                return NO_PROFILE
+            blocks.append((key.num_tokens, per_token * key.num_tokens, holders))
+        return plan_blocks(blocks, s_token_layer, r_min)

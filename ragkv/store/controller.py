@@ -111,6 +111,42 @@ def plan_load(tiers: list[TierProfile], bytes_per_layer: float, num_tokens: int,
     return LoadPlan(ratio, tier.name, load * 1e3, recompute * 1e3, reason)
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    ratio: float                   # fraction of block tokens to recompute
+    tiers: tuple[str, ...]         # per block, the tier (description) it is read from
+    load_ms_per_layer: float
+    recompute_ms_per_layer: float
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_blocks(blocks: list[tuple[int, float, dict[str, float]]], s_per_token_layer: float,
+                r_min: float = 0.15) -> BlockPlan:
+    """Per block (tokens, bytes per layer, {holding tier: bytes/s}): read each block from the holder that loads it
+    fastest, then r = max(r_min, the r whose recompute time equals the summed per-layer load time) (CacheBlend
+    sec. 5.1: extra recompute that loading hides is free)."""
+    if not blocks or any(not holders for _, _, holders in blocks):
+        raise ValueError("plan_blocks wants every block held by at least one profiled tier")
+    tiers, load = [], 0.0
+    for _, nbytes, holders in blocks:
+        best = max(holders, key=holders.get)
+        tiers.append(best)
+        load += load_seconds(nbytes, holders[best])
+    tokens = sum(n for n, _, _ in blocks)
+    ratio = choose_ratio(load, tokens, s_per_token_layer, r_min)
+    recompute = recompute_seconds(ratio, tokens, s_per_token_layer)
+    if ratio > r_min:
+        reason = f"loading takes {load * 1e3:.3f} ms/layer, so r rises to {ratio:.3f}, which it hides"
+    else:
+        reason = f"loading ({load * 1e3:.3f} ms/layer) hides behind recompute at r_min={r_min}"
+    if load > recompute:
+        reason += f"; loading still adds {(load - recompute) * 1e3:.3f} ms/layer"
+    return BlockPlan(ratio, tuple(tiers), load * 1e3, recompute * 1e3, reason)
+
+
 # --- bandwidth profiling ----------------------------------------------------------------------------------
 
 def profile_id(tier: KVStore) -> str:

@@ -163,14 +163,26 @@ class TieredStore(KVStore):
                 return reader
         return None
 
-    def iter_layers(self, keys, num_layers, tier: str | None = None) -> "LayerStream":
+    def holders(self, key: CacheKey) -> list[KVStore]:
+        """Every tier that holds `key` now, fastest first."""
+        check_namespace(key.namespace)
+        return [t for i, t in enumerate(self.tiers) if self._call(i, "contains", lambda t: t.contains(key), False)]
+
+    def iter_layers(self, keys, num_layers, tier: str | None = None,
+                    tiers: Sequence[str] | None = None) -> "LayerStream":
         """Per layer, every key's (K [Hkv, T, D], V), in order. Readers open now (a missing block raises
         MissingBlockError at once); with `pipelined`, loading starts at once in a background thread.
-        `tier` forces reading from that tier (benchmarks); otherwise each block comes from its fastest tier."""
+        `tier` forces reading every block from that tier (benchmarks), `tiers` names one per block (the loading
+        controller's plan); otherwise each block comes from its fastest tier."""
         for key in keys:
             check_namespace(key.namespace)
-        start = [self.tiers.index(self.tier(tier))] if tier is not None else None
-        fetcher = _Fetcher(self, list(keys), start)
+        if tiers is not None:
+            start = [[self.tiers.index(self.tier(t))] for t in tiers]
+        elif tier is not None:
+            start = [[self.tiers.index(self.tier(tier))]] * len(keys)
+        else:
+            start = None
+        fetcher = _Fetcher(self, list(keys), start, promote=self.promote and tier is None)
         short = [r.key.digest() for r in fetcher.readers if r.num_layers < num_layers]
         if short:
             fetcher.close()
@@ -186,14 +198,14 @@ class _Fetcher:
     """Reads one layer of every block, falling back to slower tiers when a reader fails part-way, and
     collects the layers of blocks found in slower tiers to promote them at the end."""
 
-    def __init__(self, store: TieredStore, keys: list[CacheKey], only: list[int] | None):
+    def __init__(self, store: TieredStore, keys: list[CacheKey], only: list[list[int]] | None, promote: bool):
         self.store, self.keys = store, keys
         self.load_ms = 0.0
         self.readers: list[LayerReader] = []
         self.found_at: list[int] = []
         try:
-            for key in keys:
-                reader, at = self._open(key, only or range(len(store.tiers)))
+            for j, key in enumerate(keys):
+                reader, at = self._open(key, only[j] if only else range(len(store.tiers)))
                 if reader is None:
                     raise MissingBlockError(f"block {key.digest()} is in no tier of {store.describe()}; "
                                             "encode it (store.put) before reading its layers")
@@ -203,7 +215,7 @@ class _Fetcher:
         except BaseException:
             self.close()
             raise
-        collect = store.promote and only is None
+        collect = promote
         self.layers = [[] if collect and at > 0 else None for at in self.found_at]
         self.instant = all(r.instant for r in self.readers)
 
