@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from ragkv.store.base import LayerReader
+from ragkv.store.base import BlockKV, LayerReader
 from ragkv.store.disk import DiskStore
 from ragkv.store.errors import MissingBlockError
 from ragkv.store.memory import MemoryStore
@@ -238,3 +238,18 @@ def test_write_back_returns_before_the_slow_tier_and_flush_lands_it(tmp_path):
     gate.set()
     store.flush()
     assert same(slow.get(make_key()), make_kv())
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_layers_are_staged_for_the_compute_device(tmp_path, pipelined):
+    """The CUDA staging path (pinned memory, side stream, events) is the same code on CPU, where it passes
+    tensors through unchanged; on a GPU the same call returns device tensors (exercised on the lent GPU)."""
+    store = TieredStore([MemoryStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20)], pipelined=pipelined)
+    keys = [make_key(), make_key(1)]
+    for i, k in enumerate(keys):
+        store.tiers[1].put(k, make_kv(seed=i))
+    layers = list(store.iter_layers(keys, L, device="cpu"))
+    assert len(layers) == L and all(k.device.type == "cpu" for layer in layers for k, _ in layer)
+    for i, key in enumerate(keys):
+        assert same(BlockKV(torch.stack([layer[i][0] for layer in layers]),
+                            torch.stack([layer[i][1] for layer in layers])), make_kv(seed=i))

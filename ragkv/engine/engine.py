@@ -340,12 +340,14 @@ class Engine:
         if not keys:
             return iter(())
         if tiers is not None:
-            return store.iter_layers(keys, self.model.args.num_layers, tiers=tiers)
+            return store.iter_layers(keys, self.model.args.num_layers, tiers=tiers, device=self.device)
         if uncached:
             here = MemoryStore()
             for key, kv in uncached.items():
                 here.put(key, kv)
             store = TieredStore([here, store], pipelined=getattr(store, "pipelined", False), promote=False)
+        if isinstance(store, TieredStore):  # copies to the compute device overlap compute (a no-op on CPU)
+            return store.iter_layers(keys, self.model.args.num_layers, device=self.device)
         return store.iter_layers(keys, self.model.args.num_layers)
 
     # -- generation ----------------------------------------------------------------------------------------

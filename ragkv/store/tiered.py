@@ -13,6 +13,7 @@ import torch
 
 from ragkv.store.base import BlockKV, CacheKey, KVStore, LayerReader, check_namespace
 from ragkv.store.errors import MissingBlockError, StoreError
+from ragkv.store.staging import Stager
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,12 @@ class TieredStore(KVStore):
         return [t for i, t in enumerate(self.tiers) if self._call(i, "contains", lambda t: t.contains(key), False)]
 
     def iter_layers(self, keys, num_layers, tier: str | None = None,
-                    tiers: Sequence[str] | None = None) -> "LayerStream":
+                    tiers: Sequence[str] | None = None, device=None) -> "LayerStream":
         """Per layer, every key's (K [Hkv, T, D], V), in order. Readers open now (a missing block raises
         MissingBlockError at once); with `pipelined`, loading starts at once in a background thread.
         `tier` forces reading every block from that tier (benchmarks), `tiers` names one per block (the loading
-        controller's plan); otherwise each block comes from its fastest tier."""
+        controller's plan); otherwise each block comes from its fastest tier. With `device`, each layer is copied
+        there ahead of its use (ragkv.store.staging: pinned memory and a side stream on CUDA)."""
         for key in keys:
             check_namespace(key.namespace)
         if tiers is not None:
@@ -188,7 +190,7 @@ class TieredStore(KVStore):
             fetcher.close()
             raise ValueError(f"{num_layers} layers requested but blocks {short} have fewer; their keys should "
                              "carry another model fingerprint")
-        return LayerStream(fetcher, num_layers, self.pipelined and not fetcher.instant)
+        return LayerStream(fetcher, num_layers, self.pipelined and not fetcher.instant, Stager(device))
 
     def stats(self):
         return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters}
@@ -287,8 +289,9 @@ class LayerStream:
     loading (near 0 when compute hides it); `load_ms` the time spent reading.
     """
 
-    def __init__(self, fetcher: _Fetcher, num_layers: int, pipelined: bool):
+    def __init__(self, fetcher: _Fetcher, num_layers: int, pipelined: bool, stager: Stager | None = None):
         self.fetcher, self.num_layers, self.pipelined = fetcher, num_layers, pipelined
+        self.stager = stager or Stager(None)
         self.wait_ms = 0.0
         self._next = 0
         self._closed = False
@@ -296,7 +299,8 @@ class LayerStream:
             self._queue: queue.Queue = queue.Queue(maxsize=1)
             self._stop = threading.Event()
             # the thread must not reference the stream, so that dropping the stream stops the thread
-            self._thread = threading.Thread(target=_produce, args=(fetcher, num_layers, self._queue, self._stop),
+            self._thread = threading.Thread(target=_produce, args=(fetcher, num_layers, self._queue, self._stop,
+                                                                   self.stager),
                                             name="ragkv-layer-prefetch", daemon=True)
             self._thread.start()
 
@@ -317,9 +321,10 @@ class LayerStream:
             if kind == "error":
                 self.close()
                 raise value
+            value = self.stager.ready(value)
         else:
             try:
-                value = self.fetcher.read(self._next)
+                value = self.stager.ready(self.stager.stage(self.fetcher.read(self._next)))
             except BaseException:
                 self.close()
                 raise
@@ -346,7 +351,7 @@ class LayerStream:
             pass
 
 
-def _produce(fetcher: _Fetcher, num_layers: int, q: queue.Queue, stop: threading.Event) -> None:
+def _produce(fetcher: _Fetcher, num_layers: int, q: queue.Queue, stop: threading.Event, stager: Stager) -> None:
     """Prefetch thread: read every layer in order, hand each to the caller, then promote off its critical path."""
 
     def offer(item) -> bool:
@@ -360,7 +365,7 @@ def _produce(fetcher: _Fetcher, num_layers: int, q: queue.Queue, stop: threading
 
     try:
         for i in range(num_layers):
-            item = ("layer", fetcher.read(i))
+            item = ("layer", stager.stage(fetcher.read(i)))
             if i == num_layers - 1:
                 fetcher.close()
             if not offer(item):
