@@ -115,3 +115,34 @@ def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
     assert p.recompute("recompute:x", 320) == pytest.approx(1.5) and p.recompute("recompute:x", 10_000) == 4.0
     assert p.recompute("recompute:x", 64) == 1.0 and p.recompute("nope", 100) is None
     assert p.stale("recompute:x")  # measured at the epoch: re-measured at the next start-up
+
+
+@pytest.mark.parametrize("disk_hides,expected", [(True, "disk"), (False, "memory")])
+def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_path, disk_hides, expected):
+    """Issue 13: with ?cost= in the spec, a new block is placed in the cheapest tier whose loading still hides
+    behind the recompute at r = 0.15, else in the fastest."""
+    from ragkv.engine.options import FusionOptions
+    from ragkv.store.controller import profile_id
+    from ragkv.store.spec import open_store
+    from tiny import make_segs
+
+    store = open_store(f"memory:64MiB?cost=1,disk:{tmp_path}:1GiB?cost=0.01")
+    engine = tiny_engine(store=store)
+    engine.profile_store()
+    profiles = engine._planner.profiles.data  # the test sets the disk's speed instead of timing a real one
+    profiles[profile_id(store.tiers[1])]["bytes_per_s"] = 1e15 if disk_hides else 1.0
+    segs = make_segs(prefix=0, blocks=(30,))
+    engine.prefill(segs, FusionOptions(mode="reuse"))
+    key = engine.cache_keys(segs, FusionOptions(mode="reuse"))[0]
+    assert [t.name for t in store.holders(key)] == [expected]
+
+
+def test_costs_parse_and_are_checked():
+    from ragkv.store.errors import StoreSpecError
+    from ragkv.store.spec import parse_spec
+
+    spec = parse_spec("memory:1GiB?cost=2,disk:/tmp/x:5GiB?cost=0.02,redis://127.0.0.1:6379/0?ttl=5&cost=0.3")
+    assert [t.cost for t in spec.tiers] == [2.0, 0.02, 0.3] and spec.tiers[1].capacity_bytes == 5 << 30
+    for bad in ("memory:1GiB?cost=-1", "disk:/tmp/x?cost=cheap", "memory?speed=3"):
+        with pytest.raises(StoreSpecError):
+            parse_spec(bad)

@@ -78,8 +78,9 @@ class EnsureResult:
 class BlockCache:
     """Names blocks by (model fingerprint, conditioning, token hash, namespace) and encodes them on a miss."""
 
-    def __init__(self, model, fingerprint: str, store: KVStore, namespace: str = "default"):
+    def __init__(self, model, fingerprint: str, store: KVStore, namespace: str = "default", place=None):
         self.model, self.fingerprint, self.store, self.namespace = model, fingerprint, store, namespace
+        self.place = place  # tokens -> tier indices a new block goes to (the loading controller), or None: all
 
     def key(self, ids: list[int], conditioning: str = NO_CONDITIONING, namespace: str | None = None) -> CacheKey:
         return CacheKey(self.fingerprint, conditioning, hash_tokens(ids), len(ids), namespace or self.namespace)
@@ -104,7 +105,8 @@ class BlockCache:
                 if conditioning != NO_CONDITIONING and prefix_kv is None and prefix_ids:
                     prefix_kv = self.get_or_encode(prefix_ids, namespace=namespace)
                 kv = encode_block(self.model, ids, prefix_kv)
-                self.store.put(key, kv)
+                tiers = self.place(len(ids)) if self.place is not None else None
+                self.store.put(key, kv) if tiers is None else self.store.put(key, kv, tiers=tiers)
                 if not self.store.contains(key):  # refused (too big, tier down, read-only): still used
                     uncached[key] = kv
                 encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units

@@ -111,6 +111,7 @@ class Engine:
         self.ape_temperature, self.ape_scale, self.ape_source = ape_params
         self.lock = threading.RLock()  # the model runs one request at a time
         self._planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
+        self._blocks.place = lambda tokens: self._planner.placement(tokens, FusionOptions().ratio)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",

@@ -20,6 +20,7 @@ import torch
 from ragkv.config import cache_dir, dtype_name
 from ragkv.store.base import CacheKey
 from ragkv.store.controller import PROFILE_FILE, _read_json, _write_json, plan_blocks, profile_id, profile_tiers
+from ragkv.store.spec import DEFAULT_COSTS
 
 RECOMPUTE_LENGTHS = (128, 512, 2048)  # prompt lengths the recompute cost is measured at, then interpolated
 MAX_AGE_S = 7 * 24 * 3600             # a profile older than this is measured again at the next start-up
@@ -105,6 +106,27 @@ class LoadingPlanner:
                     best = min(best, time.perf_counter() - t0)
                 points.append([n, best / (n * model.args.num_layers)])
         return points
+
+    def placement(self, num_tokens: int, r_quality: float) -> list[int] | None:
+        """Where a newly encoded block goes (CacheBlend sec. 5.1, storage side): the cheapest tier whose loading
+        still hides behind the recompute at r_quality, else the fastest; None (every tier) when no tier names a
+        cost or nothing is profiled yet."""
+        tiers = self._tiers()
+        if not tiers or all(t.cost is None for t in tiers):
+            return None
+        s_token_layer = self.profiles.recompute(self.model_key, num_tokens)
+        if s_token_layer is None:
+            return None
+        a = self.model.args
+        nbytes = 2 * a.num_kv_heads * a.head_dim * self.model.dtype.itemsize * num_tokens
+        budget = r_quality * num_tokens * s_token_layer
+        best = None
+        for i, t in enumerate(tiers):
+            bw = self.profiles.bandwidth(t)
+            cost = t.cost if t.cost is not None else DEFAULT_COSTS.get(t.name, 1.0)
+            if bw is not None and nbytes / bw <= budget and (best is None or cost < best[0]):
+                best = (cost, i)
+        return [best[1] if best else 0]
 
     def plan(self, keys: list[CacheKey], r_min: float):
         """The plan for a request's blocks (the tier each is read from, and r), a string saying why there is

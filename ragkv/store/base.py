@@ -140,6 +140,7 @@ class KVStore(ABC):
     """A key -> BlockKV map. Tiers (memory, disk, redis) and their composition implement it."""
 
     name = "store"  # tier kind shown in statistics
+    cost: float | None = None  # price per GB kept here (store spec ?cost=), for the loading controller
 
     def describe(self) -> str:
         """Identity of this tier (spec-like), e.g. for the bandwidth profile cache."""

@@ -1,8 +1,13 @@
 """The `--store` option: a comma-separated list of tiers, fastest first, turned into a TieredStore.
 
-    memory[:SIZE]                       in-process LRU (SIZE default 2GiB)
-    disk:PATH[:SIZE]                    one file per block under PATH (SIZE default 20GiB)
-    redis://HOST:PORT/DB[?ttl=S&prefix=P]   a Redis database (also rediss://, unix://)
+    memory[:SIZE][?cost=C]              in-process LRU (SIZE default 2GiB)
+    disk:PATH[:SIZE][?cost=C]           one file per block under PATH (SIZE default 20GiB)
+    redis://HOST:PORT/DB[?ttl=S&prefix=P&cost=C]   a Redis database (also rediss://, unix://)
+
+`cost` is what keeping a GB in that tier costs, in any unit you like (say $ per GB-month), compared between tiers.
+When any tier names one, new blocks are placed by the loading controller: in the cheapest tier whose loading still
+hides behind blend's recompute (CacheBlend sec. 5.1); tiers without a cost then count as DEFAULT_COSTS. Without
+costs, every tier gets every block (write-through, the slower ones in the background).
 
 Example: `memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0?ttl=3600`.
 Sizes take B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
@@ -20,6 +25,7 @@ from ragkv.store.sizes import parse_size
 DEFAULT_SPEC = "memory:2GiB"
 DEFAULT_MEMORY = "2GiB"
 DEFAULT_DISK = "20GiB"
+DEFAULT_COSTS = {"memory": 1.0, "redis": 0.25, "disk": 0.02}  # relative price per GB, when some tier names one
 SYNTAX = ("use a comma-separated list of memory[:SIZE], disk:PATH[:SIZE] and redis://HOST:PORT/DB[?ttl=SECONDS], "
           "fastest first, e.g. memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -28,12 +34,14 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 @dataclass(frozen=True)
 class MemoryTierSpec:
     capacity_bytes: int
+    cost: float | None = None  # ?cost=: price of keeping a GB there (any unit, compared between tiers)
 
 
 @dataclass(frozen=True)
 class DiskTierSpec:
     path: Path
     capacity_bytes: int
+    cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,28 @@ class RedisTierSpec:
     url: str                 # without ragkv's own query parameters
     ttl_s: int | None = None
     prefix: str | None = None
+    cost: float | None = None
+
+
+def _cost(value: str, where: str) -> float:
+    try:
+        cost = float(value)
+    except ValueError:
+        cost = -1.0
+    if not (cost >= 0 and cost != float("inf")):
+        raise StoreSpecError(f"cost {value!r} in {where!r} must be a non-negative number, e.g. ?cost=0.02")
+    return cost
+
+
+def _options(rest: str, where: str) -> tuple[str, float | None]:
+    """`PATH:SIZE?cost=X` -> (`PATH:SIZE`, X); memory and disk tiers take only `cost`."""
+    rest, _, query = rest.partition("?")
+    cost = None
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name != "cost":
+            raise StoreSpecError(f"unknown option {name!r} in {where!r}; memory and disk tiers take ?cost=X")
+        cost = _cost(value, where)
+    return rest, cost
 
 
 @dataclass(frozen=True)
@@ -66,10 +96,12 @@ class StoreSpec:
 
 
 def _parse_memory(rest: str, text: str) -> MemoryTierSpec:
-    return MemoryTierSpec(parse_size(rest or DEFAULT_MEMORY))
+    rest, cost = _options(rest, text)
+    return MemoryTierSpec(parse_size(rest or DEFAULT_MEMORY), cost)
 
 
 def _parse_disk(rest: str, text: str) -> DiskTierSpec:
+    rest, cost = _options(rest, text)
     if not rest:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory: disk:PATH[:SIZE], e.g. "
                              "disk:~/.cache/ragkv/kv:20GiB")
@@ -85,7 +117,7 @@ def _parse_disk(rest: str, text: str) -> DiskTierSpec:
         path, size = ":".join(parts[:i]), parts[i]
     if not path:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory before the size: disk:PATH:SIZE")
-    return DiskTierSpec(Path(path).expanduser(), parse_size(size))
+    return DiskTierSpec(Path(path).expanduser(), parse_size(size), cost)
 
 
 def _parse_redis(part: str, text: str) -> RedisTierSpec:
@@ -97,7 +129,7 @@ def _parse_redis(part: str, text: str) -> RedisTierSpec:
         u.port
     except ValueError as e:
         raise StoreSpecError(f"redis tier {part!r}: {e}; write redis://HOST:PORT/DB") from e
-    ttl, prefix, others = None, None, []
+    ttl, prefix, cost, others = None, None, None, []
     for name, value in parse_qsl(u.query, keep_blank_values=True):
         if name == "ttl":
             try:
@@ -109,9 +141,11 @@ def _parse_redis(part: str, text: str) -> RedisTierSpec:
                                      "e.g. ?ttl=3600")
         elif name == "prefix":
             prefix = value
+        elif name == "cost":
+            cost = _cost(value, part)
         else:
             others.append((name, value))  # left to redis-py (e.g. socket options)
-    return RedisTierSpec(urlunsplit(u._replace(query=urlencode(others))), ttl, prefix)
+    return RedisTierSpec(urlunsplit(u._replace(query=urlencode(others))), ttl, prefix, cost)
 
 
 def parse_spec(text: str | None) -> StoreSpec:
@@ -142,14 +176,17 @@ def build_tier(t):
     """Construct one tier; raises StoreUnavailableError when it cannot be used (see each tier)."""
     if isinstance(t, MemoryTierSpec):
         from ragkv.store.memory import MemoryStore
-        return MemoryStore(t.capacity_bytes)
-    if isinstance(t, DiskTierSpec):
+        tier = MemoryStore(t.capacity_bytes)
+    elif isinstance(t, DiskTierSpec):
         from ragkv.store.disk import DiskStore
-        return DiskStore(t.path, t.capacity_bytes)
-    if isinstance(t, RedisTierSpec):
+        tier = DiskStore(t.path, t.capacity_bytes)
+    elif isinstance(t, RedisTierSpec):
         from ragkv.store.redis_store import DEFAULT_PREFIX, RedisStore
-        return RedisStore(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
-    raise TypeError(f"not a tier spec: {t!r}")
+        tier = RedisStore(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
+    else:
+        raise TypeError(f"not a tier spec: {t!r}")
+    tier.cost = t.cost
+    return tier
 
 
 def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True,

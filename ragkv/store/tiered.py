@@ -88,7 +88,8 @@ class TieredStore(KVStore):
         raise KeyError(f"no tier {name!r} in store {self.describe()}")
 
     def _promote(self, key: CacheKey, kv: BlockKV, found_at: int) -> None:
-        if not self.promote:
+        # with tier costs, the loading controller places blocks; copying them up would undo its placement
+        if not self.promote or any(getattr(t, "cost", None) is not None for t in self.tiers):
             return
         for i in range(found_at):
             self._call(i, "put", lambda t: t.put(key, kv))
@@ -106,10 +107,15 @@ class TieredStore(KVStore):
         self.counters["misses"] += 1
         return None
 
-    def put(self, key, kv):
+    def put(self, key, kv, tiers: Sequence[int] | None = None):
+        """Write to every tier (or only to the tier indices `tiers`: the loading controller's placement)."""
         check_namespace(key.namespace)
-        self._call(0, "put", lambda t: t.put(key, kv))
-        for i in range(1, len(self.tiers)):
+        if tiers is not None:
+            first, rest = min(tiers), sorted(set(tiers) - {min(tiers)})
+        else:
+            first, rest = 0, range(1, len(self.tiers))
+        self._call(first, "put", lambda t: t.put(key, kv))
+        for i in rest:
             if not self.write_back:
                 self._call(i, "put", lambda t: t.put(key, kv))
                 continue
