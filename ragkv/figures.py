@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ragkv.errors import RagkvError
+
 
 def pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise RagkvError("plots need matplotlib: pip install 'ragkv[plots]'") from None
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt

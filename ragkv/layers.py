@@ -6,8 +6,8 @@ A request flows down through these layers: cli (flags) -> serve (HTTP) / bench -
 """
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "net", "figures", "layers", "__init__"),  # leaf helpers: errors, free ports, headless plots
-    ("config",),           # paths, device and dtype resolution from the environment
+    ("errors", "net", "layers", "__init__"),  # leaf helpers: errors, free ports
+    ("config", "figures"),  # paths, device and dtype from the environment; headless plots
     ("settings",),         # the defaults every command and the server share, and the settings file
     ("ops",),              # attention, RoPE, the decode kernel: tensors only
     ("models", "store"),   # the model runner; the KV store (knows tensors and bytes, not requests)

