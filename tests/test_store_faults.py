@@ -114,6 +114,8 @@ def test_redis_down_with_a_redis_only_store_still_answers(tiny_engine, tmp_path)
     for seed in range(3):  # redis-server is gone now
         stats = same_answer(engine, tiny_engine, make_segs(seed=seed))
         assert stats.cache_hits == 0
+    # counted in /metrics' tier faults, and skipped with backoff rather than reconnecting on every call
+    assert store.counters["faults"][store.tiers[0].describe()] >= 1 and not store._up(0)
 
 
 @pytest.mark.parametrize("bad", ["list", "empty", "garbage"])

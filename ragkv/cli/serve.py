@@ -95,7 +95,7 @@ def run_serve(args) -> int:
     web.start()
     # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, as
     # the worker's first job, never inside a request; later starts read the saved one
-    server.scheduler.submit(lambda job: _profile(engine))
+    engine.profile_in_background(server.scheduler.submit)
     if not keys:
         log.warning("no --api-key: the server is open, and every client shares tenant 'default' (documents and "
                     "KV); pass --api-key KEY[:TENANT] to require keys")
@@ -106,10 +106,3 @@ def run_serve(args) -> int:
     engine.flush_store()  # blocks still queued for the slower tiers land before the process ends
     return 0
 
-
-def _profile(engine) -> None:
-    try:
-        engine.profile_store()
-    except Exception as e:  # no profile only means blend runs at its r_min: say so, keep serving
-        log.warning("could not profile the store (%s); blend runs without a loading plan until `ragkv store "
-                    "profile` succeeds", e)

@@ -208,6 +208,22 @@ class Engine:
         with self.lock:
             return self._planner.profile(refresh)
 
+    def profile_in_background(self, submit) -> None:
+        """Start-up profiling that never holds up a request: tier bandwidths on a thread (no model needed), then
+        each recompute length as its own short job handed to `submit` (a scheduler's), between requests."""
+        import threading
+
+        def run():
+            try:
+                self._planner.profile_tiers()
+            except Exception as e:  # noqa: BLE001 - no profile only means no loading plan yet
+                log.warning("could not profile the store tiers (%s); blend runs without a loading plan until "
+                            "`ragkv store profile` succeeds", e)
+            for n in self._planner.recompute_lengths():
+                submit(lambda job, n=n: self._planner.measure_recompute_at(n))
+
+        threading.Thread(target=run, name="ragkv-profile", daemon=True).start()
+
     # -- segments ---------------------------------------------------------------------------------------
     def segments(self, question: str, passages=(), system: str | None = None,
                  prompt_format: PromptFormat | None = None) -> Segments:

@@ -75,6 +75,13 @@ class LoadingPlanner:
 
     def profile(self, refresh: bool = False) -> dict:
         """Measure what is missing or stale (everything with `refresh`), save it, return the profile in use."""
+        self.profile_tiers(refresh)
+        for n in self.recompute_lengths(refresh):
+            self.measure_recompute_at(n)
+        return self.summary()
+
+    def profile_tiers(self, refresh: bool = False) -> None:
+        """Each tier's load bandwidth (missing or stale ones; all with `refresh`): no model needed."""
         tiers = self._tiers()
         if tiers:  # profile_tiers measures the tiers missing from the file and saves them
             stale = [t for t in tiers if self.profiles.stale(profile_id(t))]
@@ -82,30 +89,40 @@ class LoadingPlanner:
             if stale and not refresh:
                 profile_tiers(stale, self.profiles.path, refresh=True)
             self.profiles.data.update(StoreProfiles.load(self.profiles.path).data)
-        if refresh or self.profiles.stale(self.model_key) or self.profiles.recompute(self.model_key) is None:
-            self.profiles.data[self.model_key] = {"points": self._measure_recompute(), "measured_at": time.time()}
-        self.profiles.save()
-        return {"tiers": {t.describe(): self.profiles.bandwidth(t) for t in tiers},
-                "s_per_token_layer": self.profiles.recompute(self.model_key),
-                "recompute_points": self.profiles.data[self.model_key]["points"], "saved_to": str(self.profiles.path)}
 
-    def _measure_recompute(self) -> list[list[float]]:
-        """[tokens, prefill seconds per token and layer] at several lengths (attention grows with length, so one
-        short forward extrapolated linearly understates long prompts); best of two after a warm-up."""
+    def recompute_lengths(self, refresh: bool = False) -> list[int]:
+        """Prompt lengths whose recompute cost is still to measure."""
+        lengths = sorted({min(n, self.model.args.max_positions) for n in RECOMPUTE_LENGTHS})
+        entry = self.profiles.data.get(self.model_key)
+        if refresh or self.profiles.stale(self.model_key) or not isinstance(entry, dict):
+            self.profiles.data[self.model_key] = {"points": [], "measured_at": time.time()}
+            return lengths
+        have = {p[0] for p in entry.get("points", []) if isinstance(p, list) and p}
+        return [n for n in lengths if n not in have]
+
+    def measure_recompute_at(self, tokens: int) -> None:
+        """One point of the recompute cost: prefill seconds per token and layer at `tokens` (attention grows with
+        length, so one short forward extrapolated linearly would understate long prompts); best of two after a
+        warm-up. One short unit of model work: a server runs each as its own job."""
         model = self.model
-        lengths = sorted({min(n, model.args.max_positions) for n in RECOMPUTE_LENGTHS})
-        points = []
+        ids = torch.randint(10, model.args.vocab_size - 1, (1, tokens), device=model.device)
+        best = float("inf")
         with torch.inference_mode():
-            model(torch.randint(10, model.args.vocab_size - 1, (1, lengths[0]), device=model.device))
-            for n in lengths:
-                ids = torch.randint(10, model.args.vocab_size - 1, (1, n), device=model.device)
-                best = float("inf")
-                for _ in range(2):
-                    t0 = time.perf_counter()
-                    model(ids)
-                    best = min(best, time.perf_counter() - t0)
-                points.append([n, best / (n * model.args.num_layers)])
-        return points
+            model(ids[:, :min(tokens, 64)])
+            for _ in range(2):
+                t0 = time.perf_counter()
+                model(ids)
+                best = min(best, time.perf_counter() - t0)
+        entry = self.profiles.data.setdefault(self.model_key, {"points": [], "measured_at": time.time()})
+        entry["points"] = [p for p in entry.get("points", []) if p[0] != tokens] + \
+            [[tokens, best / (tokens * model.args.num_layers)]]
+        self.profiles.save()
+
+    def summary(self) -> dict:
+        entry = self.profiles.data.get(self.model_key) or {}
+        return {"tiers": {t.describe(): self.profiles.bandwidth(t) for t in self._tiers()},
+                "s_per_token_layer": self.profiles.recompute(self.model_key),
+                "recompute_points": sorted(entry.get("points", [])), "saved_to": str(self.profiles.path)}
 
     def placement(self, num_tokens: int, r_quality: float) -> list[int] | None:
         """Where a newly encoded block goes (CacheBlend sec. 5.1, storage side): the cheapest tier whose loading

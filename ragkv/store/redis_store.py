@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -56,6 +57,7 @@ class RedisStore(KVStore):
             raise ValueError(f"redis ttl must be a positive number of seconds, got {ttl_s}")
         self.url, self.ttl_s, self.prefix = url, ttl_s, prefix
         self.counters = dict(hits=0, misses=0, puts=0, corrupt=0, errors=0)
+        self.last_error, self._last_warning = "", -1e9
         try:
             self.client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
             self.client.ping()
@@ -75,8 +77,13 @@ class RedisStore(KVStore):
         return self.prefix + storage_name(key)
 
     def _failed(self, what: str, err: Exception) -> None:
+        """A failure is a miss for the caller; a TieredStore sees `errors` grow, counts the fault and backs off."""
         self.counters["errors"] += 1
-        log.warning("redis tier %s: %s failed (%s); treating it as a miss", redact(self.url), what, err)
+        self.last_error = f"{what} failed: {err}"
+        now = time.monotonic()
+        if now - self._last_warning > 60:  # once per outage (and a minute), not once per call
+            self._last_warning = now
+            log.warning("redis tier %s: %s failed (%s); treating it as a miss", redact(self.url), what, err)
 
     def _discard(self, name: str, err: CorruptEntryError) -> None:
         log.warning("redis tier: dropping entry %s: %s; it will be recomputed", name, err)

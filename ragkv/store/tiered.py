@@ -67,10 +67,15 @@ class TieredStore(KVStore):
     def _call(self, i: int, what: str, fn, default=None):
         if not self._up(i):
             return default
+        tier = self.tiers[i]
+        errors = _errors(tier)
         try:
-            out = fn(self.tiers[i])
+            out = fn(tier)
         except Exception as e:  # noqa: BLE001 - any tier failure (OSError, Redis, a bug) degrades to a miss
             self._fault(i, what, e)
+            return default
+        if _errors(tier) > errors:  # a tier that turns its own failures into misses (Redis) failed all the same
+            self._fault(i, what, RuntimeError(getattr(tier, "last_error", "the tier reported an error")))
             return default
         if self._backoff[i]:
             log.warning("store tier %s answers again", self.tiers[i].describe())
@@ -200,6 +205,11 @@ class TieredStore(KVStore):
 
     def stats(self):
         return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters}
+
+
+def _errors(tier) -> int:
+    counters = getattr(tier, "counters", None)
+    return counters.get("errors", 0) if isinstance(counters, dict) else 0
 
 
 class _Fetcher:
