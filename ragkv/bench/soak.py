@@ -51,6 +51,8 @@ class SoakConfig:
     minutes: float = 3.0               # of faults, after the calm period
     seed: int = 0
     fault_interval_s: float = 10.0     # mean seconds between two faults (each drawn uniformly in [0.5x, 1.5x])
+    redis_down_s: tuple[float, float] = (2.0, 15.0)  # a killed Redis comes back after this long (uniform); other
+                                                     # faults and the traffic go on meanwhile
     calm_s: float = 20.0               # load without faults first: the probes' noise floor under batching
     model: str = "smollm2"
     dtype: str = "float32"
@@ -81,6 +83,8 @@ class SoakConfig:
             raise InvalidRequestError("--clients, --max-tokens, --max-requests and --initial-documents must be >= 1")
         if not (self.minutes > 0 and self.fault_interval_s > 0 and self.calm_s >= 0 and self.request_timeout_s > 0):
             raise InvalidRequestError("--minutes, --fault-interval and --request-timeout must be > 0, --calm >= 0")
+        if not 0 <= self.redis_down_s[0] <= self.redis_down_s[1]:
+            raise InvalidRequestError(f"redis_down_s must be (min, max) with 0 <= min <= max, got {self.redis_down_s}")
         for name in ("probe_fraction", "retrieval_fraction", "stream_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be in [0, 1]")
@@ -213,7 +217,8 @@ CHAT_KINDS = ("inline", "retrieval", "probe")
 
 
 def summarize_requests(records: list[dict], walls: dict[str, float]) -> dict:
-    """Status counts over every request (chat and documents), and per phase the chat throughput and latency."""
+    """Status counts over every request (chat and documents); per phase the chat requests' latency, and in the
+    load phases (`walls`: phase -> seconds) their throughput."""
     five = [r for r in records if isinstance(r["status"], int) and r["status"] >= 500]
     other: dict[str, int] = {}
     transport: dict[str, int] = {}
@@ -224,11 +229,12 @@ def summarize_requests(records: list[dict], walls: dict[str, float]) -> dict:
         elif not isinstance(s, int):
             transport[s] = transport.get(s, 0) + 1
     phases = {}
-    for phase, wall in walls.items():
+    for phase in dict.fromkeys([*walls, *(r["phase"] for r in records if r["kind"] in CHAT_KINDS)]):
         chat = [r for r in records if r["phase"] == phase and r["kind"] in CHAT_KINDS]
         ok = [r["latency_s"] for r in chat if r["status"] == 200 and not r.get("stream_error")]
-        phases[phase] = {"chat_requests": len(chat), "ok": len(ok), "wall_s": round(wall, 1),
-                         "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
+        wall = walls.get(phase)  # the load phases; the others are quiet probes, one at a time
+        phases[phase] = {"chat_requests": len(chat), "ok": len(ok), "wall_s": None if wall is None else round(wall, 1),
+                         "requests_per_s": round(len(ok) / wall, 3) if wall else None,
                          "latency_p50_ms": _ms(percentile(ok, 50)), "latency_p99_ms": _ms(percentile(ok, 99))}
     errors = sorted({f"{r['status']} {r['kind']}: {r.get('error') or ''}"[:300] for r in records
                      if r["status"] != 200 or r.get("stream_error")})
@@ -249,11 +255,12 @@ class RedisProcess:
     comes back empty); a context manager that stops it, like `private_redis`."""
 
     def __init__(self, workdir: Path, maxmemory: str = "256mb", timeout_s: float = 10.0):
-        self.workdir, self.maxmemory, self.timeout_s = Path(workdir), maxmemory, timeout_s
+        self.workdir, self.maxmemory, self.timeout_s = Path(workdir).resolve(), maxmemory, timeout_s
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.lock, self.closed = threading.Lock(), False  # no start after the exit (a restart thread may be late)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -266,10 +273,13 @@ class RedisProcess:
             raise RedisStartError(f"redis-server is not installed; {INSTALL_HINT}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "redis.log"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
-             str(self.workdir), "--logfile", str(log), "--daemonize", "no", "--maxmemory", self.maxmemory,
-             "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        with self.lock:
+            if self.closed:
+                raise RedisStartError("the soak is over; Redis stays stopped")
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+                 str(self.workdir), "--logfile", str(log), "--daemonize", "no", "--maxmemory", self.maxmemory,
+                 "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -292,6 +302,20 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def stats(self) -> dict:
+        """Keys held and hits/misses so far (since this start): whether the server uses the tier at all."""
+        import redis
+
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            info = client.info()
+            return {"keys": client.dbsize(), "hits": info.get("keyspace_hits"), "misses": info.get("keyspace_misses"),
+                    "used_mb": round(info.get("used_memory", 0) / 2**20, 1)}
+        except (redis.exceptions.RedisError, OSError) as e:
+            return {"error": str(e)}
+        finally:
+            client.close()
+
     def stop(self) -> None:
         if self.alive():
             self.proc.terminate()
@@ -306,6 +330,8 @@ class RedisProcess:
         return self
 
     def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.closed = True
         self.stop()
 
 
@@ -319,6 +345,7 @@ class ServerSupervisor:
         self.server: ServerProcess | None = None
         self.url = ""  # the last started server's, kept while a restart is under way
         self.logs: list[str] = []
+        self.lock, self.closed = threading.Lock(), False  # no server outlives the exit (a restart may be late)
 
     def alive(self) -> bool:
         return self.server is not None and self.server.proc.poll() is None
@@ -328,8 +355,13 @@ class ServerSupervisor:
         s = ServerProcess(self.cfg.model, self.cfg.dtype, self.cfg.device, self.store, self.cfg.startup_s,
                           self.cache_dir, self.extra)
         s.__enter__()
-        self.server, self.url = s, s.url
-        self.logs.append(str(s.log_path))
+        with self.lock:
+            if not self.closed:
+                self.server, self.url = s, s.url
+                self.logs.append(str(s.log_path))
+                return
+        s.__exit__(None, None, None)
+        raise RuntimeError("the soak is over; the server stays stopped")
 
     def stop(self) -> dict:
         """SIGTERM (SIGKILL after 30 s); its exit code and how long it took."""
@@ -351,6 +383,8 @@ class ServerSupervisor:
         return self
 
     def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.closed = True
         self.stop()
 
 
@@ -398,6 +432,7 @@ class SoakRun:
         self.records: list[dict] = []
         self.answers: list[dict] = []     # probe answers, every phase
         self.leaks: list[dict] = []       # cross-tenant reads
+        self.own_marker: dict[str, int] = {}  # responses holding their own tenant's marker, by kind
         self.faults: list[dict] = []
         self.crashes: list[dict] = []
         self.phase = "setup"
@@ -405,6 +440,7 @@ class SoakRun:
         self.t0 = time.monotonic()
         self.next_doc = {t: 0 for t in TENANTS}
         self.sup: ServerSupervisor | None = None
+        self.redis_back: threading.Thread | None = None  # brings a killed Redis back
 
     def elapsed(self) -> float:
         return round(time.monotonic() - self.t0, 1)
@@ -416,6 +452,8 @@ class SoakRun:
         marker = leaked_marker(tenant, body)
         with self.lock:
             self.records.append(rec)
+            if MARKERS[tenant].lower() in body.lower():  # the detector can see markers in this kind of response
+                self.own_marker[rec["kind"]] = self.own_marker.get(rec["kind"], 0) + 1
             if marker:
                 self.leaks.append({"tenant": tenant, "marker": marker, "kind": rec["kind"], "phase": rec["phase"],
                                    "excerpt": body[max(0, body.lower().find(marker.lower()) - 200):][:500]})
@@ -546,7 +584,8 @@ class SoakRun:
     def client(self, i: int, deadline: float) -> None:
         import httpx
 
-        cfg, rng = self.cfg, random.Random(cfg.seed * 7919 + i + 1)
+        cfg = self.cfg
+        rng = random.Random(cfg.seed * 7919 + i + 1)
         with httpx.Client(timeout=cfg.request_timeout_s, trust_env=False) as http:
             while not self.stop.is_set() and time.monotonic() < deadline:
                 with self.lock:
@@ -557,8 +596,8 @@ class SoakRun:
                     rec = self.send_probe(http, rng.choice(self.probes), stream)
                 else:
                     tenant, mode = rng.choice(TENANTS), rng.choice(cfg.modes)
-                    with self.lock:
-                        questions = list(self.questions[tenant])
+                    with self.lock:  # either tenant's questions: asking about the other's documents must not leak
+                        questions = [q for t in TENANTS for q in self.questions[t]]
                     if questions and rng.random() < cfg.retrieval_fraction:
                         rec = self.chat(http, tenant, mode, "retrieval", {"retrieval": {"top_k": cfg.top_k}},
                                         rng.choice(questions), stream)
@@ -587,23 +626,37 @@ class SoakRun:
                     if kind == "disk":
                         event.update(corrupt_disk(disk_dir, rng))
                     elif kind == "redis":
-                        redis.kill()
-                        down = rng.uniform(0.5, 3.0)
-                        time.sleep(down)
-                        redis.start()
-                        event.update(down_s=round(down, 2))
+                        if self.redis_back is not None and self.redis_back.is_alive():
+                            event["skipped"] = "Redis is still down"
+                        else:
+                            event.update(before=redis.stats())
+                            redis.kill()
+                            down = rng.uniform(*self.cfg.redis_down_s)
+                            self.redis_back = threading.Thread(target=self._restart_redis, args=(redis, down),
+                                                               daemon=True, name="soak-redis-restart")
+                            self.redis_back.start()
+                            event.update(down_s=round(down, 2))
                     else:
                         event["documents"] = []
                         for t in TENANTS:
                             event["documents"].append(self.add_document(http, t))
                             if rng.random() < 0.5:
                                 event["documents"].append(self.delete_document(http, t, rng))
+                            self.call(http, "GET", "/v1/documents", t, "documents_list")  # checked for leaks
                 except Exception as e:  # noqa: BLE001 - a fault that could not be injected is reported, not fatal
                     event["error"] = f"{type(e).__name__}: {e}"
                 with self.lock:
                     self.faults.append(event)
                 self.progress(f"[soak] {event['t']:.0f} s: fault {kind}: "
                               f"{json.dumps({k: v for k, v in event.items() if k not in ('t', 'kind')})[:240]}")
+
+    def _restart_redis(self, redis: RedisProcess, down: float) -> None:
+        self.stop.wait(down)  # the end of the soak brings it back at once
+        try:
+            redis.start()
+        except Exception as e:  # noqa: BLE001 - the end of the soak tries again
+            with self.lock:
+                self.faults.append({"t": self.elapsed(), "kind": "redis_restart_failed", "error": str(e)})
 
     def crashed(self) -> dict:
         """Record the exit of the current server (once per process)."""
@@ -650,10 +703,14 @@ class SoakRun:
 
         cfg = self.cfg
         self.sup = sup
-        with httpx.Client(timeout=cfg.request_timeout_s, trust_env=False) as http:
+        # the setup waits longer: a server's first job measures the store profile, minutes on a loaded machine
+        with httpx.Client(timeout=cfg.request_timeout_s + cfg.startup_s, trust_env=False) as http:
+            self.progress(f"[soak] {self.elapsed():.0f} s: server up; adding {cfg.initial_documents} documents per "
+                          "tenant")
             for t in TENANTS:
                 for _ in range(cfg.initial_documents):
                     self.add_document(http, t)
+            self.progress(f"[soak] {self.elapsed():.0f} s: recording the probes' fault-free answers")
             self.quiet_probes(http, "baseline")
             baseline = {a["probe"]: a.get("text") for a in self.answers if a["phase"] == "baseline"}
             out["baseline"] = baseline
@@ -686,20 +743,25 @@ class SoakRun:
                 self.stop.set()
                 watcher.join(cfg.startup_s + 60)
             out["walls"] = walls
+            if self.redis_back is not None:
+                self.redis_back.join(30)
             if not redis.alive():
                 redis.start()
+            out["redis_at_end"] = redis.stats()
             if not sup.alive():  # crashed at the very end, or the monitor gave up: one start for the checks
                 self.crashed()
                 sup.stop()
                 sup.start()
             self.progress(f"[soak] {self.elapsed():.0f} s: faults over; probes and documents checked")
             self.quiet_probes(http, "after")
+            self.progress(f"[soak] {self.elapsed():.0f} s: probes re-sent; restarting the server")
             out["metrics"] = parse_metrics(http.get(sup.url + "/metrics").text)
             out["documents_end"] = self.ledger.check(self.listing(http))
             self.phase = "restart"
             out["shutdown"] = sup.stop()
             sup.start()
-            self.progress(f"[soak] {self.elapsed():.0f} s: server restarted on the same cache folder")
+            self.progress(f"[soak] {self.elapsed():.0f} s: server restarted on the same cache folder (SIGTERM: "
+                          f"{out['shutdown']})")
             out["documents_after_restart"] = self.ledger.check(self.listing(http))
             self.quiet_probes(http, "after_restart")
             out["metrics_after_restart"] = parse_metrics(http.get(sup.url + "/metrics").text)
@@ -725,17 +787,17 @@ class SoakRun:
             "differing_answers": sum(ph.get(p, {}).get("differ", 0) for p in ("faults", "after", "after_restart")),
             "unclean_shutdown": int(out.get("shutdown", {}).get("exit_code", 0) not in (0, None)),
         }
-        zero = all(not v for v in figures.values())
+        zero = all(not v for v in figures.values()) and "error" not in out
         noise = {p: ph[p] for p in ("baseline_warm", "calm") if p in ph}
         return {"figures": figures, "all_zero": zero,
                 "fault_free_differences": noise, "probes": probes, "requests": requests,
                 "faults_injected": faults, "fault_events": self.faults, "crash_reports": self.crashes,
-                "cross_tenant_samples": self.leaks[:10], "document_notes": self.ledger.notes[:20],
+                "cross_tenant_samples": self.leaks[:10], "own_marker_responses": self.own_marker, "document_notes": self.ledger.notes[:20],
                 "server_logs": self.sup.logs if self.sup else []}
 
 
 def _work_dir(cfg: SoakConfig, out_dir: Path) -> Path:
-    work = Path(cfg.work_dir).expanduser() if cfg.work_dir else out_dir / "soak-work"
+    work = (Path(cfg.work_dir).expanduser() if cfg.work_dir else out_dir / "soak-work").resolve()
     if work.exists() and any(work.iterdir()):
         if not (work / WORK_MARK).exists():
             raise InvalidRequestError(f"--work-dir {work} is not empty and not a previous soak's; pick another")
@@ -779,6 +841,9 @@ def run_soak(cfg: SoakConfig, out_dir: Path = Path("bench_out"), progress=print)
         out["elapsed_s"] = run.elapsed()
         shutil.rmtree(disk_dir, ignore_errors=True)  # the KV files are big; the logs and the index stay
         save_json(out_dir / "soak.json", out)
+        with open(out_dir / "soak_requests.jsonl", "w") as f:  # every request, for a closer look
+            for r in run.records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
         (out_dir / "soak.md").write_text(render_markdown(out) + "\n")
     return out
 
@@ -812,18 +877,16 @@ def render_markdown(out: dict) -> str:
                                     json.dumps(figs[k]) if figs[k] else 0)] for k, label in FIGURE_LABELS.items()]))
     req = out.get("requests", {})
     ph, probe_ph = req.get("phases", {}), out.get("probes", {}).get("phases", {})
-    rows = [[p, v["chat_requests"], v["ok"], v["wall_s"], v["requests_per_s"], v["latency_p50_ms"],
-             v["latency_p99_ms"], f"{probe_ph.get(p, {}).get('differ', 0)}/{probe_ph.get(p, {}).get('sent', 0)}"]
-            for p, v in ph.items()]
-    for p in ("baseline_warm", "after", "after_restart"):
-        if p in probe_ph:
-            rows.append([p + " (quiet probes)", "-", "-", "-", "-", "-", "-",
-                         f"{probe_ph[p]['differ']}/{probe_ph[p]['sent']}"])
+    dash = lambda x: "-" if x is None else x  # noqa: E731
+    rows = [[p, v["chat_requests"], v["ok"], dash(v["wall_s"]), dash(v["requests_per_s"]), dash(v["latency_p50_ms"]),
+             dash(v["latency_p99_ms"]), f"{probe_ph.get(p, {}).get('differ', 0)}/{probe_ph.get(p, {}).get('sent', 0)}"]
+            for p, v in ph.items()]  # baseline: the reference itself; the other quiet phases: one probe at a time
     lines += ["", markdown_table(["phase", "chat requests", "ok", "wall s", "req/s", "latency p50 ms",
                                   "latency p99 ms", "probes differing/sent"], rows)]
     m, m2 = out.get("metrics") or {}, out.get("metrics_after_restart") or {}
     cfg = out.get("config", {})
-    lines += ["", f"- faults injected: {out.get('faults_injected')}; redis-server starts: {out.get('redis_starts')}",
+    lines += ["", f"- faults injected: {out.get('faults_injected')}; redis-server starts: {out.get('redis_starts')}; "
+                  f"Redis after the last restart: {out.get('redis_at_end')}",
               f"- server /metrics at the end: tier faults {m.get('tier_faults')}, fault requests "
               f"{m.get('fault_requests')}, uncached blocks {m.get('uncached_blocks')}, requests by status "
               f"{m.get('requests_by_status')}",
@@ -837,6 +900,8 @@ def render_markdown(out: dict) -> str:
               f"store {out.get('store')}; {out.get('machine', {}).get('cpus')} CPUs, load "
               f"{out.get('machine', {}).get('loadavg_at_start')} -> {out.get('machine', {}).get('loadavg_at_end')}",
               f"- server logs: {', '.join(out.get('server_logs', []))}"]
+    lines.append(f"- the leak detector's reach: responses holding their own tenant's marker, by kind: "
+                 f"{out.get('own_marker_responses')}")
     noise = out.get("fault_free_differences") or {}
     if noise:
         lines.append(f"- fault-free noise floor (not counted above): {noise}")

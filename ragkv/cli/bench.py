@@ -118,6 +118,28 @@ def register(sub) -> None:
     _output_args(k)
     add_model_args(k, decode_weights=False)
     k.set_defaults(func=run_soak)
+    c = bsub.add_parser("controller", help="blend's loading controller vs every fixed (r, tier) choice: TTFT and "
+                                           "first-token KL, blocks spread over memory, disk, Redis and a throttled tier")
+    c.add_argument("--context", type=int, default=3072, help="context tokens of the request")
+    c.add_argument("--query-tokens", type=int, default=50)
+    c.add_argument("--ratios", default="0.05,0.15,0.3,0.5", help="the fixed choices' r, comma-separated")
+    c.add_argument("--repeats", type=int, default=3, help="timed round-robin rounds")
+    c.add_argument("--throttle", choices=("latency", "bandwidth"), default="latency",
+                   help="throttled tier: a fixed delay per block and layer read, or a bandwidth limit")
+    c.add_argument("--throttle-ms", type=float, default=None, help="latency: the delay (default: auto, see "
+                   "--throttle-factor)")
+    c.add_argument("--throttle-mbps", type=float, default=None, help="bandwidth: MB/s (default: auto)")
+    c.add_argument("--throttle-factor", type=float, default=2.0, help="auto throttle: the blocks held only by the "
+                   "throttled tier load in this x the recompute at r_min per layer")
+    c.add_argument("--target", type=float, default=1.10, help="controller TTFT / best fixed TTFT at equal KL")
+    c.add_argument("--keep-profile", action="store_true", help="use a saved recompute profile instead of "
+                   "re-measuring it under this run's threads")
+    c.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server)")
+    c.add_argument("--disk-dir", default=None, help="disk tiers' parent directory (default: temporary)")
+    _output_args(c)
+    add_fusion_args(c, default_mode=None, title="blend parameters (--ratio: the controller's r_min)")
+    add_model_args(c, decode_weights=False)
+    c.set_defaults(func=run_controller)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -198,3 +220,18 @@ def run_soak(args) -> int:
                      disk_size=args.disk_size, request_timeout_s=args.request_timeout,
                      max_requests=args.max_requests, work_dir=args.work_dir)
     return _finish(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")
+
+
+def run_controller(args) -> int:
+    from ragkv.bench.controller import ControllerBenchConfig, run_controller_bench
+    from ragkv.cli.common import floats
+
+    fusion = fusion_from_args(args, mode="blend")
+    cfg = ControllerBenchConfig(model=args.model, dtype=args.dtype, device=args.device, context=args.context,
+                                query_tokens=args.query_tokens, ratios=floats(args.ratios, "--ratios"),
+                                r_min=fusion.ratio, repeats=args.repeats, throttle=args.throttle,
+                                throttle_ms=args.throttle_ms, throttle_mbps=args.throttle_mbps,
+                                throttle_factor=args.throttle_factor, target=args.target,
+                                refresh_profile=not args.keep_profile,
+                                fusion=replace(fusion, auto_ratio=False), redis=args.redis, disk_dir=args.disk_dir)
+    return _finish(args, run_controller_bench(cfg, Path(args.output_dir), say), "controller_bench.md")
