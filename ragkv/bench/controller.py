@@ -263,8 +263,8 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
         throttled_only = [i for i, p in enumerate(placement) if p == ("throttled",)]
         thr_bytes = sum(kvs[i].nbytes // L for i in throttled_only)  # per layer
         delay_s, bps = _throttle(cfg, rec_min_s, len(throttled_only), thr_bytes)
-        progress(f"throttled tier: {'%.1f ms per block and layer' % (delay_s * 1e3) if cfg.throttle == 'latency' else '%.2f MB/s' % (bps / 1e6)}"
-                 f" ({cfg.throttle}); in the spread placement {len(throttled_only)} blocks only there: "
+        how = f"{delay_s * 1e3:.1f} ms per block and layer" if cfg.throttle == "latency" else f"{bps / 1e6:.2f} MB/s"
+        progress(f"throttled tier: {how} ({cfg.throttle}); in the spread placement {len(throttled_only)} blocks only there: "
                  f"{_wait(delay_s, bps, [kvs[i].nbytes // L for i in throttled_only]) * 1e3:.1f} ms per layer "
                  f"to load vs {rec_min_s * 1e3:.1f} ms recompute at r_min")
 
@@ -337,7 +337,7 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
                                                                               throttled_only]) * 1e3, 3),
                   "all blocks": round(_wait(delay_s, bps, [kv.nbytes // L for kv in kvs]) * 1e3, 3)},
               "redis": "given" if cfg.redis else ("private redis-server" if redis_url else "skipped"),
-              "argv": sys.argv[1:], "rows": rows}
+              "argv": sys.argv[1:], "round_order": "rotated", "rows": rows}
     plan = next(r["plan"] for r in rows if r["kind"] == "controller")
     if plan:  # what the throttle really costs for the blocks the plan reads from it (the plan's estimate is above)
         result["plan_throttled_load_ms_per_layer"] = {
@@ -373,7 +373,7 @@ def _wait(delay_s: float, bps: float | None, layer_bytes: list[int]) -> float:
 
 def time_configs(configs: list[Config], segs, repeats: int, progress: Callable[[str], None]) -> None:
     """One untimed request per configuration (its logits give the KL; allocations, page cache), then `repeats`
-    rounds over all of them."""
+    rounds over all of them, each round starting at another configuration (the order otherwise kept)."""
 
     def request(c: Config):
         counters = c.store.counters
@@ -399,15 +399,14 @@ def time_configs(configs: list[Config], segs, repeats: int, progress: Callable[[
         c.kl = first_token_kl(ref, state.logits)
         c.top1 = bool(int(ref.argmax()) == int(state.logits.argmax()))
         progress(f"  {c.name}: r={c.ratio}, KL {c.kl:.4g}, reads {c.reads}")
+    timed = [c for c in configs if c.kind != "full"]
     for i in range(repeats):
-        for c in configs:
-            if c.kind == "full":
-                continue
+        shift = (i * 7) % len(timed)  # each round starts elsewhere: no configuration always follows the same one
+        for c in timed[shift:] + timed[:shift]:
             ms, _, stats = request(c)
             c.runs.append(ms)
             c.waits.append(stats.extra.get("load_wait_ms", 0.0))
-        progress(f"  round {i + 1}/{repeats} (ms): " + ", ".join(f"{c.name} {c.runs[-1]:.0f}" for c in configs
-                                                                 if c.kind != "full"))
+        progress(f"  round {i + 1}/{repeats} (ms): " + ", ".join(f"{c.name} {c.runs[-1]:.0f}" for c in timed))
 
 
 def summarize(configs: list[Config]) -> list[dict]:
@@ -433,11 +432,13 @@ def render_markdown(res: dict) -> str:
     th = res["throttle"]
     how = (f"{th['delay_ms']:.1f} ms per block and layer read" if th["kind"] == "latency"
            else f"{th['mbps']:.2f} MB/s per block read")
+    rotated = ", each starting at another configuration" if res.get("round_order") == "rotated" else ""
     head = (f"Loading-controller benchmark on {res['model']} ({res['dtype']}, {res['device']}, {res['threads']} "
             f"threads): {res['prompt_tokens']}-token request, {res['blocks']} cached blocks "
             f"({res['kv_bytes'] / 1e6:.1f} MB of KV), blend check layers {res['check_layers']} "
             f"(deviation {res['deviation']}{', gradual' if res['gradual'] else ''}); TTFT median of {res['repeats']} "
-            f"round-robin rounds (full: its one reference run); KL = first-token KL(full || x). Redis: {res['redis']}. Throttled tier: {how} "
+            f"round-robin rounds{rotated} (full: its one reference run); KL = first-token KL(full || x). "
+            f"Redis: {res['redis']}. Throttled tier: {how} "
             f"({th['kind']}; loading the spread placement's throttled-only blocks takes "
             f"{res['throttled_load_ms_per_layer']['spread (blocks only there)']:.1f} ms per layer, all blocks "
             f"{res['throttled_load_ms_per_layer']['all blocks']:.1f} ms; recompute at r_min={res['r_min']} is "
@@ -492,7 +493,8 @@ def _plot(path: Path, res: dict) -> None:
                        label=None)
     for tier, m in markers.items():  # legend: shape = tier, color = r
         if any(r["tier"] == tier and r["kind"] in ("fixed", "spread") for r in res["rows"]):
-            ax.scatter([], [], marker=m, color="gray", label=f"{tier}{' (controller placement)' if tier == 'spread' else ''}")
+            note = " (controller placement)" if tier == "spread" else ""
+            ax.scatter([], [], marker=m, color="gray", label=f"{tier}{note}")
     for r, c in colors.items():
         ax.scatter([], [], marker="s", color=c, label=f"r={r:g}")
     ctrl = next(r for r in res["rows"] if r["kind"] == "controller")

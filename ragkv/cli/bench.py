@@ -119,7 +119,8 @@ def register(sub) -> None:
     add_model_args(k, decode_weights=False)
     k.set_defaults(func=run_soak)
     c = bsub.add_parser("controller", help="blend's loading controller vs every fixed (r, tier) choice: TTFT and "
-                                           "first-token KL, blocks spread over memory, disk, Redis and a throttled tier")
+                                           "first-token KL, blocks spread over memory, disk, Redis and a throttled "
+                                           "tier")
     c.add_argument("--context", type=int, default=3072, help="context tokens of the request")
     c.add_argument("--query-tokens", type=int, default=50)
     c.add_argument("--ratios", default="0.05,0.15,0.3,0.5", help="the fixed choices' r, comma-separated")
