@@ -25,6 +25,14 @@ def test_verdict_compares_with_the_fastest_fixed_choice_at_equal_or_better_kl():
     assert v["meets"] is True and "MEETS" in v["text"]
     assert v["fastest_fixed"] == "memory r=0.05"
     assert verdict(rows, target=1.04)["meets"] is False
+    assert v["dominated_by"] == []
+
+
+def test_verdict_names_faster_and_more_faithful_choices():
+    rows = [row("controller", "controller", 150, 0.02), row("a r=0.15", "fixed", 148, 0.02),
+            row("a r=0.3", "fixed", 149, 0.015), row("b r=0.5", "fixed", 200, 0.01)]
+    v = verdict(rows)
+    assert v["meets"] is True and v["dominated_by"] == ["a r=0.3"] and "better KL" in v["text"]
 
 
 def test_verdict_counts_kl_within_the_tolerance_as_equal():

@@ -182,9 +182,13 @@ def verdict(rows: list[dict], target: float = TARGET, kl_rel_tol: float = KL_REL
     bound = c["kl"] * (1 + kl_rel_tol)
     eligible = [r for r in fixed if r["kl"] <= bound]
     fastest = min(fixed, key=lambda r: r["ttft_ms"])
+    # choices at least as fast with a KL better beyond the tolerance: quality the controller left on the table
+    dominated_by = sorted((r["name"] for r in fixed if r["ttft_ms"] <= c["ttft_ms"] and r["kl"] * (1 + kl_rel_tol)
+                           < c["kl"]), key=lambda n: next(r["kl"] for r in fixed if r["name"] == n))
     out = {"controller": c["name"], "controller_ttft_ms": c["ttft_ms"], "controller_kl": c["kl"],
            "target": target, "kl_rel_tol": kl_rel_tol, "fastest_fixed": fastest["name"],
-           "fastest_fixed_ttft_ms": fastest["ttft_ms"], "fastest_fixed_kl": fastest["kl"]}
+           "fastest_fixed_ttft_ms": fastest["ttft_ms"], "fastest_fixed_kl": fastest["kl"],
+           "dominated_by": dominated_by}
     if not eligible:
         return {**out, "best_fixed": None, "ttft_ratio": None, "meets": None,
                 "text": f"no fixed choice reaches the controller's KL ({c['kl']:.4g}); the fastest fixed choice, "
@@ -196,6 +200,9 @@ def verdict(rows: list[dict], target: float = TARGET, kl_rel_tol: float = KL_REL
     text = (f"controller {c['ttft_ms']:.0f} ms at KL {c['kl']:.4g} vs the best fixed choice at equal or better KL, "
             f"{best['name']}: {best['ttft_ms']:.0f} ms at KL {best['kl']:.4g} -> {ratio:.2f}x: "
             f"{'MEETS' if meets else 'MISSES'} the <= {target:.2f}x target")
+    if dominated_by:
+        verb = "is" if len(dominated_by) == 1 else "are"
+        text += f"; but {', '.join(dominated_by)} {verb} at least as fast with a better KL"
     return {**out, "best_fixed": best["name"], "best_fixed_ttft_ms": best["ttft_ms"], "best_fixed_kl": best["kl"],
             "ttft_ratio": round(ratio, 4), "meets": meets, "text": text}
 
@@ -264,8 +271,8 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
         thr_bytes = sum(kvs[i].nbytes // L for i in throttled_only)  # per layer
         delay_s, bps = _throttle(cfg, rec_min_s, len(throttled_only), thr_bytes)
         how = f"{delay_s * 1e3:.1f} ms per block and layer" if cfg.throttle == "latency" else f"{bps / 1e6:.2f} MB/s"
-        progress(f"throttled tier: {how} ({cfg.throttle}); in the spread placement {len(throttled_only)} blocks only there: "
-                 f"{_wait(delay_s, bps, [kvs[i].nbytes // L for i in throttled_only]) * 1e3:.1f} ms per layer "
+        progress(f"throttled tier: {how} ({cfg.throttle}); in the spread placement {len(throttled_only)} blocks "
+                 f"only there: {_wait(delay_s, bps, [kvs[i].nbytes // L for i in throttled_only]) * 1e3:.1f} ms per layer "
                  f"to load vs {rec_min_s * 1e3:.1f} ms recompute at r_min")
 
         def make_tier(kind: str, role: str) -> KVStore:
