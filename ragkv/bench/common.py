@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,3 +44,31 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def bench_dir(prefix: str):
+    """A temporary directory under $RAGKV_CACHE_DIR/bench (a disk tier's home for one run), removed afterwards."""
+    from ragkv.config import cache_dir
+
+    root = cache_dir() / "bench"
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bench_redis(progress):
+    """URL of a redis-server started for the run (no persistence), or None if there is none to start."""
+    from ragkv.store.redis_server import RedisStartError, private_redis
+
+    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(private_redis(workdir))
+        except RedisStartError as e:
+            progress(f"{e}: skipping the Redis tier (or pass --redis URL)")
+            url = None
+        yield url

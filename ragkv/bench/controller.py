@@ -15,7 +15,8 @@ matters on a machine where every real tier is fast next to the model.
 - **spread, fixed r**: the controller's placement with a fixed r (each block from its fastest holder): what the
   controller adds by choosing r.
 
-TTFT is the median of `repeats` round-robin rounds (shared machines drift alike for every configuration);
+TTFT is the median of `repeats` round-robin rounds, each starting at another configuration (shared machines
+drift alike for every configuration; `full` is timed once, as the reference);
 fidelity is the first-token KL(full || x) of `engine.prefill`'s logits. Target (issue 13): the controller within
 10% of the best fixed choice's TTFT among those at equal or better KL. The fixed memory choices hold every block
 in memory, so the target says that spreading blocks over slower tiers costs at most 10% once the controller has
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,9 +35,10 @@ from typing import Callable
 
 import torch
 
+from ragkv.bench.common import bench_dir, bench_redis
 from ragkv.engine.options import FusionOptions
 from ragkv.errors import InvalidRequestError
-from ragkv.store.base import BlockKV, CacheKey, KVStore, LayerReader
+from ragkv.store.base import KVStore, LayerReader
 
 NAMESPACE = "bench-controller"
 TARGET = 1.10            # controller TTFT <= 1.10 x the best fixed choice's at equal or better KL
@@ -263,7 +264,7 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
                  f"layer at {tokens} tokens -> {rec_min_s * 1e3:.1f} ms per layer at r_min={cfg.r_min}")
 
         tiers_avail = list(TIERS)
-        redis_url = cfg.redis or stack.enter_context(_private_redis(progress))
+        redis_url = cfg.redis or stack.enter_context(bench_redis(progress))
         if not redis_url:
             tiers_avail.remove("redis")
         placement = spread_placement(len(keys), tiers_avail)
@@ -272,8 +273,8 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
         delay_s, bps = _throttle(cfg, rec_min_s, len(throttled_only), thr_bytes)
         how = f"{delay_s * 1e3:.1f} ms per block and layer" if cfg.throttle == "latency" else f"{bps / 1e6:.2f} MB/s"
         progress(f"throttled tier: {how} ({cfg.throttle}); in the spread placement {len(throttled_only)} blocks "
-                 f"only there: {_wait(delay_s, bps, [kvs[i].nbytes // L for i in throttled_only]) * 1e3:.1f} ms per layer "
-                 f"to load vs {rec_min_s * 1e3:.1f} ms recompute at r_min")
+                 f"only there: {_wait(delay_s, bps, [kvs[i].nbytes // L for i in throttled_only]) * 1e3:.1f} ms "
+                 f"per layer to load vs {rec_min_s * 1e3:.1f} ms recompute at r_min")
 
         def make_tier(kind: str, role: str) -> KVStore:
             if kind == "memory":
@@ -284,7 +285,7 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
                 from ragkv.store.disk import DiskStore
 
                 root = Path(cfg.disk_dir).expanduser() / role if cfg.disk_dir else stack.enter_context(
-                    _temp_dir(role))
+                    bench_dir(f"controller-{role}"))
                 t = DiskStore(root, max(4 << 30, 4 * nbytes))
                 stack.callback(t.clear, NAMESPACE)
                 return t
@@ -507,9 +508,7 @@ def _plot(path: Path, res: dict) -> None:
     ctrl = next(r for r in res["rows"] if r["kind"] == "controller")
     ax.scatter(ctrl["ttft_ms"], max(ctrl["kl"], floor), marker="*", s=400, color="red", edgecolor="black", zorder=5,
                label=f"controller (r={ctrl['ratio']:.3f})")
-    full = next(r for r in res["rows"] if r["kind"] == "full")
-    ax.axvline(full["ttft_ms"], color="gray", ls=":", lw=1)
-    ax.text(full["ttft_ms"], max(r["kl"] for r in res["rows"]), " full", color="gray", fontsize=8, va="top")
+    full = next(r for r in res["rows"] if r["kind"] == "full")  # far to the right: named in the title instead
     v = res["verdict"]
     if v.get("best_fixed"):
         ax.axvline(v["best_fixed_ttft_ms"] * v["target"], color="red", ls="--", lw=0.8,
@@ -518,7 +517,7 @@ def _plot(path: Path, res: dict) -> None:
     ax.set_xlabel("TTFT (ms, median)")
     ax.set_ylabel("first-token KL(full || x)")
     ax.set_title(f"Loading controller vs fixed (r, tier), {res['model']} {res['dtype']}, {res['prompt_tokens']} "
-                 f"tokens, throttle {res['throttle']['kind']}", fontsize=9)
+                 f"tokens, throttle {res['throttle']['kind']} (full: {full['ttft_ms'] / 1e3:.0f} s, KL 0)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save_figure(fig, path)
 
@@ -540,35 +539,10 @@ def _restore_profiles(path: Path, before: dict, tier_ids: set, fingerprint: str)
             now[k] = before[k]
         else:
             del now[k]
-    _write_json(path, now)
-
-
-@contextlib.contextmanager
-def _temp_dir(role: str):
-    import shutil
-
-    from ragkv.config import cache_dir
-
-    root = cache_dir() / "bench"
-    root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f"controller-{role}-", dir=root))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _private_redis(progress):
-    from ragkv.store.redis_server import RedisStartError, private_redis
-
-    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(private_redis(workdir))
-        except RedisStartError as e:
-            progress(f"{e}: skipping the Redis tier (or pass --redis URL)")
-            url = None
-        yield url
+    if now or before:
+        _write_json(path, now)
+    else:  # the run created the file: leave none behind
+        path.unlink(missing_ok=True)
 
 
 __all__ = ["ControllerBenchConfig", "ThrottledStore", "run_controller_bench", "verdict", "spread_placement",

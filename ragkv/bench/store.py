@@ -10,16 +10,13 @@ Target (README "Performance"): disk-tier TTFT <= 1.3x memory-tier TTFT with pipe
 from __future__ import annotations
 
 import contextlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from zlib_ng.zlib_ng import crc32
 
 from ragkv.engine.options import FusionOptions
@@ -65,7 +62,7 @@ class Config:
 
 
 def run_store_bench(cfg: StoreBenchConfig, out_dir: Path = Path("bench_out"), progress=print) -> dict:
-    from ragkv.bench.common import real_passages, save_json
+    from ragkv.bench.common import bench_dir, bench_redis, real_passages, save_json
     from ragkv.bench.ttft import build_request
     from ragkv.engine.engine import Engine
     from ragkv.store.spec import open_store
@@ -90,9 +87,9 @@ def run_store_bench(cfg: StoreBenchConfig, out_dir: Path = Path("bench_out"), pr
         return engine.with_store(store, NAMESPACE), store
 
     with contextlib.ExitStack() as stack:
-        disk_dir = Path(cfg.disk_dir).expanduser() if cfg.disk_dir else stack.enter_context(_temp_dir())
+        disk_dir = Path(cfg.disk_dir).expanduser() if cfg.disk_dir else stack.enter_context(bench_dir("store"))
         disk_spec = f"disk:{disk_dir}:{max(4 << 30, 4 * nbytes)}B"
-        redis_url = cfg.redis or stack.enter_context(_private_redis(progress))
+        redis_url = cfg.redis or stack.enter_context(bench_redis(progress))
         engines = {("memory", None): (engine, mem)}
         stack.callback(lambda: [s.clear(NAMESPACE) for (t, _), (e, s) in engines.items() if t != "memory"])
         for tier, spec in (("disk", disk_spec), ("redis", redis_url)):
@@ -255,30 +252,3 @@ def _forget_profiles(tiers) -> None:
     saved = _read_json(path)
     if ids & saved.keys():
         _write_json(path, {k: v for k, v in saved.items() if k not in ids})
-
-
-@contextlib.contextmanager
-def _temp_dir():
-    from ragkv.config import cache_dir
-
-    root = cache_dir() / "bench"
-    root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="store-", dir=root))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _private_redis(progress):
-    """URL of a redis-server started for the run (no persistence), or None if there is none to start."""
-    from ragkv.store.redis_server import RedisStartError, private_redis
-
-    with tempfile.TemporaryDirectory(prefix="ragkv-bench-redis-") as workdir, contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(private_redis(workdir))
-        except RedisStartError as e:
-            progress(f"{e}: skipping the Redis tier (or pass --redis URL)")
-            url = None
-        yield url

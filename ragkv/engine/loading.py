@@ -84,7 +84,8 @@ class LoadingPlanner:
         """Each tier's load bandwidth (missing or stale ones; all with `refresh`): no model needed."""
         tiers = self._tiers()
         if tiers:  # profile_tiers measures the tiers missing from the file and saves them
-            stale = [t for t in tiers if self.profiles.stale(profile_id(t))]
+            # saved but old (a tier missing from the file is measured once, by the first call below)
+            stale = [t for t in tiers if profile_id(t) in self.profiles.data and self.profiles.stale(profile_id(t))]
             profile_tiers(tiers, self.profiles.path, refresh)
             if stale and not refresh:
                 profile_tiers(stale, self.profiles.path, refresh=True)
