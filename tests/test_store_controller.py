@@ -3,7 +3,8 @@ import json
 import pytest
 
 from ragkv.store.controller import (LoadPlan, TierProfile, choose_ratio, choose_tier, hidden_ratio, load_seconds,
-                                    measure_bandwidth, plan_load, profile_tiers, recompute_seconds)
+                                    measure_bandwidth, measure_tier, plan_blocks, plan_load, profile_tiers,
+                                    recompute_seconds)
 from ragkv.store.disk import DiskStore
 from ragkv.store.memory import MemoryStore
 
@@ -68,8 +69,32 @@ def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
     assert [p.name for p in first] == ["memory", "disk"] and all(p.bytes_per_s > 0 for p in first)
     saved = json.loads(path.read_text())
     assert set(saved) == {"memory", f"disk:{tmp_path / 'kv'}"}
-    monkeypatch.setattr("ragkv.store.controller.measure_bandwidth", lambda *a, **k: pytest.fail("re-measured"))
+    monkeypatch.setattr("ragkv.store.controller.measure_tier", lambda *a, **k: pytest.fail("re-measured"))
     assert profile_tiers(tiers, path=path) == first                 # profiled once, then read from the file
+
+
+@pytest.mark.parametrize("delay_ms,mbps", [(5.0, None), (0.0, 50.0)])
+def test_profile_separates_per_read_latency_from_bandwidth(delay_ms, mbps):
+    """A tier whose every layer read waits a fixed delay (a remote round trip) is priced by that latency, not by
+    a bandwidth that one big probe would mistake it for (the bench controller's finding, issue 13)."""
+    from ragkv.bench.controller import ThrottledStore
+
+    tier = ThrottledStore(MemoryStore(), delay_ms / 1e3, mbps * 1e6 if mbps else None)
+    p = measure_tier(tier, nbytes=4 << 20, repeats=2)
+    if delay_ms:
+        assert delay_ms / 1e3 <= p.latency_s < 3 * delay_ms / 1e3 and p.bytes_per_s > 1e9
+    else:
+        assert p.latency_s < 2e-3 and 0.5 * mbps * 1e6 < p.bytes_per_s <= 1.05 * mbps * 1e6
+
+
+def test_block_plan_pays_latency_per_read():
+    """Per block and layer, T_load = latency + bytes / bandwidth: a small block is read sooner from the
+    low-latency tier, a big one from the high-bandwidth tier, and each read's latency adds up."""
+    holders = {"near": (10 * MB, 0.0), "far": (1000 * MB, 2e-3)}
+    plan = plan_blocks([(10, 0.001 * MB, holders), (5000, 100 * MB, holders)], 1e-6, r_min=0.15)
+    assert plan.tiers == ("near", "far")
+    assert plan.load_ms_per_layer == pytest.approx(0.1 + 2.0 + 100.0)
+    assert load_seconds(1 * MB, 100 * MB, 0.004) == pytest.approx(0.014)
 
 
 def test_unreadable_profile_file_is_measured_again(tmp_path):
@@ -130,7 +155,7 @@ def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_pa
     engine = tiny_engine(store=store)
     engine.profile_store()
     profiles = engine._planner.profiles.data  # the test sets the disk's speed instead of timing a real one
-    profiles[profile_id(store.tiers[1])]["bytes_per_s"] = 1e15 if disk_hides else 1.0
+    profiles[profile_id(store.tiers[1])].update(bytes_per_s=1e15 if disk_hides else 1.0, latency_s=0.0)
     segs = make_segs(prefix=0, blocks=(30,))
     engine.prefill(segs, FusionOptions(mode="reuse"))
     key = engine.cache_keys(segs, FusionOptions(mode="reuse"))[0]

@@ -339,7 +339,7 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
                             for i, (k, p) in enumerate(zip(keys, placement))],
               "recompute_s_per_token_layer": s_token_layer, "recompute_points": prof["recompute_points"],
               "recompute_ms_per_layer_at_r_min": round(rec_min_s * 1e3, 3),
-              "tier_bandwidth_bytes_per_s": sprof["tiers"],
+              "tier_bandwidth_bytes_per_s": sprof["tiers"], "tier_latency_s": sprof.get("tier_latency_s", {}),
               "throttled_load_ms_per_layer": {
                   "spread (blocks only there)": round(_wait(delay_s, bps, [kvs[i].nbytes // L for i in
                                                                               throttled_only]) * 1e3, 3),
@@ -349,8 +349,8 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
     plan = next(r["plan"] for r in rows if r["kind"] == "controller")
     if plan:  # what the throttle really costs for the blocks the plan reads from it (the plan's estimate is above)
         result["plan_throttled_load_ms_per_layer"] = {
-            "predicted": round(sum(kvs[i].nbytes / L / sprof["tiers"][t] for i, t in enumerate(plan["tiers"])
-                                   if t.startswith("throttled")) * 1e3, 3),
+            "predicted": round(sum((sprof.get("tier_latency_s", {}).get(t) or 0) + kvs[i].nbytes / L / sprof["tiers"][t]
+                                   for i, t in enumerate(plan["tiers"]) if t.startswith("throttled")) * 1e3, 3),
             "actual": round(_wait(delay_s, bps, [kvs[i].nbytes // L for i, t in enumerate(plan["tiers"])
                                                  if t.startswith("throttled")]) * 1e3, 3)}
     result["verdict"] = verdict(rows, cfg.target)
@@ -473,9 +473,10 @@ def render_markdown(res: dict) -> str:
         t = res["plan_throttled_load_ms_per_layer"]
         lines.append(f"- Loading of the blocks the plan reads from the throttled tier: the controller predicted "
                      f"{t['predicted']:.1f} ms per layer, the throttle takes {t['actual']:.1f} ms (its waits).")
-    bws = "; ".join(f"{_short(d)}: {bw / 1e6:.1f} MB/s" for d, bw in res["tier_bandwidth_bytes_per_s"].items()
-                    if bw is not None)
-    lines.append(f"- Profiled bandwidths (what the controller plans with): {bws}.")
+    lat = res.get("tier_latency_s", {})
+    bws = "; ".join(f"{_short(d)}: {bw / 1e6:.1f} MB/s + {(lat.get(d) or 0) * 1e3:.3f} ms per read"
+                    for d, bw in res["tier_bandwidth_bytes_per_s"].items() if bw is not None)
+    lines.append(f"- Profiled tiers (what the controller plans with): {bws}.")
     return head + place + table + "\n\n" + "\n".join(lines) + "\n"
 
 

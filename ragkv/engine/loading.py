@@ -19,7 +19,8 @@ import torch
 
 from ragkv.config import cache_dir, dtype_name
 from ragkv.store.base import CacheKey
-from ragkv.store.controller import PROFILE_FILE, _read_json, _write_json, plan_blocks, profile_id, profile_tiers
+from ragkv.store.controller import (PROFILE_FILE, _read_json, _write_json, load_seconds, plan_blocks, profile_id,
+                                    profile_tiers)
 from ragkv.store.spec import DEFAULT_COSTS
 
 RECOMPUTE_LENGTHS = (128, 512, 2048)  # prompt lengths the recompute cost is measured at, then interpolated
@@ -28,7 +29,7 @@ NO_PROFILE = "no load profile yet for this store and model (measured at server s
 
 
 class StoreProfiles:
-    """Saved measurements: load bytes/s per tier instance (`profile_id`), prefill s/token/layer per model."""
+    """Saved measurements: load bytes/s and per-read latency per tier instance (`profile_id`), prefill s/token/layer per model."""
 
     def __init__(self, path: Path, data: dict | None = None):
         self.path, self.data = Path(path), dict(data or {})
@@ -43,9 +44,16 @@ class StoreProfiles:
         _write_json(self.path, {**saved, **self.data})
 
     def bandwidth(self, tier) -> float | None:
+        speed = self.speed(tier)
+        return None if speed is None else speed[0]
+
+    def speed(self, tier) -> tuple[float, float] | None:
+        """(bytes/s, seconds of latency per layer read) of a profiled tier; None when not profiled."""
         entry = self.data.get(profile_id(tier))
-        ok = isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))
-        return float(entry["bytes_per_s"]) if ok else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes_per_s"), (int, float))):
+            return None
+        latency = entry.get("latency_s")
+        return float(entry["bytes_per_s"]), float(latency) if isinstance(latency, (int, float)) else 0.0
 
     def recompute(self, model_key: str, tokens: int | None = None) -> float | None:
         """Prefill seconds per token and layer at `tokens` (linear interpolation between the measured lengths,
@@ -122,6 +130,8 @@ class LoadingPlanner:
     def summary(self) -> dict:
         entry = self.profiles.data.get(self.model_key) or {}
         return {"tiers": {t.describe(): self.profiles.bandwidth(t) for t in self._tiers()},
+                "tier_latency_s": {t.describe(): (s or (None, None))[1]
+                                   for t in self._tiers() for s in [self.profiles.speed(t)]},
                 "s_per_token_layer": self.profiles.recompute(self.model_key),
                 "recompute_points": sorted(entry.get("points", [])), "saved_to": str(self.profiles.path)}
 
@@ -140,9 +150,9 @@ class LoadingPlanner:
         budget = r_quality * num_tokens * s_token_layer
         best = None
         for i, t in enumerate(tiers):
-            bw = self.profiles.bandwidth(t)
+            speed = self.profiles.speed(t)
             cost = t.cost if t.cost is not None else DEFAULT_COSTS.get(t.name, 1.0)
-            if bw is not None and nbytes / bw <= budget and (best is None or cost < best[0]):
+            if speed is not None and load_seconds(nbytes, *speed) <= budget and (best is None or cost < best[0]):
                 best = (cost, i)
         return [best[1] if best else 0]
 
@@ -158,8 +168,8 @@ class LoadingPlanner:
         per_token = 2 * a.num_kv_heads * a.head_dim * self.model.dtype.itemsize
         blocks = []
         for key in keys:
-            holders = {t.describe(): bw for t in self.store.holders(key)
-                       if (bw := self.profiles.bandwidth(t)) is not None}
+            holders = {t.describe(): speed for t in self.store.holders(key)
+                       if (speed := self.profiles.speed(t)) is not None}
             if not holders:
                 return NO_PROFILE
             blocks.append((key.num_tokens, per_token * key.num_tokens, holders))

@@ -1,13 +1,15 @@
 """CacheBlend's loading controller (Yao et al., EuroSys'25, sec. 5.1): pick the recompute ratio that loading
 hides and the cheapest storage tier whose loading does not add latency.
 
-Per layer, loading a block's KV from a tier takes T_load = bytes_per_layer / bandwidth(tier) and recomputing a
+Per layer, loading a block's KV from a tier takes T_load = latency(tier) + bytes_per_layer / bandwidth(tier) (one
+read per block and layer: a remote tier's round trip or a disk seek counts once per read) and recomputing a
 fraction r of its tokens takes T_recompute(r) = r * n_tokens * t_token_layer (linear prefill model; the caller
 measures t_token_layer, seconds per token per layer, on its own model and device). With pipelining (sec. 5) the
 two overlap, so a layer costs max(T_load, T_recompute):
   - ratio: r = max(r_min, largest r with T_recompute(r) <= T_load): extra recompute that loading hides is free;
   - tier: the slowest (cheapest) tier with T_load <= T_recompute(r_min); if none, the fastest.
-Bandwidths are profiled once per tier with a real read of a synthetic entry and kept in a JSON file.
+Latency and bandwidth are profiled once per tier with real reads of a tiny and of a large synthetic entry and kept
+in a JSON file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Union
 
 import torch
 
@@ -38,6 +41,7 @@ MAX_BANDWIDTH = 1e15  # bytes/s reported for reads too fast to time (in-memory v
 class TierProfile:
     name: str           # tier kind: memory, disk, redis
     bytes_per_s: float  # measured per-layer load bandwidth
+    latency_s: float = 0.0  # fixed cost of one layer read of one block (round trip, seek), on top of the bytes
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,11 @@ class LoadPlan:
         return asdict(self)
 
 
-def load_seconds(bytes_per_layer: float, bytes_per_s: float) -> float:
-    """T_load for one layer."""
-    if bytes_per_s <= 0:
-        raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
-    return bytes_per_layer / bytes_per_s
+def load_seconds(bytes_per_layer: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """T_load for one layer read: the tier's fixed latency plus the bytes at its bandwidth."""
+    if bytes_per_s <= 0 or latency_s < 0:
+        raise ValueError(f"bandwidth must be positive and latency non-negative, got {bytes_per_s}, {latency_s}")
+    return latency_s + bytes_per_layer / bytes_per_s
 
 
 def recompute_seconds(ratio: float, num_tokens: int, s_per_token_layer: float) -> float:
@@ -82,9 +86,9 @@ def choose_tier(tiers: list[TierProfile], bytes_per_layer: float, recompute_s: f
     tier and False (loading will add latency)."""
     if not tiers:
         raise ValueError("choose_tier needs at least one tier")
-    by_speed = sorted(tiers, key=lambda t: t.bytes_per_s)
+    by_speed = sorted(tiers, key=lambda t: -load_seconds(bytes_per_layer, t.bytes_per_s, t.latency_s))
     for t in by_speed:
-        if load_seconds(bytes_per_layer, t.bytes_per_s) <= recompute_s:
+        if load_seconds(bytes_per_layer, t.bytes_per_s, t.latency_s) <= recompute_s:
             return t, True
     return by_speed[-1], False
 
@@ -97,7 +101,7 @@ def plan_load(tiers: list[TierProfile], bytes_per_layer: float, num_tokens: int,
         raise ValueError("plan_load wants non-negative sizes and times")
     budget = recompute_seconds(r_min, num_tokens, s_per_token_layer)
     tier, hidden = choose_tier(tiers, bytes_per_layer, budget)
-    load = load_seconds(bytes_per_layer, tier.bytes_per_s)
+    load = load_seconds(bytes_per_layer, tier.bytes_per_s, tier.latency_s)
     ratio = choose_ratio(load, num_tokens, s_per_token_layer, r_min)
     recompute = recompute_seconds(ratio, num_tokens, s_per_token_layer)
     if hidden:  # then the hidden ratio is at most r_min, so r = r_min
@@ -123,18 +127,26 @@ class BlockPlan:
         return asdict(self)
 
 
-def plan_blocks(blocks: list[tuple[int, float, dict[str, float]]], s_per_token_layer: float,
+Speed = Union[float, tuple[float, float]]  # a holder's bytes/s, or (bytes/s, latency s per read)
+
+
+def _read_seconds(nbytes: float, speed) -> float:
+    bw, latency = speed if isinstance(speed, tuple) else (speed, 0.0)
+    return load_seconds(nbytes, bw, latency)
+
+
+def plan_blocks(blocks: list[tuple[int, float, dict[str, Speed]]], s_per_token_layer: float,
                 r_min: float = 0.15) -> BlockPlan:
-    """Per block (tokens, bytes per layer, {holding tier: bytes/s}): read each block from the holder that loads it
-    fastest, then r = max(r_min, the r whose recompute time equals the summed per-layer load time) (CacheBlend
-    sec. 5.1: extra recompute that loading hides is free)."""
+    """Per block (tokens, bytes per layer, {holding tier: bytes/s or (bytes/s, latency s)}): read each block from
+    the holder that loads it soonest, then r = max(r_min, the r whose recompute time equals the summed per-layer
+    load time) (CacheBlend sec. 5.1: extra recompute that loading hides is free)."""
     if not blocks or any(not holders for _, _, holders in blocks):
         raise ValueError("plan_blocks wants every block held by at least one profiled tier")
     tiers, load = [], 0.0
     for _, nbytes, holders in blocks:
-        best = max(holders, key=holders.get)
+        best = min(holders, key=lambda t: _read_seconds(nbytes, holders[t]))
         tiers.append(best)
-        load += load_seconds(nbytes, holders[best])
+        load += _read_seconds(nbytes, holders[best])
     tokens = sum(n for n, _, _ in blocks)
     ratio = choose_ratio(load, tokens, s_per_token_layer, r_min)
     recompute = recompute_seconds(ratio, tokens, s_per_token_layer)
@@ -158,18 +170,14 @@ def profile_id(tier: KVStore) -> str:
     return tier.describe()
 
 
-def measure_bandwidth(tier: KVStore, nbytes: int = 16 << 20, num_layers: int = 8, repeats: int = 3) -> float:
-    """Bytes/s of reading a synthetic entry layer by layer from `tier` (best of `repeats`, page cache dropped
-    first where the tier allows it). The probe entry is written and deleted again.
+def _probe_read_seconds(tier: KVStore, tokens: int, num_layers: int, repeats: int) -> tuple[float, int]:
+    """Best-of-`repeats` seconds to read a synthetic `tokens`-token entry layer by layer from `tier` (page cache
+    dropped first where the tier allows it), and the entry's bytes. The probe is written and deleted again.
 
     Raises:
-        StoreError: the tier would not keep the probe entry (capacity below `nbytes`).
+        StoreError: the tier would not keep the probe entry (capacity too small).
     """
     heads, dim, dtype = 2, 64, torch.float16
-    capacity = getattr(tier, "capacity_bytes", None)
-    if capacity:  # leave room: the probe must not be refused nor evict much
-        nbytes = min(nbytes, capacity // 4)
-    tokens = max(1, nbytes // (2 * num_layers * heads * dim * 2))
     g = torch.Generator().manual_seed(0)
     kv = BlockKV(torch.randn(num_layers, heads, tokens, dim, generator=g).to(dtype),
                  torch.randn(num_layers, heads, tokens, dim, generator=g).to(dtype))
@@ -191,26 +199,54 @@ def measure_bandwidth(tier: KVStore, nbytes: int = 16 << 20, num_layers: int = 8
             best = min(best, time.perf_counter() - t0)
     finally:
         tier.delete(key)
-    return MAX_BANDWIDTH if best <= 0 else min(MAX_BANDWIDTH, kv.nbytes / best)
+    return best, kv.nbytes
+
+
+def measure_tier(tier: KVStore, nbytes: int = 16 << 20, num_layers: int = 8, repeats: int = 3) -> TierProfile:
+    """A tier's per-read latency (reads of a 1-token entry: almost no bytes) and its bandwidth (an `nbytes` entry,
+    its time less that latency per layer read). One big probe alone would miss the latency that every block's
+    every layer read pays, and price a tier holding many small blocks too low."""
+    small_s, _ = _probe_read_seconds(tier, 1, num_layers, repeats)
+    latency = small_s / num_layers
+    capacity = getattr(tier, "capacity_bytes", None)
+    if capacity:  # leave room: the probe must not be refused nor evict much
+        nbytes = min(nbytes, capacity // 4)
+    tokens = max(1, nbytes // (2 * num_layers * 2 * 64 * 2))
+    big_s, big_bytes = _probe_read_seconds(tier, tokens, num_layers, repeats)
+    transfer = max(big_s - num_layers * latency, 0.05 * big_s)  # noise may leave (almost) nothing of the bytes
+    bw = MAX_BANDWIDTH if transfer <= 0 else min(MAX_BANDWIDTH, big_bytes / transfer)
+    return TierProfile(tier.name, bw, latency)
+
+
+def measure_bandwidth(tier: KVStore, nbytes: int = 16 << 20, num_layers: int = 8, repeats: int = 3) -> float:
+    """Bytes/s of reading `tier` (see `measure_tier`, which also gives the per-read latency)."""
+    return measure_tier(tier, nbytes, num_layers, repeats).bytes_per_s
 
 
 def profile_tiers(tiers: list[KVStore], path: Path | None = None, refresh: bool = False) -> list[TierProfile]:
-    """Measured bandwidth of each tier, from the JSON cache (`cache_dir()/store_bandwidth.json`) or measured
-    now and saved there."""
+    """Measured bandwidth and latency of each tier, from the JSON cache (`cache_dir()/store_bandwidth.json`) or
+    measured now and saved there (also an entry saved before latency was measured)."""
     path = Path(path) if path is not None else cache_dir() / PROFILE_FILE
     saved = {} if refresh else _read_json(path)
     profiles, changed = [], False
     for tier in tiers:
         pid = profile_id(tier)
         entry = saved.get(pid)
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes_per_s"), (int, float)):
-            entry = {"bytes_per_s": measure_bandwidth(tier), "measured_at": time.time()}
+        if not _complete(entry):
+            measured = measure_tier(tier)
+            entry = {"bytes_per_s": measured.bytes_per_s, "latency_s": measured.latency_s, "measured_at": time.time()}
             saved[pid], changed = entry, True
-            log.info("profiled %s: %.2f GB/s", pid, entry["bytes_per_s"] / 1e9)
-        profiles.append(TierProfile(tier.name, float(entry["bytes_per_s"])))
+            log.info("profiled %s: %.2f GB/s, %.3f ms per read", pid, entry["bytes_per_s"] / 1e9,
+                     entry["latency_s"] * 1e3)
+        profiles.append(TierProfile(tier.name, float(entry["bytes_per_s"]), float(entry["latency_s"])))
     if changed:
         _write_json(path, saved)
     return profiles
+
+
+def _complete(entry) -> bool:
+    """A saved tier profile with both figures (older files have no latency: measured again)."""
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in ("bytes_per_s", "latency_s"))
 
 
 def _read_json(path: Path) -> dict:
