@@ -120,7 +120,7 @@ class _ThrottledReader(LayerReader):
 @dataclass(frozen=True)
 class ControllerBenchConfig:
     model: str = "smollm2"
-    dtype: str = "float32"
+    dtype: str = "auto"  # as the CLI's --dtype
     device: str = "auto"
     context: int = 3072                              # context tokens of the request (prefix + blocks)
     query_tokens: int = 50

@@ -99,6 +99,9 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "finish_reason": ans.finish_reason, "scores": task_scores(ex, ans.text) if n_fid else {},
            "fidelity": fidelity(ref, ans, n_fid), "ttft_ms": round(s.ttft_ms, 3), "encode_ms": round(encode_ms, 3),
            "reused_tokens": s.reused_tokens, "recomputed_tokens": s.recomputed_tokens,
+           # the prompt's work as token-layers, and as a fraction of a full prefill's (issue 13's accounting)
+           "recomputed_token_layers": s.recomputed_token_layers, "full_token_layers": s.full_token_layers,
+           "recompute_vs_full": s.to_dict()["recompute_vs_full"],
            "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
            "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra}
     if ex.task != "summary":
