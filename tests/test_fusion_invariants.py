@@ -112,6 +112,42 @@ def test_blend_extremes(tiny_engine, deviation, checks, gradual):
     assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
 
 
+@pytest.mark.parametrize("check_rows,per_block", [("all", False), ("selected", True), ("all", True)])
+def test_blend_variants_keep_the_extremes(tiny_engine, check_rows, per_block):
+    """Invariant 6 for the drift-study variants (issue 14): r=1 is full; r=0 is reuse when only the selected
+    rows run the check layer (check_rows="all" recomputes every row there by design)."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    kw = dict(mode="blend", check_rows=check_rows, select_per_block=per_block)
+    one, _ = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL
+    if check_rows == "selected":
+        assert maxdiff(zero.logits, reuse.logits) <= TOL
+
+
+def test_blend_per_block_selection_keeps_r_of_each_block(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 40, 60))
+    _, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, select_per_block=True))
+    assert stats.extra["blend_selected_per_block"] == [5, 10, 15] and stats.extra["blend_selected"] == 30
+
+
+def test_blend_check_rows_all_runs_every_row_through_the_check_layer(tiny_engine):
+    """The original code's variant costs one more full layer: the check layer runs all rows, then the kept."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(40, 40))
+    opts = dict(mode="blend", ratio=0.25, check_layers=(1,))
+    _, sel = eng.prefill(segs, FusionOptions(**opts))
+    _, every = eng.prefill(segs, FusionOptions(check_rows="all", **opts))
+    total = segs.num_tokens  # every row of the prompt (the prefix too) runs the layers before the selection
+    kept = sel.extra["blend_selected"] + len(segs.query)
+    assert every.extra["blend_selected"] == sel.extra["blend_selected"] == 20
+    assert every.recomputed_token_layers - sel.recomputed_token_layers == total - kept
+
+
 def test_blend_intermediate_ratio_is_between(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(40, 40, 40))

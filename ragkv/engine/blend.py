@@ -4,7 +4,9 @@ Independently cached blocks miss each other's attention. CacheBlend recomputes, 
 tokens whose KV deviates most from a full prefill ("HKVD" tokens, sec. 4.2): layers before the first check
 layer are recomputed for every token (the original code: a full layer 0, selection on layer 1's V), at a check
 layer the fresh V (or K) of the candidates is compared with the cached one and the top fraction r of block
-tokens is kept; later layers recompute only those plus every query token. Gradual filtering (sec. 4.3)
+tokens is kept (over all blocks, or per block with `select_per_block`); later layers recompute only those plus
+every query token (with `check_rows="all"` the check layer itself still recomputes and writes every row, as the
+original code does; by default it already runs the kept rows only). Gradual filtering (sec. 4.3)
 narrows the selection over several check layers; without gradual filtering, several check layers sum their
 deviations and select once at the last (every token is recomputed up to it). r = 1 is `full`; r = 0 is `reuse`
 with a single check layer or gradual filtering (docs/invariants.md, invariant 6).
@@ -86,7 +88,8 @@ class BlendPlan:
         self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
         self.all_positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
         self.within = torch.full((total,), -1, device=dev)  # index inside its block, for attention sinks
-        for off, n in zip(layout.block_offsets(), layout.block_lens):
+        self.blocks = list(zip(layout.block_offsets(), layout.block_lens))
+        for off, n in self.blocks:
             self.within[off:off + n] = torch.arange(n, device=dev)
         self.ratios = dict(zip(opts.check_layers, check_ratios(opts)))
         self.last_check = opts.check_layers[-1]
@@ -94,10 +97,15 @@ class BlendPlan:
         self.positions = self.sel
         self.deviation = torch.zeros(total, device=dev, dtype=torch.float32)
         self.kept_block = self.n_block
+        self.pending = None       # check_rows="all": the rows kept at the check layer, dropped from the next one
         self.token_layers = 0     # rows through attention + MLP, summed over layers
         self.projected_rows = 0   # candidate rows whose V (or K) was projected at check layers, to compare
 
     def begin(self, layer, block, x):
+        if self.pending is not None:
+            keep, self.pending = self.pending, None
+            self.sel = self.positions = self.sel[keep]
+            x = x[:, keep]
         load_context_layer(self, layer)
         if layer in self.ratios and self.n_block:
             x = self._select(layer, block, x)
@@ -119,15 +127,21 @@ class BlendPlan:
         if not (opts.gradual or layer == self.last_check):
             return x
         keep = torch.zeros(len(sel), dtype=torch.bool, device=x.device)
-        n_keep = min(keep_count(self.ratios[layer], self.n_block), len(rows))
-        if n_keep:
-            keep[rows[torch.topk(self.deviation[idx], n_keep).indices]] = True
+        groups = [(off, off + n) for off, n in self.blocks] if opts.select_per_block else [(P, N)]
+        for lo, hi in groups:  # the top r of each group by deviation (one group: all block tokens)
+            in_group = rows[(idx >= lo) & (idx < hi)]
+            n_keep = min(keep_count(self.ratios[layer], hi - lo), len(in_group))
+            if n_keep:
+                keep[in_group[torch.topk(self.deviation[sel[in_group]], n_keep).indices]] = True
         if opts.sink_tokens:
             keep |= is_cand & (self.within[sel] < opts.sink_tokens)
         keep |= sel >= N  # every query token is always recomputed
-        self.sel = self.positions = sel[keep]
         self.deviation.zero_()
-        self.kept_block = int(((self.sel >= P) & (self.sel < N)).sum())
+        self.kept_block = int((keep & is_cand).sum())
+        if opts.check_rows == "all":  # this layer still runs every row; the selection starts at the next
+            self.pending = keep
+            return x
+        self.sel = self.positions = sel[keep]
         return x[:, keep]
 
     def store(self, layer, raw_k, k, v):
@@ -153,6 +167,8 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     stats.recomputed_tokens += plan.kept_block + Tq
     stats.reused_tokens += N - plan.kept_block
     stats.recomputed_token_layers = plan.token_layers
-    stats.extra.update(blend_selected=plan.kept_block, blend_block_tokens=plan.n_block,
+    sel = plan.sel if plan.pending is None else plan.sel[plan.pending]
+    per_block = [int(((sel >= off) & (sel < off + n)).sum()) for off, n in plan.blocks]
+    stats.extra.update(blend_selected=plan.kept_block, blend_selected_per_block=per_block, blend_block_tokens=plan.n_block,
                        blend_check_layers=list(opts.check_layers), blend_projected_rows=plan.projected_rows)
     return DecodeState(cache, total, logits)

@@ -19,6 +19,9 @@ class FusionOptions:
     deviation: str = "v"                  # blend: "v" (CacheBlend code) or "k" (post-RoPE K, LMCache)
     gradual: bool = False                 # blend: shrink the selection at each check layer (CacheBlend 4.3)
     sink_tokens: int = 0                  # blend: always recompute each block's first tokens
+    check_rows: str = "selected"          # blend: "all" recomputes every row through the check layer itself and
+    #                                       writes all its fresh KV there (the original code), "selected" only the kept
+    select_per_block: bool = False        # blend: keep the top r of each block, not the top r of all blocks
     ape_temperature: float | None = None  # ape: None -> calibrated value or 0.9
     ape_scale: float | None = None
     prefix_chunk: int = 32                # prefix: tokens per hash-chained chunk
@@ -28,6 +31,8 @@ class FusionOptions:
             raise InvalidRequestError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not 0.0 <= self.ratio <= 1.0:
             raise InvalidRequestError(f"blend ratio must be in [0, 1], got {self.ratio}")
+        if self.check_rows not in ("selected", "all"):
+            raise InvalidRequestError(f"blend check_rows must be 'selected' or 'all', got {self.check_rows!r}")
         if self.deviation not in ("k", "v"):
             raise InvalidRequestError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
         # layer 0 has nothing to compare yet (every deviation is zero there): the first check layer is 1
@@ -49,6 +54,12 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0                  # <= 0: off
+    min_p: float = 0.0              # 0: off
+    presence_penalty: float = 0.0   # OpenAI's, on generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # CTRL's, on prompt and generated tokens; 1: off
+    logprobs: int | None = None     # None: none; k: each chosen token's log-probability and the k most likely
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -57,6 +68,16 @@ class GenerationOptions:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidRequestError("logprobs must be >= 0")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass

@@ -31,14 +31,17 @@ PARAMS = {
     "prefix": {"chunk": ("prefix_chunk", int)},
     "ape": {"T": ("ape_temperature", float), "S": ("ape_scale", float)},
     "blend": {"r": ("ratio", float), "dev": ("deviation", str), "check": ("check_layers", _layers),
-              "gradual": ("gradual", _bool), "sink": ("sink_tokens", int)},
+              "gradual": ("gradual", _bool), "sink": ("sink_tokens", int), "rows": ("check_rows", str),
+              "perblock": ("select_per_block", _bool)},
 }
 
 # the FusionOptions fields each mode depends on: what a record stores and what must match on resume
 MODE_FIELDS = {
     "full": (), "reuse": (), "prefix": ("prefix_chunk",), "ape": ("ape_temperature", "ape_scale"),
-    "blend": ("ratio", "check_layers", "deviation", "gradual", "sink_tokens"),
+    "blend": ("ratio", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows", "select_per_block"),
 }
+# fields added later: stored only when not at their default, so results files written before them still resume
+LATER_FIELDS = {"check_rows": "selected", "select_per_block": False}
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class ModeSpec:
         out = {}
         for name in MODE_FIELDS[self.mode]:
             val = getattr(self.fusion, name)
+            if name in LATER_FIELDS and val == LATER_FIELDS[name]:
+                continue
             out[name] = list(val) if isinstance(val, tuple) else val
         return out
 
