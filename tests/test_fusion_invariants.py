@@ -258,3 +258,18 @@ def test_blend_accounting_counts_token_layers(tiny_engine):
     _, zero = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.0, check_layers=(1,)))
     assert zero.recomputed_token_layers == total * 1 + len(segs.query) * (L - 1)  # layer 0 for every token
     assert zero.recomputed_tokens == len(segs.query)
+
+
+@pytest.mark.parametrize("mode", ["reuse", "ape", "blend", "prefix"])
+def test_cached_tokens_count_only_what_the_store_held(tiny_engine, mode):
+    """usage.prompt_tokens_details.cached_tokens: 0 on a first ask (blocks encoded by the request itself are
+    reused but not cached), then the tokens of every block (or prefix chunk) found in the store."""
+    eng = tiny_engine("llama")
+    segs = make_segs(prefix=6, blocks=(20, 30))
+    _, first = eng.prefill(segs, FusionOptions(mode=mode))
+    _, again = eng.prefill(segs, FusionOptions(mode=mode))
+    assert first.cached_tokens == 0 and first.cache_misses > 0
+    if mode == "prefix":  # whole 32-token chunks, the last token always prefilled
+        assert again.cached_tokens == again.reused_tokens == (segs.num_tokens - 1) // 32 * 32
+    else:
+        assert again.cached_tokens == 6 + 20 + 30 and again.cache_misses == 0

@@ -130,8 +130,8 @@ def test_sixteen_concurrent_clients(server):
 
 def completion_tokens(server) -> int:
     text = httpx.get(server.url + "/metrics").text
-    return int(next(line.split()[1] for line in text.splitlines()
-                    if line.startswith("ragkv_completion_tokens_total")))
+    return int(float(next(line.split()[1] for line in text.splitlines()  # prometheus-client writes "16.0"
+                          if line.startswith("ragkv_completion_tokens_total"))))
 
 
 def test_disconnect_mid_stream_frees_the_model(server):

@@ -5,6 +5,8 @@ once and copied into each tier; every configuration then has its own single-tier
 is the one read (disk-only and Redis-only stores have no memory tier in front). TTFT runs go round-robin over
 the configurations, so drift in a shared machine's load hits them alike, against `full` in the same run.
 Target (README "Performance"): disk-tier TTFT <= 1.3x memory-tier TTFT with pipelined per-layer loading (CacheBlend sec. 5).
+With `compare_kv` (`--compare-kv int8,int4,fp8`) it compares compressed stores with the uncompressed one instead
+(ragkv.bench.store_compressed: bytes per token, first-token KL and top-1 on HotpotQA).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from zlib_ng.zlib_ng import crc32
 
 from ragkv.engine.options import FusionOptions
 from ragkv.errors import InvalidRequestError
+from ragkv.store.spec import KV_CHOICES
 
 NAMESPACE = "bench-store"  # the benchmark's entries, cleared afterwards (a given --redis keeps everything else)
 DISK_TARGET = 1.3
@@ -38,6 +41,8 @@ class StoreBenchConfig:
     fusion: FusionOptions = FusionOptions()    # blend's parameters (ratio, check layers, ...)
     redis: str | None = None                   # a Redis URL; None: a private redis-server for the run
     disk_dir: str | None = None                # None: a temporary directory under $RAGKV_CACHE_DIR/bench
+    compare_kv: tuple[str, ...] = ()           # KV codecs to compare with the uncompressed store (not TTFT)
+    examples: int = 5                          # HotpotQA dev examples of the compare_kv run
 
     def __post_init__(self):
         if not self.modes or any(m not in ("reuse", "ape", "blend") for m in self.modes):
@@ -45,6 +50,11 @@ class StoreBenchConfig:
                                       "measured)")
         if self.repeats < 1 or self.context < 64:
             raise InvalidRequestError("repeats must be >= 1 and context >= 64")
+        codecs = [c for c in KV_CHOICES if c != "none"]
+        if any(c not in codecs for c in self.compare_kv) or len(set(self.compare_kv)) < len(self.compare_kv):
+            raise InvalidRequestError(f"compare_kv {self.compare_kv!r}: choose among {', '.join(codecs)}, each once")
+        if not 1 <= self.examples <= 100:
+            raise InvalidRequestError(f"examples must be 1..100 (HotpotQA dev examples), got {self.examples}")
 
 
 @dataclass
@@ -62,6 +72,10 @@ class Config:
 
 
 def run_store_bench(cfg: StoreBenchConfig, out_dir: Path = Path("bench_out"), progress=print) -> dict:
+    if cfg.compare_kv:
+        from ragkv.bench.store_compressed import run_compressed_bench
+
+        return run_compressed_bench(cfg, out_dir, progress)
     from ragkv.bench.common import bench_dir, bench_redis, real_passages, save_json
     from ragkv.bench.ttft import build_request
     from ragkv.engine.engine import Engine

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
-                              fusion_from_args, print_json)
+                              fusion_from_args, library_location, print_json)
 from ragkv.errors import RagkvError
 
 DOC_SUFFIXES = (".txt", ".md")
@@ -56,6 +56,7 @@ def run_ask(args) -> int:
     if not questions:
         raise RagkvError("no question: pass QUESTION or --question TEXT")
     fusion = fusion_from_args(args)
+    library_location(args)  # a bad --library fails before the model loads
     engine = engine_from_args(args)
     passages = read_passages(args.doc, args.docs_dir)
     retrieved = None
@@ -89,7 +90,7 @@ def retrieve_for(questions, args, engine):
     """Top-k chunks per question from the persisted index of `ragkv ingest`: [(Passage, score, chunk_id)]."""
     from ragkv.rag.library import DocumentLibrary
 
-    library = DocumentLibrary(engine, args.index)
+    library = DocumentLibrary(engine, library_location(args))
     if not library.documents():
         raise RagkvError("no passages: pass --doc FILE or --docs-dir DIR, or run `ragkv ingest DIR` first")
     return [[(r.passage, r.score, r.chunk_id) for r in library.retrieve(q, args.top_k)] for q in questions]

@@ -58,6 +58,10 @@ def register(sub) -> None:
                    "a free port for the run; the Redis rows are skipped if redis-server is not installed)")
     s.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary directory "
                    "under $RAGKV_CACHE_DIR/bench, removed afterwards)")
+    s.add_argument("--compare-kv", default="", metavar="CODECS", help="instead of timing tiers, compare compressed "
+                   "stores (comma-separated: int8, int4, fp8) with the uncompressed one: bytes per token, "
+                   "first-token KL and top-1 on HotpotQA (writes store_compressed.md)")
+    s.add_argument("--examples", type=int, default=5, help="HotpotQA dev examples for --compare-kv")
     _output_args(s)
     add_fusion_args(s, default_mode=None, title="mode parameters")
     add_model_args(s, decode_weights=False)
@@ -189,8 +193,9 @@ def run_store(args) -> int:
     cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, context=args.context,
                            modes=_modes(args.modes), query_tokens=args.query_tokens, repeats=args.repeats,
                            fusion=replace(fusion_from_args(args), mode="full"), redis=args.redis,
-                           disk_dir=args.disk_dir)
-    return _finish(args, run_store_bench(cfg, Path(args.output_dir), say), "store_bench.md")
+                           disk_dir=args.disk_dir, compare_kv=_modes(args.compare_kv), examples=args.examples)
+    return _finish(args, run_store_bench(cfg, Path(args.output_dir), say),
+                   "store_compressed.md" if cfg.compare_kv else "store_bench.md")
 
 
 def run_serve(args) -> int:

@@ -15,8 +15,9 @@ from ragkv.store.spec import SYNTAX
 
 def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="known name (see `ragkv models`) or a local Hugging "
-                                                          "Face folder")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="known name (see `ragkv models`), a local Hugging Face folder, or a .gguf file of a Llama, "
+                        "Mistral or Qwen2 model (converted once per file content into the models folder)")
     g.add_argument("--dtype", default=DEFAULT_DTYPE, help="auto | float32 | bfloat16 (auto: bf16 where fast)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     if decode_weights:
@@ -38,6 +39,26 @@ def add_store_args(p: argparse.ArgumentParser, namespace: bool = True) -> None:
 def add_index_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default=str(default_index_dir()),
                    help="document index folder shared by ingest, ask and serve (default: %(default)s)")
+    p.add_argument("--library", default=None, metavar="URL",
+                   help="keep the document library in Redis instead of --index, shared by every server that names "
+                        "it: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,HOST:PORT...] (?prefix=P)")
+
+
+def library_location(args):
+    """Where the document library is: --library's Redis URL (checked now, naming the flag) or the --index folder."""
+    if args.library is None:
+        return args.index
+    from ragkv.rag.catalog import CatalogError, is_library_url
+    from ragkv.rag.redis_catalog import parse_library_url
+
+    if not is_library_url(args.library):
+        raise InvalidRequestError(f"--library wants a Redis URL (redis://HOST:PORT/DB or "
+                                  f"redis+cluster://HOST:PORT,...), got {args.library!r}; for a folder use --index")
+    try:
+        parse_library_url(args.library)
+    except CatalogError as e:
+        raise InvalidRequestError(str(e)) from None
+    return args.library
 
 
 def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reuse", title: str = "fusion") -> None:
@@ -55,6 +76,9 @@ def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reus
     g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")
     g.add_argument("--sink-tokens", type=int, default=d.sink_tokens,
                    help="blend: always recompute each block's first N")
+    g.add_argument("--check-rows", default=d.check_rows, choices=("selected", "all"),
+                   help="blend: rows the check layer itself recomputes (all: every row, as CacheBlend's code)")
+    g.add_argument("--select-per-block", action="store_true", help="blend: keep the top r of each block")
     g.add_argument("--ape-temperature", type=float, default=None, help="ape: T (default: calibrated or 0.9)")
     g.add_argument("--ape-scale", type=float, default=None, help="ape: S (default: calibrated or 0.9)")
 
@@ -71,7 +95,8 @@ def fusion_from_args(args, mode: str | None = None) -> FusionOptions:
         raise InvalidRequestError(f"--ratio wants a number in [0, 1] or 'auto', got {args.ratio!r}")
     return FusionOptions(mode=mode or getattr(args, "mode", None) or "full", ratio=ratio, auto_ratio=auto,
                          check_layers=checks, deviation=args.deviation, gradual=args.gradual,
-                         sink_tokens=args.sink_tokens, ape_temperature=args.ape_temperature,
+                         sink_tokens=args.sink_tokens, check_rows=args.check_rows,
+                         select_per_block=args.select_per_block, ape_temperature=args.ape_temperature,
                          ape_scale=args.ape_scale)
 
 

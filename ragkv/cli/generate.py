@@ -23,8 +23,8 @@ def register(sub) -> None:
     p.set_defaults(func=run_generate)
 
     m = sub.add_parser("models", help="list known and converted models")
-    m.add_argument("--prepare", nargs="?", const="smollm2", default=None, metavar="NAME",
-                   help="convert a known model now if needed (default: smollm2)")
+    m.add_argument("--prepare", nargs="?", const="smollm2", default=None, metavar="NAME_OR_GGUF",
+                   help="convert a known model or a .gguf file now if needed (default: smollm2)")
     m.set_defaults(func=run_models)
 
 
@@ -53,22 +53,32 @@ def run_generate(args) -> int:
 
 
 def run_models(args) -> int:
+    from pathlib import Path
+
     from ragkv.config import models_dir
+    from ragkv.models.gguf_files import CONVERTED_DIR, converted_gguf_models
     from ragkv.models.registry import KNOWN_MODELS, converted_path, is_converted, resolve_model_path
 
     if args.prepare:
-        if args.prepare not in KNOWN_MODELS:
-            raise RagkvError(f"--prepare {args.prepare!r}: not a known model; choose from {', '.join(KNOWN_MODELS)}")
+        if args.prepare not in KNOWN_MODELS and not Path(args.prepare).expanduser().is_file():
+            raise RagkvError(f"--prepare {args.prepare!r}: not a known model nor a .gguf file; choose from "
+                             f"{', '.join(KNOWN_MODELS)} or pass a GGUF path")
         resolve_model_path(args.prepare)
     print(f"known models (converted into {models_dir()}):")
     for name, km in KNOWN_MODELS.items():
         state = "converted" if is_converted(converted_path(name)) else "not converted yet (first use converts)"
         print(f"  {name:20s} {km.description} [{state}]")
-    others = [p for p in models_dir().glob("*") if p.is_dir() and p.name not in KNOWN_MODELS and p.name != "gguf"] \
+    converted = converted_gguf_models()
+    if converted:
+        print("GGUF files converted (--model FILE.gguf; the same content at any path reuses its folder):")
+        for folder, note in converted:
+            print(f"  {note.get('file_name', '?'):40s} {note.get('architecture', '?'):8s} {folder}")
+    skip = {"gguf", CONVERTED_DIR, *KNOWN_MODELS}
+    others = [p for p in models_dir().glob("*") if p.is_dir() and p.name not in skip and not p.name.startswith(".")] \
         if models_dir().exists() else []
     if others:
         print("other folders in the models directory:")
         for p in sorted(others):
             print(f"  {p}")
-    print("any local Hugging Face folder of a Llama, Mistral or Qwen2 model also works: --model PATH")
+    print("any local Hugging Face folder or .gguf file of a Llama, Mistral or Qwen2 model also works: --model PATH")
     return 0

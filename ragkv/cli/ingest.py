@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from ragkv.cli.common import add_index_arg, add_model_args, add_store_args, engine_from_args, print_json
+from ragkv.cli.common import (add_index_arg, add_model_args, add_store_args, engine_from_args, library_location,
+                              print_json)
 
 
 def register(sub) -> None:
@@ -21,8 +22,9 @@ def register(sub) -> None:
 def run_ingest(args) -> int:
     from ragkv.rag.library import DocumentLibrary
 
+    location = library_location(args)  # a bad --library fails before the model loads
     engine = engine_from_args(args)
-    library = DocumentLibrary(engine, args.index)
+    library = DocumentLibrary(engine, location)
     on_error = (lambda e: print(f"ragkv: skipped {e}", file=sys.stderr)) if args.skip_errors else None
     report = library.ingest_paths(args.paths, progress=True, on_error=on_error)
     out = {"documents": report.documents, "unchanged": report.unchanged, "chunks_added": report.chunks_added,

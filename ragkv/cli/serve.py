@@ -6,7 +6,7 @@ import logging
 import math
 
 from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
-                              fusion_from_args)
+                              fusion_from_args, library_location)
 from ragkv.errors import InvalidRequestError
 
 log = logging.getLogger("ragkv.serve")
@@ -16,6 +16,9 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, documents, metrics)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="a name clients may send as `model` (repeatable: e.g. gpt-3.5-turbo for clients that "
+                        "default to it); /v1/models lists them all and responses echo the first. Default: --model")
     add_index_arg(p)
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
@@ -59,8 +62,12 @@ def check_flags(args) -> None:
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
+    for name in args.served_model_name:
+        if not name.strip():
+            raise InvalidRequestError("--served-model-name must not be empty")
     check_namespace(args.namespace)
     parse_spec(args.store)
+    library_location(args)
 
 
 def run_serve(args) -> int:
@@ -78,8 +85,9 @@ def run_serve(args) -> int:
     engine = engine_from_args(args)  # the model loads only once every flag passed
     limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
                     args.ingest_timeout)
-    server = Server(engine, args.model, args.index, args.max_queue, args.timeout, fusion,
-                    args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits)
+    server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
+                    args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
+                    served_names=tuple(dict.fromkeys(args.served_model_name)))
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,
@@ -93,13 +101,14 @@ def run_serve(args) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     web.start()
-    # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, as
-    # the worker's first job, never inside a request; later starts read the saved one
-    engine.profile_in_background(server.scheduler.submit)
+    # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, only
+    # while no request waits (a background job, like ingestion), never inside a request; later starts read it
+    engine.profile_in_background(lambda start: server.scheduler.submit_background(start, timeout_s=3600))
     if not keys:
         log.warning("no --api-key: the server is open, and every client shares tenant 'default' (documents and "
                     "KV); pass --api-key KEY[:TENANT] to require keys")
-    print(f"ragkv: serving {args.model} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1"
+    names = f" as {', '.join(server.model_names)}" if args.served_model_name else ""
+    print(f"ragkv: serving {args.model}{names} ({engine.dtype_name}) on http://{args.host}:{args.port}/v1"
           f"{f' for {len(keys.tenants)} tenant(s)' if keys else ''}", flush=True)
     server.scheduler.serve_forever()
     web.join(timeout=10)

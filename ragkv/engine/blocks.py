@@ -73,6 +73,7 @@ class EnsureResult:
     misses: int
     encode_ms: float
     uncached: dict = field(default_factory=dict)  # key -> BlockKV the store could not keep: used from memory
+    hit_tokens: int = 0  # tokens of the blocks found in the store (not encoded by this request)
 
 
 class BlockCache:
@@ -93,12 +94,12 @@ class BlockCache:
     def ensure_steps(self, blocks: list[list[int]], conditioning: str = NO_CONDITIONING,
                      prefix_ids: list[int] | None = None, namespace: str | None = None) -> Steps[EnsureResult]:
         """`ensure`, yielding after each block it encodes."""
-        keys, hits, misses, encode_ms, uncached = [], 0, 0, 0.0, {}
+        keys, hits, misses, encode_ms, uncached, hit_tokens = [], 0, 0, 0.0, {}, 0
         prefix_kv = None
         for ids in blocks:
             key = self.key(ids, conditioning, namespace)
             if self.store.contains(key):
-                hits += 1
+                hits, hit_tokens = hits + 1, hit_tokens + len(ids)
             else:
                 misses += 1
                 t0 = time.perf_counter()
@@ -112,7 +113,7 @@ class BlockCache:
                 encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units
                 yield
             keys.append(key)
-        return EnsureResult(keys, hits, misses, encode_ms, uncached)
+        return EnsureResult(keys, hits, misses, encode_ms, uncached, hit_tokens)
 
     def get_or_encode(self, ids: list[int], namespace: str | None = None) -> BlockKV:
         key = self.key(ids, NO_CONDITIONING, namespace)

@@ -208,10 +208,16 @@ class Engine:
         with self.lock:
             return self._planner.profile(refresh)
 
-    def profile_in_background(self, submit) -> None:
+    def profile_in_background(self, submit_background) -> None:
         """Start-up profiling that never holds up a request: tier bandwidths on a thread (no model needed), then
-        each recompute length as its own short job handed to `submit` (a scheduler's), between requests."""
+        the recompute lengths as one background job handed to `submit_background` (a scheduler's), one length
+        per unit, each run only while no request waits for the model."""
         import threading
+
+        def measure(lengths):
+            for n in lengths:
+                self._planner.measure_recompute_at(n)
+                yield
 
         def run():
             try:
@@ -219,8 +225,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - no profile only means no loading plan yet
                 log.warning("could not profile the store tiers (%s); blend runs without a loading plan until "
                             "`ragkv store profile` succeeds", e)
-            for n in self._planner.recompute_lengths():
-                submit(lambda job, n=n: self._planner.measure_recompute_at(n))
+            lengths = self._planner.recompute_lengths()
+            if lengths:
+                submit_background(lambda: measure(lengths))
 
         threading.Thread(target=run, name="ragkv-profile", daemon=True).start()
 
@@ -315,11 +322,13 @@ class Engine:
                 blk = yield from blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, ns)
                 keys, uncached = pre.keys + blk.keys, {**pre.uncached, **blk.uncached}
                 stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
+                stats.cached_tokens = pre.hit_tokens + blk.hit_tokens
                 stats.encode_ms = pre.encode_ms + blk.encode_ms
             else:
                 res = yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
                 keys, uncached = res.keys, res.uncached
                 stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
+                stats.cached_tokens = res.hit_tokens
             if uncached:
                 stats.extra["uncached_blocks"] = len(uncached)  # computed and used, but the store did not keep them
             plan = self._planner.plan(keys, fusion.ratio) if mode == "blend" and not uncached else None
@@ -379,7 +388,7 @@ class Engine:
                     chunk=None) -> Steps[Sequence]:
         """`start` in units (see `prefill_steps`); the caller holds Engine.lock while advancing it."""
         state, stats = yield from self.prefill_steps(segs, fusion, gen.max_new_tokens, namespace, chunk)
-        return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions)
+        return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions, segs.all_ids())
 
     def step(self, seqs: list[Sequence]) -> None:
         """Advance every unfinished sequence by one token in one batched forward (call `advance()` first)."""

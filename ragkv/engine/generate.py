@@ -4,11 +4,11 @@ a stop string or its budget; feeding the chosen tokens back is batched across se
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import torch
 
 from ragkv.engine.options import GenerationOptions, RequestStats
-from ragkv.engine.sampling import sample
+from ragkv.engine.sampling import TokenLogprob, apply_penalties, sample, token_logprob
 from ragkv.engine.state import DecodeState, decode_batch
 
 
@@ -16,14 +16,17 @@ from ragkv.engine.state import DecodeState, decode_batch
 class Delta:
     text: str
     token_id: int | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this text completes (if asked)
 
 
 @dataclass
 class Generation:
-    """Final once its sequence is finished: `text`, `token_ids` and `finish_reason`."""
+    """Final once its sequence is finished: `text`, `token_ids`, `finish_reason` and, when asked for, one
+    `logprobs` entry per token id."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def _stop_index(text: str, stops: tuple[str, ...]) -> int:
@@ -77,14 +80,24 @@ class Sequence:
     afterwards `feed` is the token to run through the model next, or None once `finished`."""
 
     def __init__(self, state: DecodeState, opts: GenerationOptions, tokenizer, eos_ids: set[int],
-                 stats: RequestStats, max_positions: int):
+                 stats: RequestStats, max_positions: int, prompt_ids: list[int] = ()):
         self.state, self.opts, self.eos_ids, self.stats = state, opts, eos_ids, stats
+        self.tokenizer, self.max_positions, self.prompt_ids = tokenizer, max_positions, prompt_ids
         self.generator = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
         self.budget = max(0, min(opts.max_new_tokens, max_positions - state.next_position))
         self.detok = Detokenizer(tokenizer)
         self.out = Generation()
         self.first_logits = state.logits.clone()
+        self.counts = self.prompt_mask = None  # penalties' state, on the logits' device
+        if opts.penalized:
+            dev, vocab = state.logits.device, state.logits.shape[-1]
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=dev)
+            if opts.repetition_penalty != 1.0:
+                self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                ids = torch.tensor([t for t in prompt_ids if t < vocab], dtype=torch.long, device=dev)
+                self.prompt_mask[ids] = True
         self.sent = 0  # characters of out.text already streamed
+        self.logprobs_sent = 0  # entries of out.logprobs already streamed
         self.feed: int | None = None
         self.finished = False
         self.t0 = time.perf_counter()
@@ -95,23 +108,31 @@ class Sequence:
         self.feed = None
         if len(self.out.token_ids) >= self.budget:
             return self._finish("length")
-        token = sample(self.state.logits, self.opts.temperature, self.opts.top_p, self.generator)
+        o, logits = self.opts, self.state.logits
+        if self.counts is not None:
+            logits = apply_penalties(logits, self.counts, self.prompt_mask, o.presence_penalty,
+                                     o.frequency_penalty, o.repetition_penalty)
+        token = sample(logits, o.temperature, o.top_p, self.generator, o.top_k, o.min_p)
         if token in self.eos_ids:
             return self._finish("stop")
         self.out.token_ids.append(token)
+        if self.counts is not None:
+            self.counts[token] += 1
+        if o.logprobs is not None:
+            self.out.logprobs.append(token_logprob(self.state.logits, token, o.logprobs))
         self.detok.add(token)
         text = self.detok.text
         stops = self.opts.stop
         cut = _stop_index(text, stops) if stops else -1
         if cut >= 0:
-            deltas = [Delta(text[self.sent:cut], token)] if cut > self.sent else []
+            deltas = [Delta(text[self.sent:cut], token, self._unsent_logprobs())] if cut > self.sent else []
             self.sent = max(self.sent, cut)
             return deltas + self._finish("stop", text[:cut])
         self.out.text = text
         ready = len(text) - (_held_back(text, stops) if stops else 0)
         deltas = []
         if ready > self.sent:
-            deltas.append(Delta(text[self.sent:ready], token))
+            deltas.append(Delta(text[self.sent:ready], token, self._unsent_logprobs()))
             self.sent = ready
         if len(self.out.token_ids) < self.budget:
             self.feed = token
@@ -127,10 +148,27 @@ class Sequence:
         self.stats.completion_tokens = len(self.out.token_ids)
         self.stats.decode_ms = (time.perf_counter() - self.t0) * 1000
         if len(self.out.text) > self.sent:  # text held back for a stop string that never came
-            delta = [Delta(self.out.text[self.sent:], None)]
+            delta = [Delta(self.out.text[self.sent:], None, self._unsent_logprobs())]
             self.sent = len(self.out.text)
             return delta
+        if self.logprobs_sent < len(self.out.logprobs):  # tokens whose text a stop string cut away
+            return [Delta("", None, self._unsent_logprobs())]
         return []
+
+    def _unsent_logprobs(self) -> list[TokenLogprob]:
+        new = self.out.logprobs[self.logprobs_sent:]
+        self.logprobs_sent = len(self.out.logprobs)
+        return new
+
+    def fork(self, index: int) -> "Sequence":
+        """Choice `index` of the same prompt (n > 1), before any token was chosen: a copy of the prefilled state,
+        the same options, seed + index (so that seeded choices differ from each other and repeat)."""
+        if self.out.token_ids or self.finished:
+            raise RuntimeError("fork a sequence before it advances")
+        opts = self.opts if self.opts.seed is None else replace(self.opts, seed=(self.opts.seed + index) % (1 << 63))
+        stats = replace(self.stats, extra=dict(self.stats.extra))
+        return Sequence(self.state.fork(), opts, self.tokenizer, self.eos_ids, stats, self.max_positions,
+                        self.prompt_ids)
 
     def cancel(self, reason: str) -> None:
         """Leave decoding now (client gone, deadline passed): the text so far is final."""

@@ -20,7 +20,7 @@ import torch
 from ragkv.config import cache_dir, dtype_name
 from ragkv.store.base import CacheKey
 from ragkv.store.controller import (PROFILE_FILE, _read_json, _write_json, load_seconds, plan_blocks, profile_id,
-                                    profile_tiers)
+                                    profile_tiers, tier_layer_nbytes)
 from ragkv.store.spec import DEFAULT_COSTS
 
 RECOMPUTE_LENGTHS = (128, 512, 2048)  # prompt lengths the recompute cost is measured at, then interpolated
@@ -146,12 +146,12 @@ class LoadingPlanner:
         if s_token_layer is None:
             return None
         a = self.model.args
-        nbytes = 2 * a.num_kv_heads * a.head_dim * self.model.dtype.itemsize * num_tokens
         budget = r_quality * num_tokens * s_token_layer
         best = None
         for i, t in enumerate(tiers):
             speed = self.profiles.speed(t)
             cost = t.cost if t.cost is not None else DEFAULT_COSTS.get(t.name, 1.0)
+            nbytes = tier_layer_nbytes(t, a.num_kv_heads, num_tokens, a.head_dim, self.model.dtype)
             if speed is not None and load_seconds(nbytes, *speed) <= budget and (best is None or cost < best[0]):
                 best = (cost, i)
         return [best[1] if best else 0]
@@ -165,12 +165,13 @@ class LoadingPlanner:
         if s_token_layer is None:
             return NO_PROFILE
         a = self.model.args
-        per_token = 2 * a.num_kv_heads * a.head_dim * self.model.dtype.itemsize
         blocks = []
         for key in keys:
-            holders = {t.describe(): speed for t in self.store.holders(key)
-                       if (speed := self.profiles.speed(t)) is not None}
-            if not holders:
+            held = [t for t in self.store.holders(key) if self.profiles.speed(t) is not None]
+            if not held:
                 return NO_PROFILE
-            blocks.append((key.num_tokens, per_token * key.num_tokens, holders))
+            holders = {t.describe(): self.profiles.speed(t) for t in held}
+            sizes = {t.describe(): tier_layer_nbytes(t, a.num_kv_heads, key.num_tokens, a.head_dim, self.model.dtype)
+                     for t in held}  # a compressed tier loads fewer bytes
+            blocks.append((key.num_tokens, sizes, holders))
         return plan_blocks(blocks, s_token_layer, r_min)

@@ -92,6 +92,8 @@ class RequestStats:
     full_token_layers: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
+    cached_tokens: int = 0         # prompt tokens of the blocks (or prefix chunks) found in the store: what the
+    #                                cache saved this request (reused_tokens also counts blocks it encoded itself)
     ttft_ms: float = 0.0
     encode_ms: float = 0.0         # encoding missed blocks (not reuse: first-time cost)
     fetch_ms: float = 0.0

@@ -58,5 +58,6 @@ def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids:
         store.put(keys[j], BlockKV(torch.stack([k[0, :, a:b] for k in cache.keys]).clone(),
                                    torch.stack([v[0, :, a:b] for v in cache.values]).clone()))
     stats.reused_tokens += reused
+    stats.cached_tokens += reused
     stats.recomputed_tokens += len(ids) - reused
     return DecodeState(cache, len(ids), logits)

@@ -1,20 +1,67 @@
-"""Next-token choice: greedy, or temperature + nucleus (top-p) sampling with a seeded generator."""
+"""Next-token choice, in vLLM's order: penalties on the model's logits, then greedy, or temperature, top-k, min-p
+and top-p (nucleus) sampling with a seeded generator; and the log-probabilities of a choice."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the `k` most likely tokens' (id, log-probability), best first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor | None,
+                    presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0) -> torch.Tensor:
+    """logits [V] fp32; counts [V]: how often each token was generated so far; prompt_mask [V] bool: tokens of the
+    prompt (repetition only). Returns new logits; all tensors on the logits' device."""
+    if repetition != 1.0:
+        # CTRL (Keskar et al. 2019, sec. 4.1), as transformers and vLLM: every token already seen (prompt or
+        # output) has a positive logit divided by the penalty and a negative one multiplied by it
+        seen = counts > 0 if prompt_mask is None else (counts > 0) | prompt_mask
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    if presence or frequency:
+        # OpenAI's definition, output tokens only: mu[j] - c[j] * frequency - (c[j] > 0) * presence
+        logits = logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+    return logits
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> int:
-    """logits: [V] fp32 -> token id."""
+           generator: torch.Generator | None = None, top_k: int = 0, min_p: float = 0.0) -> int:
+    """logits: [V] fp32 -> token id. top_k <= 0 and min_p == 0 are off; temperature 0 is greedy."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if min_p > 0:
+        # min-p (Nguyen et al. 2024, eq. 1): keep tokens at least min_p times as likely as the most likely one
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         # keep the smallest set whose mass reaches top_p (the top token always survives)
         drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    # drawn on the CPU: a seed gives the same tokens on every device
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The model's own distribution (log_softmax of the raw logits: before penalties, temperature and truncation,
+    vLLM's `raw_logprobs`): the chosen token's log-probability and the k most likely tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = float(logp[token])
+    if k <= 0:
+        return TokenLogprob(token, chosen)
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+    return TokenLogprob(token, chosen, tuple(zip(ids.tolist(), values.tolist())))

@@ -3,6 +3,7 @@ batched decode: every running sequence advances one token in one forward, whatev
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,14 @@ class DecodeState:
     next_position: int
     logits: torch.Tensor  # [V] fp32: distribution of the next token
     attention: AttentionPolicy | None = None
+
+    def fork(self) -> "DecodeState":
+        """An independent copy to decode another continuation of the same prompt from (n > 1 choices): the
+        prefill is shared, the KV is copied, the attention policy (stateless) is shared."""
+        cache = copy.copy(self.cache)
+        cache.keys = [k.clone() for k in self.cache.keys]
+        cache.values = [v.clone() for v in self.cache.values]
+        return DecodeState(cache, self.next_position, self.logits.clone(), self.attention)
 
 
 class DecodePlan:

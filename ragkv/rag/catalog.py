@@ -8,6 +8,9 @@ rebuilt when `PRAGMA data_version` says the database changed.
 
 Search stays an exact cosine product over a numpy matrix per tenant (ragkv.rag.index.VectorIndex, in memory):
 thousands to tens of thousands of 384-dim vectors take milliseconds.
+
+This embedded library is the default; `open_catalog` opens the one in Redis (ragkv.rag.redis_catalog) instead when
+given a Redis URL, so that several servers on several machines share one library.
 """
 
 from __future__ import annotations
@@ -46,6 +49,44 @@ class CatalogError(RagkvError):
     pass
 
 
+# Row = (chunk_id, doc_id, title, text, idx, source, float32 vector bytes), in the order search breaks ties
+def search_index(rows: Sequence[tuple], location, embedding_model: str | None) -> VectorIndex:
+    """One tenant's rows as the in-memory index searched by requests (never saved: the library is the truth)."""
+    index = VectorIndex(location, embedding_model)
+    if rows:
+        vectors = np.stack([np.frombuffer(r[6], dtype=np.float32) for r in rows])
+        index.add([Chunk(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows], vectors)
+    return index
+
+
+def check_meta(meta: dict, where: str, embedding_model: str | None, elsewhere: str) -> None:
+    """A library of another format, or built with another embedding model, is refused (vectors never mix)."""
+    if meta.get("format", FORMAT) != FORMAT:
+        raise CatalogError(f"document library {where} has format {meta['format']}; this version reads {FORMAT}")
+    stored = meta.get("embedding_model")
+    if stored and embedding_model and stored != embedding_model:
+        raise CatalogError(f"document library {where} was built with embedding model {stored!r}, not "
+                           f"{embedding_model!r}; {elsewhere}")
+
+
+LIBRARY_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def is_library_url(location) -> bool:
+    """Whether `location` names a shared library in Redis rather than a folder."""
+    scheme, sep, _ = str(location).partition("://")
+    return isinstance(location, str) and bool(sep) and scheme.lower() in LIBRARY_URL_SCHEMES
+
+
+def open_catalog(location: str | Path, embedding_model: str | None = None):
+    """The library at `location`: a folder (the embedded SQLite library) or a Redis URL (redis://HOST:PORT/DB,
+    redis+cluster://HOST:PORT,...) that several servers share."""
+    if is_library_url(location):
+        from ragkv.rag.redis_catalog import RedisCatalog
+        return RedisCatalog(str(location), embedding_model)
+    return Catalog(location, embedding_model)
+
+
 class Catalog:
     """Documents, chunks and vectors per tenant; safe to share between threads and processes."""
 
@@ -76,13 +117,8 @@ class Catalog:
     def _check_meta(self) -> None:
         with self._lock:
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
-            if meta.get("format", FORMAT) != FORMAT:
-                raise CatalogError(f"document library {self.path} has format {meta['format']}; this version "
-                                   f"reads {FORMAT}")
+            check_meta(meta, str(self.path), self.embedding_model, "use another --index folder")
             stored = meta.get("embedding_model")
-            if stored and self.embedding_model and stored != self.embedding_model:
-                raise CatalogError(f"document library {self.path} was built with embedding model {stored!r}, not "
-                                   f"{self.embedding_model!r}; use another --index folder")
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
             if self.embedding_model:
                 self._db.execute("INSERT OR IGNORE INTO meta VALUES ('embedding_model', ?)", (self.embedding_model,))
@@ -114,10 +150,7 @@ class Catalog:
                 return cached[1]
             rows = self._db.execute("SELECT chunk_id, doc_id, title, text, idx, source, vector FROM chunks "
                                     "WHERE tenant = ? ORDER BY id", (tenant,)).fetchall()
-            index = VectorIndex(self.folder, self.embedding_model)
-            if rows:
-                vectors = np.stack([np.frombuffer(r[6], dtype=np.float32) for r in rows])
-                index.add([Chunk(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows], vectors)
+            index = search_index(rows, self.folder, self.embedding_model)
             self._search[tenant] = (version, index)
             return index
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Passage
+from ragkv.rag.catalog import open_catalog
+from ragkv.rag.embedding import get_embedder
 from ragkv.rag.pipeline import DEFAULT_TENANT, Retriever
 
 
@@ -23,9 +25,20 @@ class Retrieved:
 
 
 class DocumentLibrary:
+    """A tenant's documents: retrieval through its library, each new chunk's KV precomputed into the store.
+
+    Args:
+        engine: computes each new chunk's KV into the store.
+        index_dir: the embedded library's folder, or a Redis URL (redis://..., redis+cluster://...) of a library
+            several servers share (ragkv.rag.redis_catalog).
+    """
+
     def __init__(self, engine, index_dir: str | Path, retriever: Retriever | None = None):
         self.engine = engine
-        self.retriever = retriever or Retriever(index_dir)
+        if retriever is None:
+            embedder = get_embedder()
+            retriever = Retriever(index_dir, embedder, catalog=open_catalog(index_dir, embedder.name))
+        self.retriever = retriever
 
     def tenant(self, tenant: str) -> "DocumentLibrary":
         """The same library seen as `tenant`: its documents only, its chunks' KV in its namespace."""

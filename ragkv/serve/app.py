@@ -1,10 +1,11 @@
-"""OpenAI-compatible endpoints over the engine: chat/completions (streaming or not), models, documents,
-health and Prometheus metrics. Every model call goes through the Scheduler (one worker, continuous batching,
-bounded queue)."""
+"""OpenAI-compatible endpoints over the engine: chat/completions (streaming or not; n choices, log-probabilities),
+models, embeddings, vLLM's tokenize/detokenize, documents, health and Prometheus metrics. Every model call goes
+through the Scheduler (one worker, continuous batching, bounded queue)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -12,16 +13,22 @@ import uuid
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
 from ragkv.errors import PromptTooLongError, RagkvError
+from ragkv.rag.redis_catalog import LibraryUnavailableError
 from ragkv.serve.metrics import Metrics
+from ragkv.serve.playground import PAGE_PATHS, STATIC_PREFIX, mount_playground
 from ragkv.serve.auth import DEFAULT_TENANT, ApiKeys
+from ragkv.serve.choices import Chunks, TokenText, final_choice
+from ragkv.serve.embeddings import EMBEDDING_NAMES, embed
 from ragkv.serve.scheduler import Cancelled, JobTimeout, QueueFull, Scheduler, ShuttingDown
-from ragkv.serve.schemas import ChatRequest, CompletionRequest, DocumentsRequest, RagkvExtras
+from ragkv.serve.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DocumentsRequest,
+                                 EmbeddingsRequest, RagkvExtras, Retrieval, TokenizeRequest)
+from ragkv.serve.tokens import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +52,10 @@ def to_api_error(e: BaseException) -> ApiError:
         return e
     if isinstance(e, PromptTooLongError):
         return ApiError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, LibraryUnavailableError):  # the shared library's Redis is down: not the client's fault
+        return ApiError(503, str(e), "server_error", "library_unavailable", retry_after=5)
     if isinstance(e, RagkvError):
-        return ApiError(400, str(e))
+        return ApiError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), "rate_limit_error", "queue_full", retry_after=QueueFull.retry_after_s)
     if isinstance(e, ShuttingDown):
@@ -96,13 +105,32 @@ class Prepared:
     gen: GenerationOptions
     namespace: str | None
     sources: list[dict]
+    n: int = 1  # choices: one prefill, n sequences decoding in the batch
+
+
+def salted_namespace(namespace: str, salt: str) -> str:
+    """The namespace of a `cache_salt`: requests share cached KV only with the same salt (and tenant). The hash
+    covers the whole namespace and salt; the readable front keeps the name within the store's 64 characters."""
+    digest = hashlib.sha256(f"{namespace}\0{salt}".encode()).hexdigest()[:16]
+    return f"{namespace[:40]}.salt-{digest}"
+
+
+class RetrieveRequest(Retrieval):
+    """POST /v1/retrieve: the library's `top_k` chunks for `query` (an empty query is a 400)."""
+    query: str
 
 
 class Server:
     def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = 64, timeout_s: float = 300.0,
                  default_fusion: FusionOptions = FusionOptions(), max_batch: int = 16, prefill_chunk: int = 512,
-                 worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits()):
-        self.engine, self.model_id, self.index_dir = engine, model_id, index_dir
+                 worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
+                 served_names: tuple[str, ...] = ()):
+        """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
+        without them, `model_id` or the model's path."""
+        self.engine, self.index_dir = engine, index_dir
+        self.model_names = tuple(served_names) or (model_id,)
+        self.model_id = self.model_names[0]
+        self.accepted_names = set(served_names) if served_names else {model_id, str(engine.model_path)}
         self.keys, self.limits = keys, limits
         self.ingest_jobs: dict[str, IngestJob] = {}
         self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
@@ -119,29 +147,31 @@ class Server:
             self._library = DocumentLibrary(self.engine, self.index_dir)
         return self._library.tenant(tenant)
 
-    def namespace(self, extras: RagkvExtras | None, tenant: str) -> str | None:
-        """The KV namespace of a request: its tenant's when keys are configured (naming another is refused)."""
+    def namespace(self, extras: RagkvExtras | None, tenant: str, cache_salt: str | None = None) -> str | None:
+        """The KV namespace of a request: its tenant's when keys are configured (naming another is refused),
+        made its own by a `cache_salt`."""
         asked = extras.namespace if extras is not None else None
         if not self.keys:
-            return asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
-        if asked is not None and asked != tenant:
+            ns = asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
+        elif asked is not None and asked != tenant:
             raise ApiError(403, f"namespace {asked!r} belongs to another tenant; this key's is {tenant!r}",
                            "permission_error", "namespace_forbidden", "ragkv.namespace")
-        return tenant
+        else:
+            ns = tenant
+        return ns if cache_salt is None else salted_namespace(ns or self.engine.namespace, cache_salt)
 
     # -- request -> segments ------------------------------------------------------------------------------
-    def _passages(self, extras: RagkvExtras | None, question: str,
-                  tenant: str = DEFAULT_TENANT) -> tuple[list[Passage], list[dict]]:
-        if extras is None:
-            return [], []
+    def _passages(self, req, question: str, tenant: str = DEFAULT_TENANT) -> tuple[list[Passage], list[dict]]:
+        """Inline documents (top-level `documents` or `ragkv.documents`), then retrieved ones."""
+        extras = req.ragkv
         passages, sources = [], []
-        docs = extras.documents or []
-        self.check_documents(len(docs), (d if isinstance(d, str) else d.text for d in docs), "ragkv.documents")
+        docs, field = req.inline_documents()
+        self.check_documents(len(docs), (d if isinstance(d, str) else d.text for d in docs), field)
         for d in docs:
             p = Passage(d) if isinstance(d, str) else Passage(d.text, d.title or "")
             passages.append(p)
             sources.append({"title": p.title, "source": "inline"})
-        if extras.retrieval is not None:
+        if extras is not None and extras.retrieval is not None:
             for r in self.library(tenant).retrieve(question, extras.retrieval.top_k):
                 passages.append(r.passage)
                 sources.append({"title": r.passage.title, "chunk_id": r.chunk_id, "doc_id": r.doc_id,
@@ -177,9 +207,17 @@ class Server:
 
     def _generation(self, req, default_max: int) -> GenerationOptions:
         max_new = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if req.n > self.scheduler.max_batch:
+            raise ApiError(400, f"n={req.n} choices exceed the {self.scheduler.max_batch} sequences decoded "
+                                "together (--max-batch)", param="n")
+        penalty = req.repetition_penalty
         return GenerationOptions(max_new_tokens=default_max if max_new is None else max_new,
                                  temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed,
-                                 stop=req.stops())
+                                 stop=req.stops(), top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
+                                 presence_penalty=req.presence_penalty or 0.0,
+                                 frequency_penalty=req.frequency_penalty or 0.0,
+                                 repetition_penalty=1.0 if penalty is None else penalty,
+                                 logprobs=req.logprobs_count())
 
     def prepare_chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         msgs = req.messages
@@ -188,7 +226,7 @@ class Server:
         if not turns or turns[-1].role != "user":
             raise ApiError(400, "the last message must come from the user", param="messages")
         question = turns[-1].text()
-        passages, sources = self._passages(req.ragkv, question, tenant)
+        passages, sources = self._passages(req, question, tenant)
         fusion = self._fusion(req.ragkv, bool(passages))
         if passages:
             history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
@@ -199,13 +237,13 @@ class Server:
             segs = self.engine.chat_segments([{"role": m.role, "content": m.text()} for m in turns], system)
         gen = self._generation(req, 256)
         self.check_prompt(segs, gen)
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant), sources)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
 
     def prepare_completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
         if not prompt.strip():
             raise ApiError(400, "the prompt is empty", param="prompt")
-        passages, sources = self._passages(req.ragkv, prompt, tenant)
+        passages, sources = self._passages(req, prompt, tenant)
         fusion = self._fusion(req.ragkv, bool(passages))
         if passages:
             segs = self.engine.segments(prompt, passages)
@@ -213,12 +251,13 @@ class Server:
             segs = self.engine.text_segments(prompt)
         gen = self._generation(req, 16)
         self.check_prompt(segs, gen)
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant), sources)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
 
     # -- running on the scheduler ---------------------------------------------------------------------------
     def start(self, prepare, emit=None):
         """Queue a generation: the worker prepares and prefills it, then decodes it batched with the others;
-        `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish)."""
+        `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish); the job's
+        `seqs` are the request's n choices (one prefill; the others decode from copies of its KV)."""
 
         def chunk():  # chunk a full/prefix prefill only while other answers are decoding
             return self.prefill_chunk if self.scheduler.running else None
@@ -226,19 +265,21 @@ class Server:
         def begin():
             p = prepare()
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
-            return seq, p
+            return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
         return self.scheduler.submit_generation(begin, emit)
 
 
-def _usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens, "reused_tokens": stats.reused_tokens,
+def _usage(stats, completion_tokens: int | None = None) -> dict:
+    """`completion_tokens`: of all choices (default: the one sequence's)."""
+    completion = stats.completion_tokens if completion_tokens is None else completion_tokens
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": stats.prompt_tokens + completion, "reused_tokens": stats.reused_tokens,
             "recomputed_tokens": stats.recomputed_tokens,
             # the work behind the prompt: token-layers computed, and as a fraction of a full prefill's
             "recomputed_token_layers": stats.recomputed_token_layers,
             "recompute_vs_full": stats.to_dict()["recompute_vs_full"],
-            "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # found in the store, as OpenAI means
             # blocks computed for this request that the store could not keep, and whether a store fault made it
             # compute everything without the cache
             "uncached_blocks": stats.extra.get("uncached_blocks", 0), "store_fault": "store_fault" in stats.extra}
@@ -282,22 +323,26 @@ def parse_body(raw: bytes, schema):
         raise ApiError(400, "the request body is nested too deeply")
 
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health",) + PAGE_PATHS  # the playground page and its files; the API calls it makes need a key
+OPEN_PREFIXES = (STATIC_PREFIX,)
 
 
 class Guard:
     """Keys first (401 before anything is read), then the body size (413 before it is read); the request's
     tenant goes into its state. Plain ASGI: Starlette's BaseHTTPMiddleware would hide client disconnects."""
 
-    def __init__(self, app, server: Server, open_paths: tuple[str, ...]):
-        self.app, self.server, self.open_paths = app, server, open_paths
+    def __init__(self, app, server: Server, open_paths: tuple[str, ...], open_prefixes: tuple[str, ...] = ()):
+        self.app, self.server, self.open_paths, self.open_prefixes = app, server, open_paths, open_prefixes
+
+    def is_open(self, path: str) -> bool:
+        return path in self.open_paths or path.startswith(self.open_prefixes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         tenant, keys = DEFAULT_TENANT, self.server.keys
-        if keys and scope.get("path") not in self.open_paths:
+        if keys and not self.is_open(scope.get("path", "")):
             tenant = keys.tenant_of(headers.get("authorization"))
             if tenant is None:
                 self.server.metrics.observe_request("auth", 401)
@@ -316,7 +361,8 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
     app.state.server = server
     open_paths = OPEN_PATHS + (() if metrics_need_key else ("/metrics",))
 
-    app.add_middleware(Guard, server=server, open_paths=open_paths)
+    app.add_middleware(Guard, server=server, open_paths=open_paths, open_prefixes=OPEN_PREFIXES)
+    mount_playground(app)
 
     async def read_body(request: Request) -> bytes:
         """The body, stopping at the limit (a chunked upload has no Content-Length to check up front)."""
@@ -332,9 +378,9 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
         return parse_body(await read_body(request), schema)
 
     def check_model(name: str | None) -> None:
-        if name and name not in (server.model_id, str(server.engine.model_path)):
-            raise ApiError(404, f"model {name!r} is not served here; this server runs {server.model_id!r}",
-                           code="model_not_found", param="model")
+        if name and name not in server.accepted_names:
+            raise ApiError(404, f"model {name!r} is not served here; this server runs "
+                                f"{', '.join(map(repr, server.model_names))}", code="model_not_found", param="model")
 
     async def generate(request: Request, endpoint: str, schema, chat: bool):
         try:
@@ -370,15 +416,17 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
         except (asyncio.TimeoutError, asyncio.CancelledError):
             job.cancel()
             raise
-        stats, text = seq.stats, seq.out.text
+        stats = seq.stats
         if finish == "timeout":
             raise JobTimeout(f"generation exceeded {server.scheduler.timeout_s:.0f} s")
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        text, logprobs = TokenText(server.engine.tokenizer), req.logprobs_count() is not None
+        choices = [final_choice(i, s, chat, text, logprobs) for i, s in enumerate(job.seqs)]
+        completion = sum(s.stats.completion_tokens for s in job.seqs)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": server.model_id, "choices": [choice],
-                             "usage": _usage(stats), "ragkv": {"stats": stats.to_dict(), "sources": p.sources}})
+                             "created": created, "model": server.model_id, "choices": choices,
+                             "usage": _usage(stats, completion),
+                             "ragkv": {"stats": stats.to_dict(), "sources": p.sources}})
 
     async def stream(req, prepare, chat: bool):
         loop = asyncio.get_running_loop()
@@ -390,25 +438,18 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
         if kind == "done":  # failed before the first token: a normal error response
             job.future.result()
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_text=None, finish=None, role=False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": server.model_id, "choices": [choice]}
+        chunks = Chunks(rid, created, server.model_id, chat, TokenText(server.engine.tokenizer),
+                        req.logprobs_count() is not None)
 
         async def body():
             try:
                 if chat:
-                    yield _sse(chunk(role=True))
+                    for i in range(req.n):
+                        yield _sse(chunks.role(i))
                 while True:
                     kind, payload = await events.get()
                     if kind == "delta":
-                        yield _sse(chunk(payload))
+                        yield _sse(chunks.delta(*payload))
                     elif kind == "done":
                         try:
                             p, seq, finish = payload.result()
@@ -417,12 +458,14 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
                             err = to_api_error(e)
                             yield _sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
                             break
-                        last = chunk(finish=finish)
-                        last["ragkv"] = {"stats": stats.to_dict(), "sources": p.sources}
-                        yield _sse(last)
+                        for i, s in enumerate(job.seqs):  # the last one carries the request's statistics
+                            last = chunks.finish(i, s.out.finish_reason)
+                            if i == len(job.seqs) - 1:
+                                last["ragkv"] = {"stats": stats.to_dict(), "sources": p.sources}
+                            yield _sse(last)
                         if req.stream_options and req.stream_options.include_usage:
-                            yield _sse({"id": rid, "object": obj, "created": created, "model": server.model_id,
-                                        "choices": [], "usage": _usage(stats)})
+                            completion = sum(s.stats.completion_tokens for s in job.seqs)
+                            yield _sse(chunks.envelope([]) | {"usage": _usage(stats, completion)})
                         yield "data: [DONE]\n\n"
                         break
             finally:
@@ -441,8 +484,46 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0,
-                                            "owned_by": "ragkv"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ragkv",
+                                            "max_model_len": server.engine.max_positions}
+                                           for name in server.model_names]}
+
+    async def utility(request: Request, endpoint: str, schema, answer):
+        """A request that does not generate: parsed, checked, answered off the event loop."""
+        try:
+            req = await parse(request, schema)
+            result = await asyncio.to_thread(answer, req)
+            server.metrics.observe_request(endpoint, 200)
+            return result
+        except Exception as e:  # noqa: BLE001
+            err = to_api_error(e)
+            server.metrics.observe_request(endpoint, err.status)
+            return err.response()
+
+    def checked(fn):
+        def run(req):
+            check_model(req.model)
+            return fn(server.engine, req)
+        return run
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await utility(request, "tokenize", TokenizeRequest, checked(tokenize))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await utility(request, "detokenize", DetokenizeRequest, checked(detokenize))
+
+    def embeddings(req: EmbeddingsRequest) -> dict:
+        if req.model is not None and req.model not in EMBEDDING_NAMES:
+            raise ApiError(404, f"model {req.model!r} does not embed here; embeddings come from "
+                                f"{' or '.join(map(repr, EMBEDDING_NAMES))}", code="model_not_found", param="model")
+        from ragkv.rag.embedding import get_embedder  # the library's embedder: loaded once, on first use
+        return embed(get_embedder(), req)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: Request):
+        return await utility(request, "embeddings", EmbeddingsRequest, embeddings)
 
     @app.post("/v1/documents")
     async def add_documents(request: Request):
@@ -504,6 +585,16 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
         library = await asyncio.to_thread(server.library, request.state.tenant)
         return {"object": "list", "data": [vars(d) for d in library.documents()]}
 
+    @app.post("/v1/retrieve")
+    async def retrieve(request: Request):
+        """The chunks `ragkv.retrieval` would answer from, with their text: clients (ragkv.integrations) send
+        them back as `ragkv.documents`, whose KV the library precomputed."""
+        def chunks(req: RetrieveRequest) -> dict:
+            found = server.library(request.state.tenant).retrieve(req.query, req.top_k)
+            return {"object": "list", "data": [{"text": r.passage.text, "title": r.passage.title, "doc_id": r.doc_id,
+                                                "chunk_id": r.chunk_id, "score": round(r.score, 4)} for r in found]}
+        return await utility(request, "retrieve", RetrieveRequest, chunks)
+
     @app.delete("/v1/documents/{doc_id:path}")
     async def delete_document(request: Request, doc_id: str):
         library = await asyncio.to_thread(server.library, request.state.tenant)
@@ -517,10 +608,11 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
         return {"status": "ok", "model": server.model_id, "dtype": server.engine.dtype_name,
                 **server.scheduler.stats()}
 
+    server.metrics.watch(server.scheduler.stats, server.engine.store_stats)
+
     @app.get("/metrics")
-    async def metrics():
-        stats = server.engine.store_stats()
-        return PlainTextResponse(server.metrics.render(stats, server.scheduler.stats()),
-                                 media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        body, content_type = server.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     return app

@@ -1,91 +1,114 @@
-"""A few Prometheus metrics in the text exposition format (no client library needed for this handful)."""
+"""The server's Prometheus metrics through prometheus-client, in a registry of its own: several servers may live in
+one process (tests do that), and each must count only its own requests."""
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
+from typing import Callable
 
-TTFT_BUCKETS_MS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PER_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
+    """Counters and histograms fed by the request handlers and the scheduler's finished jobs; gauges read from the
+    scheduler and the store when scraped (`watch`)."""
+
     def __init__(self):
-        self.lock = threading.Lock()
-        self.requests = defaultdict(int)  # (endpoint, status) -> count
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS_MS) + 1)
-        self.ttft_sum = 0.0
-        self.hits = self.misses = 0
-        self.reused = self.recomputed = self.completion = 0
-        self.uncached = self.store_faults = 0  # blocks computed but not kept; requests recomputed after a fault
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)   # process_cpu_seconds_total, process_resident_memory_bytes, open fds, ...
+        PlatformCollector(registry=r)  # python_info
+        GCCollector(registry=r)        # python_gc_*
+        self.requests = Counter("ragkv_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("ragkv_ttft_seconds", "Time to first token (the prefill, as the engine measures it), "
+                              "by fusion mode.", ["mode"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.latency = Histogram("ragkv_request_latency_seconds", "Time to the last token (prefill and decode), "
+                                 "by fusion mode.", ["mode"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.per_token = Histogram("ragkv_time_per_output_token_seconds", "Decode time per generated token.",
+                                   buckets=PER_TOKEN_BUCKETS_S, registry=r)
+        # hits and misses, not their ratio: PromQL computes the ratio over any window from the two rates
+        self.hits = Counter("ragkv_block_cache_hits", "Blocks whose KV came from the store.", registry=r)
+        self.misses = Counter("ragkv_block_cache_misses", "Blocks whose KV had to be computed.", registry=r)
+        self.prompt = Counter("ragkv_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.reused = Counter("ragkv_reused_tokens", "Prompt tokens whose KV came from the cache.", registry=r)
+        self.recomputed = Counter("ragkv_recomputed_tokens", "Prompt tokens whose KV a request computed.",
+                                  registry=r)
+        self.completion = Counter("ragkv_completion_tokens", "Generated tokens.", registry=r)
+        self.uncached = Counter("ragkv_uncached_blocks", "Blocks computed and used but not kept by the store.",
+                                registry=r)
+        self.store_faults = Counter("ragkv_store_fault_requests",
+                                    "Requests answered without the cache after a store fault.", registry=r)
+        self.live = LiveStats()
+        r.register(self.live)
 
     def observe_request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            self.requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint, str(status)).inc()
 
     def observe_stats(self, stats) -> None:
-        with self.lock:
-            i = next((i for i, b in enumerate(TTFT_BUCKETS_MS) if stats.ttft_ms <= b), len(TTFT_BUCKETS_MS))
-            self.ttft_counts[i] += 1
-            self.ttft_sum += stats.ttft_ms / 1000
-            self.hits += stats.cache_hits
-            self.misses += stats.cache_misses
-            self.reused += stats.reused_tokens
-            self.recomputed += stats.recomputed_tokens
-            self.completion += stats.completion_tokens
-            self.uncached += stats.extra.get("uncached_blocks", 0)
-            self.store_faults += "store_fault" in stats.extra
+        """One finished generation (the scheduler's worker thread calls this; prometheus-client locks)."""
+        self.ttft.labels(stats.mode).observe(stats.ttft_ms / 1000)
+        self.latency.labels(stats.mode).observe((stats.ttft_ms + stats.decode_ms) / 1000)
+        if stats.completion_tokens:
+            self.per_token.observe(stats.decode_ms / 1000 / stats.completion_tokens)
+        self.hits.inc(stats.cache_hits)
+        self.misses.inc(stats.cache_misses)
+        self.prompt.inc(stats.prompt_tokens)
+        self.reused.inc(stats.reused_tokens)
+        self.recomputed.inc(stats.recomputed_tokens)
+        self.completion.inc(stats.completion_tokens)
+        self.uncached.inc(stats.extra.get("uncached_blocks", 0))
+        if "store_fault" in stats.extra:
+            self.store_faults.inc()
 
-    def render(self, store_stats: dict, sched: dict) -> str:
-        out = ["# HELP ragkv_requests_total HTTP requests by endpoint and status.", "# TYPE ragkv_requests_total counter"]
-        with self.lock:
-            for (ep, status), n in sorted(self.requests.items()):
-                out.append(f'ragkv_requests_total{{endpoint="{ep}",status="{status}"}} {n}')
-            out += ["# HELP ragkv_ttft_seconds Time to first token.", "# TYPE ragkv_ttft_seconds histogram"]
-            cum = 0
-            for b, n in zip(TTFT_BUCKETS_MS, self.ttft_counts):
-                cum += n
-                out.append(f'ragkv_ttft_seconds_bucket{{le="{b / 1000}"}} {cum}')
-            cum += self.ttft_counts[-1]
-            out += [f'ragkv_ttft_seconds_bucket{{le="+Inf"}} {cum}', f"ragkv_ttft_seconds_sum {self.ttft_sum:.6f}",
-                    f"ragkv_ttft_seconds_count {cum}"]
-            total = self.hits + self.misses
-            out += ["# TYPE ragkv_block_cache_hits_total counter", f"ragkv_block_cache_hits_total {self.hits}",
-                    "# TYPE ragkv_block_cache_misses_total counter", f"ragkv_block_cache_misses_total {self.misses}",
-                    "# HELP ragkv_block_cache_hit_ratio Block cache hits over lookups since start.",
-                    "# TYPE ragkv_block_cache_hit_ratio gauge",
-                    f"ragkv_block_cache_hit_ratio {self.hits / total if total else 0:.6f}",
-                    "# TYPE ragkv_reused_tokens_total counter", f"ragkv_reused_tokens_total {self.reused}",
-                    "# TYPE ragkv_recomputed_tokens_total counter", f"ragkv_recomputed_tokens_total {self.recomputed}",
-                    "# TYPE ragkv_completion_tokens_total counter", f"ragkv_completion_tokens_total {self.completion}",
-                    "# HELP ragkv_uncached_blocks_total Blocks computed and used but not kept by the store.",
-                    "# TYPE ragkv_uncached_blocks_total counter", f"ragkv_uncached_blocks_total {self.uncached}",
-                    "# HELP ragkv_store_fault_requests_total Requests answered without the cache after a store fault.",
-                    "# TYPE ragkv_store_fault_requests_total counter",
-                    f"ragkv_store_fault_requests_total {self.store_faults}"]
-        out += ["# TYPE ragkv_queue_depth gauge", f"ragkv_queue_depth {sched['queue_depth']}",
-                "# HELP ragkv_batch_size Generations decoding together now.", "# TYPE ragkv_batch_size gauge",
-                f"ragkv_batch_size {sched['batch_size']}",
-                "# TYPE ragkv_decode_steps_total counter", f"ragkv_decode_steps_total {sched['decode_steps']}",
-                "# HELP ragkv_prefill_stall_seconds_max Longest pause a prefill imposed on running decodes.",
-                "# TYPE ragkv_prefill_stall_seconds_max gauge",
-                f"ragkv_prefill_stall_seconds_max {sched['prefill_stall_ms_max'] / 1000:.6f}",
-                "# HELP ragkv_store_bytes Bytes held per KV store tier.", "# TYPE ragkv_store_bytes gauge"]
-        for tier, val in flatten_store_bytes(store_stats).items():
-            out.append(f'ragkv_store_bytes{{tier="{tier}"}} {val}')
-        faults = store_stats.get("faults", {})
+    def watch(self, scheduler_stats: Callable[[], dict], store_stats: Callable[[], dict]) -> None:
+        """Where the scheduler's and the store's figures are read at each scrape."""
+        self.live.scheduler_stats, self.live.store_stats = scheduler_stats, store_stats
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition and its content type: OpenMetrics when the scraper asks for it, else Prometheus text."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
+
+
+class LiveStats:
+    """A collector of figures other objects own: queue and batch, decode steps, bytes and faults per store tier."""
+
+    def __init__(self):
+        self.scheduler_stats: Callable[[], dict] = dict
+        self.store_stats: Callable[[], dict] = dict
+
+    def collect(self):
+        sched, store = self.scheduler_stats(), self.store_stats()
+        if sched:
+            yield GaugeMetricFamily("ragkv_queue_depth", "Requests waiting for the model.", sched["queue_depth"])
+            yield GaugeMetricFamily("ragkv_batch_size", "Generations decoding together now.", sched["batch_size"])
+            yield CounterMetricFamily("ragkv_decode_steps", "Batched decode steps run.", sched["decode_steps"])
+            yield GaugeMetricFamily("ragkv_prefill_stall_seconds_max",
+                                    "Longest pause a prefill imposed on running decodes.",
+                                    sched["prefill_stall_ms_max"] / 1000)
+        held = GaugeMetricFamily("ragkv_store_bytes", "Bytes held per KV store tier.", labels=["tier"])
+        for tier, n in tier_bytes(store).items():
+            held.add_metric([tier], n)
+        yield held
+        faults = store.get("faults") or {}
         if faults:
-            out += ["# HELP ragkv_store_tier_faults_total Calls to a store tier that failed (then skipped with "
-                    "backoff).", "# TYPE ragkv_store_tier_faults_total counter"]
-            out += [f'ragkv_store_tier_faults_total{{tier="{t}"}} {n}' for t, n in sorted(faults.items())]
-        return "\n".join(out) + "\n"
+            family = CounterMetricFamily("ragkv_store_tier_faults",
+                                         "Calls to a store tier that failed (then skipped with backoff).",
+                                         labels=["tier"])
+            for tier, n in sorted(faults.items()):
+                family.add_metric([tier], n)
+            yield family
 
 
-def flatten_store_bytes(stats: dict, prefix: str = "") -> dict[str, int]:
-    """Find `bytes` figures in a (possibly nested) store stats dict, keyed by the tier path."""
-    out = {}
-    for k, v in stats.items():
-        if k == "bytes" and isinstance(v, (int, float)):
-            out[prefix or "store"] = int(v)
-        elif isinstance(v, dict) and k not in ("namespaces",):
-            out.update(flatten_store_bytes(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+def tier_bytes(stats: dict) -> dict[str, int]:
+    """Bytes held per tier of a store's stats (a tiered store's `tiers`, or one tier's own), each tier named by its
+    `describe()` as the fault counters are. A tier that could not count (Redis mid-failover) is left out."""
+    tiers = stats.get("tiers") if isinstance(stats.get("tiers"), list) else [stats]
+    return {str(t.get("describe") or t.get("tier") or i): int(t["bytes"])
+            for i, t in enumerate(tiers) if isinstance(t.get("bytes"), (int, float))}

@@ -43,8 +43,9 @@ class ShuttingDown(Exception):
 
 class Job:
     """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives a generator that prefills in
-    units and returns (sequence, info), then the worker decodes it; `emit(kind, payload)` streams "start" and
-    "delta" events)."""
+    units and returns (sequence, info), or (sequences, info) for several choices of one prompt; then the worker
+    decodes them in the batch; `emit(kind, payload)` streams "start" and "delta" events, a delta's payload being
+    (choice index, Delta))."""
 
     def __init__(self, timeout_s: float, fn: Callable | None = None, start: Callable | None = None,
                  emit: Callable | None = None):
@@ -53,7 +54,17 @@ class Job:
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
-        self.seq = self.info = self.steps = None
+        self.seqs: list = []
+        self.info = self.steps = None
+
+    @property
+    def seq(self):
+        """The first (usually only) sequence."""
+        return self.seqs[0] if self.seqs else None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -95,7 +106,8 @@ class Scheduler:
 
     @property
     def batch_size(self) -> int:
-        return len(self.running)
+        """Sequences decoding now (a request with n choices counts n)."""
+        return sum(len(job.seqs) for job in self.running)
 
     def _put(self, job: Job) -> Job:
         try:
@@ -175,10 +187,12 @@ class Scheduler:
                     next(job.steps)
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
             self.prefilling = None
-            job.seq, job.info = done.value
+            seqs, job.info = done.value
+            job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
             job.send("start")
-            self._emit(job, job.seq.advance())
-            if job.seq.finished:
+            for i, seq in enumerate(job.seqs):
+                self._emit(job, i, seq.advance())
+            if job.finished:
                 self._finish(job, job.seq.out.finish_reason)
             else:
                 self.running.append(job)
@@ -221,7 +235,7 @@ class Scheduler:
         self.stopping.set()
 
     def _admit(self) -> Job | None:
-        if self.running and len(self.running) >= self.max_batch:
+        if self.running and self.batch_size >= self.max_batch:
             return None
         try:
             # wakes up to notice stop(); never waits while background work is pending
@@ -240,11 +254,12 @@ class Scheduler:
         for job in list(self.running):
             if job.should_stop():
                 reason = "cancelled" if job.cancelled.is_set() else "timeout"
-                job.seq.cancel(reason)
+                for seq in job.seqs:
+                    seq.cancel(reason)
                 self._finish(job, reason)
         if not self.running:
             return
-        seqs = [job.seq for job in self.running]
+        seqs = [seq for job in self.running for seq in job.seqs if not seq.finished]
         try:
             self.step_fn(seqs)
         except BaseException as e:  # noqa: BLE001
@@ -256,13 +271,15 @@ class Scheduler:
         self.steps += 1
         self.batched_tokens += len(seqs)
         for job in list(self.running):
-            self._emit(job, job.seq.advance())
-            if job.seq.finished:
+            for i, seq in enumerate(job.seqs):
+                if not seq.finished:
+                    self._emit(job, i, seq.advance())
+            if job.finished:
                 self._finish(job, job.seq.out.finish_reason)
 
-    def _emit(self, job: Job, deltas) -> None:
+    def _emit(self, job: Job, index: int, deltas) -> None:
         for d in deltas:
-            job.send("delta", d.text)
+            job.send("delta", (index, d))
 
     def _finish(self, job: Job, reason: str) -> None:
         if job in self.running:

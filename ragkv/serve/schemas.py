@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ragkv.errors import InvalidRequestError
 
 
 MAX_TOKENS = 1 << 20     # any larger max_tokens is refused before the model's own limit is even looked at
 SEED_MAX = (1 << 63) - 1
 DOC_ID = r"^[^\x00-\x1f\x7f]{1,256}$"  # printable, at most 256 characters ("/" round-trips through the path)
+MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI and vLLM's default
+MAX_N = 128        # choices per request (the server also keeps n within --max-batch)
 
 # OpenAI fields this server does not implement: refused (400 naming them) unless given their no-op value
 UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "parallel_tool_calls": None, "response_format": None, "logprobs": (False, 0), "top_logprobs": (0,),
-               "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-               "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": None, "top_k": (-1, 0),
-               "min_p": (0, 0.0), "guided_json": None, "audio": None, "modalities": None, "prediction": None}
+               "parallel_tool_calls": None, "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": None,
+               "guided_json": None, "audio": None, "modalities": None, "prediction": None}
+
+
+class FieldError(InvalidRequestError):
+    """A request field that is well-formed but cannot be served; `param` names it in the 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class _Loose(BaseModel):
@@ -80,6 +90,18 @@ class StreamOptions(_Loose):
     include_usage: bool = False
 
 
+class ResponseFormat(_Loose):
+    type: Literal["text", "json_object", "json_schema"]
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"{v!r} is not supported: this server generates free text only (no constrained "
+                             'decoding); send {"type": "text"} or leave response_format out')
+        return v
+
+
 class _Sampling(_Loose):
     model: str | None = None
     stream: bool = False
@@ -87,11 +109,45 @@ class _Sampling(_Loose):
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None   # -1 or 0: off (vLLM's convention)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    response_format: ResponseFormat | None = None
     user: str | None = None
+    # vLLM's top-level RAG documents: the same as ragkv.documents (giving both is a 400)
+    documents: list[Union[str, DocumentIn]] | None = None
+    # isolates the request's KV: requests share cached blocks only with requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     ragkv: RagkvExtras | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and v < -1:
+            raise ValueError("top_k must be -1 or 0 (off) or a positive number of tokens")
+        return v
+
+    @model_validator(mode="after")
+    def _one_documents(self):
+        if self.documents is not None and self.ragkv is not None and self.ragkv.documents is not None:
+            raise FieldError("documents", "documents are given twice, at the top level and in ragkv.documents; "
+                                          "send them in one place")
+        return self
+
+    def inline_documents(self) -> tuple[list, str]:
+        """The request's inline documents and the field they came in."""
+        if self.documents is not None:
+            return self.documents, "documents"
+        return (self.ragkv.documents if self.ragkv is not None else None) or [], "ragkv.documents"
+
+    def logprobs_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's and the k most likely (endpoints set this)."""
+        return None
 
     @classmethod
     def unsupported(cls, data: dict) -> list[str]:
@@ -108,10 +164,54 @@ class _Sampling(_Loose):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy API: the number of top tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(_Loose):
+    """vLLM's POST /tokenize: a `prompt` (as /v1/completions reads it) or chat `messages` (as /v1/chat/completions
+    without documents renders them)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = False  # False: exactly the ids this server feeds the model
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "send either `prompt` (a string) or chat `messages`")
+        return self
+
+
+class DetokenizeRequest(_Loose):
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=MAX_TOKENS)
+
+
+class EmbeddingsRequest(_Loose):
+    model: str | None = None
+    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=2048)], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
 
 
 class DocumentsRequest(_Strict):

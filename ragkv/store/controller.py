@@ -28,6 +28,7 @@ import torch
 
 from ragkv.config import cache_dir
 from ragkv.store.base import BlockKV, CacheKey, KVStore
+from ragkv.store.compress import layer_nbytes
 from ragkv.store.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -135,18 +136,26 @@ def _read_seconds(nbytes: float, speed) -> float:
     return load_seconds(nbytes, bw, latency)
 
 
-def plan_blocks(blocks: list[tuple[int, float, dict[str, Speed]]], s_per_token_layer: float,
+def tier_layer_nbytes(tier: KVStore, heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes `tier` moves to load one layer of a block: its codec's size in a compressed tier (?kv=int8: about
+    half of bf16's), else K and V in `dtype`."""
+    return layer_nbytes(getattr(tier, "kv_codec", None), heads, tokens, head_dim, dtype)
+
+
+def plan_blocks(blocks: list[tuple[int, float | dict[str, float], dict[str, Speed]]], s_per_token_layer: float,
                 r_min: float = 0.15) -> BlockPlan:
     """Per block (tokens, bytes per layer, {holding tier: bytes/s or (bytes/s, latency s)}): read each block from
     the holder that loads it soonest, then r = max(r_min, the r whose recompute time equals the summed per-layer
-    load time) (CacheBlend sec. 5.1: extra recompute that loading hides is free)."""
+    load time) (CacheBlend sec. 5.1: extra recompute that loading hides is free). The bytes per layer may be
+    {holding tier: bytes} where the holders keep the block in different sizes (compressed tiers)."""
     if not blocks or any(not holders for _, _, holders in blocks):
         raise ValueError("plan_blocks wants every block held by at least one profiled tier")
     tiers, load = [], 0.0
     for _, nbytes, holders in blocks:
-        best = min(holders, key=lambda t: _read_seconds(nbytes, holders[t]))
+        size = nbytes if isinstance(nbytes, dict) else dict.fromkeys(holders, nbytes)
+        best = min(holders, key=lambda t: _read_seconds(size[t], holders[t]))
         tiers.append(best)
-        load += _read_seconds(nbytes, holders[best])
+        load += _read_seconds(size[best], holders[best])
     tokens = sum(n for n, _, _ in blocks)
     ratio = choose_ratio(load, tokens, s_per_token_layer, r_min)
     recompute = recompute_seconds(ratio, tokens, s_per_token_layer)
@@ -172,7 +181,8 @@ def profile_id(tier: KVStore) -> str:
 
 def _probe_read_seconds(tier: KVStore, tokens: int, num_layers: int, repeats: int) -> tuple[float, int]:
     """Best-of-`repeats` seconds to read a synthetic `tokens`-token entry layer by layer from `tier` (page cache
-    dropped first where the tier allows it), and the entry's bytes. The probe is written and deleted again.
+    dropped first where the tier allows it), and the bytes the tier keeps for it (less in a compressed tier).
+    The probe is written and deleted again.
 
     Raises:
         StoreError: the tier would not keep the probe entry (capacity too small).
@@ -199,7 +209,7 @@ def _probe_read_seconds(tier: KVStore, tokens: int, num_layers: int, repeats: in
             best = min(best, time.perf_counter() - t0)
     finally:
         tier.delete(key)
-    return best, kv.nbytes
+    return best, num_layers * tier_layer_nbytes(tier, heads, tokens, dim, dtype)  # what it stored: its codec's size
 
 
 def measure_tier(tier: KVStore, nbytes: int = 16 << 20, num_layers: int = 8, repeats: int = 3) -> TierProfile:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ragkv.store import serde
 from ragkv.store.base import CacheKey, KVStore, LayerReader, namespace_of, storage_name
+from ragkv.store.compress import Codec, codec_named
 from ragkv.store.errors import CorruptEntryError, StoreUnavailableError
 from ragkv.store.sizes import format_size
 
@@ -36,18 +37,21 @@ class DiskStore(KVStore):
         path: directory (created if missing; `~` expanded).
         capacity_bytes: evict least recently used files beyond this.
         fsync: flush each file to the device before renaming it (durable across power loss; slower).
+        kv: write blocks compressed with this codec (int8, int4, fp8: ragkv.store.compress); None: as they are.
 
     Raises:
         StoreUnavailableError: the directory cannot be created or written.
     """
 
     name = "disk"
+    kv_codec: Codec | None = None
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False, kv: str | None = None):
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes}")
         self.root = Path(path).expanduser()
         self.capacity_bytes, self.fsync = capacity_bytes, fsync
+        self.kv_codec = codec_named(kv)
         self._check_writable()
         self._lock = threading.Lock()
         self._index: dict[str, tuple[int, int]] = {}  # storage name -> (bytes, mtime_ns)
@@ -57,7 +61,8 @@ class DiskStore(KVStore):
         self._rescan(remove_stale_temps=True)
 
     def describe(self) -> str:
-        return f"disk:{self.root}:{format_size(self.capacity_bytes)}"
+        return f"disk:{self.root}:{format_size(self.capacity_bytes)}" + (
+            f"?kv={self.kv_codec.name}" if self.kv_codec else "")
 
     def _check_writable(self) -> None:
         try:
@@ -221,7 +226,7 @@ class DiskStore(KVStore):
             opened[0].close()
             self._touch(name, opened[2].st_size)
             return
-        data = serde.encode(key, kv)
+        data = serde.encode(key, kv, self.kv_codec)
         if len(data) > self.capacity_bytes:
             log.warning("disk tier: block %s (%s) exceeds the tier's whole capacity (%s); not written. Raise the "
                         "disk size in --store.", name, format_size(len(data)), format_size(self.capacity_bytes))
@@ -287,6 +292,7 @@ class DiskStore(KVStore):
             ns["entries"] += 1
             ns["bytes"] += size
         return {"tier": self.name, "describe": self.describe(), "path": str(self.root), "entries": len(listed),
+                "kv": self.kv_codec.name if self.kv_codec else "none",
                 "bytes": sum(s for _, s in listed), "capacity_bytes": self.capacity_bytes,
                 "namespaces": namespaces, **self.counters}
 

@@ -16,6 +16,7 @@ import redis
 
 from ragkv.store import serde
 from ragkv.store.base import CacheKey, KVStore, LayerReader, check_namespace, namespace_of, storage_name
+from ragkv.store.compress import Codec, codec_named
 from ragkv.store.errors import CorruptEntryError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,8 @@ def redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    hosts = parts.netloc.rpartition("@")[2]  # kept verbatim: a cluster URL lists several host:port
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{hosts}"))
 
 
 def _glob_escape(text: str) -> str:
@@ -51,15 +51,20 @@ class RedisStore(KVStore):
     """
 
     name = "redis"
+    ERRORS: tuple = (redis.exceptions.RedisError,)  # what the client raises when the tier fails: a miss
 
-    def __init__(self, url: str, ttl_s: int | None = None, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0):
+    kv_codec: Codec | None = None  # write blocks compressed (int8, int4, fp8: ragkv.store.compress)
+
+    def __init__(self, url: str, ttl_s: int | None = None, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0,
+                 kv: str | None = None):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"redis ttl must be a positive number of seconds, got {ttl_s}")
         self.url, self.ttl_s, self.prefix = url, ttl_s, prefix
+        self.kv_codec = codec_named(kv)
         self.counters = dict(hits=0, misses=0, puts=0, corrupt=0, errors=0)
         self.last_error, self._last_warning = "", -1e9
         try:
-            self.client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+            self.client = self._connect(url, timeout_s)
             self.client.ping()
         except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as e:
             raise StoreUnavailableError(
@@ -70,8 +75,13 @@ class RedisStore(KVStore):
                 f"cannot reach Redis at {redact(url)} ({e}); is redis-server running? Start it, install it with "
                 "scripts/install_redis.sh, or remove the redis tier from --store") from e
 
+    def _connect(self, url: str, timeout_s: float):
+        return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+
     def describe(self) -> str:
-        return redact(self.url) + (f"?prefix={self.prefix}" if self.prefix != DEFAULT_PREFIX else "")
+        opts = ([f"prefix={self.prefix}"] if self.prefix != DEFAULT_PREFIX else []) + (
+            [f"kv={self.kv_codec.name}"] if self.kv_codec else [])
+        return redact(self.url) + ("?" + "&".join(opts) if opts else "")
 
     def _name(self, key: CacheKey) -> str:
         return self.prefix + storage_name(key)
@@ -90,7 +100,7 @@ class RedisStore(KVStore):
         self.counters["corrupt"] += 1
         try:
             self.client.delete(name)
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("delete", e)
 
     def _header(self, name: str, key: CacheKey) -> serde.EntryHeader | None:
@@ -101,6 +111,8 @@ class RedisStore(KVStore):
         try:
             head, size = pipe.execute()
         except redis.exceptions.ResponseError as e:  # WRONGTYPE: not a string, so not one of our entries
+            if "WRONGTYPE" not in str(e):  # CLUSTERDOWN, READONLY, OOM...: the tier failed, the entry is fine
+                raise
             self._discard(name, CorruptEntryError(f"holds a non-string value ({e})"))
             return None
         if size == 0:
@@ -126,7 +138,7 @@ class RedisStore(KVStore):
             if self.ttl_s:
                 pipe.expire(name, self.ttl_s)
             data = pipe.execute()[0]
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("get", e)
             return None
         if data is None:
@@ -144,7 +156,7 @@ class RedisStore(KVStore):
     def contains(self, key):
         try:
             return self._header(self._name(key), key) is not None
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("contains", e)
             return False
 
@@ -154,7 +166,7 @@ class RedisStore(KVStore):
             h = self._header(name, key)
             if h is not None and self.ttl_s:
                 self.client.expire(name, self.ttl_s)
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("open", e)
             return None
         self.counters["hits" if h is not None else "misses"] += 1
@@ -166,7 +178,7 @@ class RedisStore(KVStore):
 
     def put(self, key, kv):
         name = self._name(key)
-        data = serde.encode(key, kv)
+        data = serde.encode(key, kv, self.kv_codec)
         try:
             # same key -> same bytes, so overwriting is harmless, and it replaces whatever else sits under the
             # name (an empty value, a list written by someone else) instead of leaving the block uncacheable
@@ -174,7 +186,7 @@ class RedisStore(KVStore):
                 self.client.set(name, memoryview(data), ex=self.ttl_s)
             else:  # keep a TTL another server set on the same entry
                 self.client.set(name, memoryview(data), keepttl=True)
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("put", e)
             return
         self.counters["puts"] += 1
@@ -182,7 +194,7 @@ class RedisStore(KVStore):
     def delete(self, key):
         try:
             return bool(self.client.delete(self._name(key)))
-        except redis.exceptions.RedisError as e:
+        except self.ERRORS as e:
             self._failed("delete", e)
             return False
 
@@ -206,14 +218,19 @@ class RedisStore(KVStore):
         return [(n[len(self.prefix):], s) for n, s in zip(names, sizes) if s]
 
     def stats(self):
-        listed = self.entries()
+        try:
+            listed = self.entries()
+        except self.ERRORS as e:  # a /metrics scrape while Redis is down: the counters, without the scan
+            self._failed("stats", e)
+            return {"tier": self.name, "describe": self.describe(), "ttl_s": self.ttl_s, **self.counters}
         namespaces: dict[str, dict] = {}
         for name, size in listed:
             ns = namespaces.setdefault(namespace_of(name), {"entries": 0, "bytes": 0})
             ns["entries"] += 1
             ns["bytes"] += size
         return {"tier": self.name, "describe": self.describe(), "entries": len(listed),
-                "bytes": sum(s for _, s in listed), "ttl_s": self.ttl_s, "namespaces": namespaces, **self.counters}
+                "bytes": sum(s for _, s in listed), "ttl_s": self.ttl_s, "namespaces": namespaces,
+                "kv": self.kv_codec.name if self.kv_codec else "none", **self.counters}
 
 
 class RedisLayerReader(LayerReader):
@@ -240,7 +257,7 @@ class RedisLayerReader(LayerReader):
                 start, stop = r.header.layer_span(layer)
                 pipe.getrange(r.name, start, stop - 1)
             chunks = pipe.execute()
-        except redis.exceptions.RedisError as e:
+        except store.ERRORS as e:
             store._failed("layer read", e)
             return [None] * len(readers)
         return [r._decode(layer, chunk) for r, chunk in zip(readers, chunks)]
@@ -253,6 +270,6 @@ class RedisLayerReader(LayerReader):
         except CorruptEntryError as e:
             self.store._discard(self.name, e)
             return None
-        except redis.exceptions.RedisError as e:
+        except self.store.ERRORS as e:
             self.store._failed("layer read", e)
             return None

@@ -1,8 +1,9 @@
 """The `--store` option: a comma-separated list of tiers, fastest first, turned into a TieredStore.
 
-    memory[:SIZE][?cost=C]              in-process LRU (SIZE default 2GiB)
-    disk:PATH[:SIZE][?cost=C]           one file per block under PATH (SIZE default 20GiB)
-    redis://HOST:PORT/DB[?ttl=S&prefix=P&cost=C]   a Redis database (also rediss://, unix://)
+    memory[:SIZE][?cost=C&kv=K]         in-process LRU (SIZE default 2GiB)
+    disk:PATH[:SIZE][?cost=C&kv=K]      one file per block under PATH (SIZE default 20GiB)
+    redis://HOST:PORT/DB[?ttl=S&prefix=P&cost=C&kv=K]   a Redis database (also rediss://, unix://)
+    redis+cluster://HOST:PORT[,HOST:PORT...][?ttl=S&prefix=P&cost=C&kv=K]   a Redis Cluster, given seed nodes
 
 `cost` is what keeping a GB in that tier costs, in any unit you like (say $ per GB-month), compared between tiers.
 When any tier names one, new blocks are placed by the loading controller: in the cheapest tier whose loading still
@@ -11,11 +12,17 @@ costs, every tier gets every block (write-through, the slower ones in the backgr
 
 Example: `memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0?ttl=3600`.
 Sizes take B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
+
+`kv` is how a tier keeps KV: none (default, exact), int8, int4 or fp8 (ragkv.store.compress: KIVI-style scales,
+decompressed on load into the model's dtype; int8 and fp8 take ~0.51x the bytes of bf16, int4 ~0.32x). It is set
+per tier, not store-wide, because compression pays where bytes are scarce (disk space, Redis memory, disk and
+network bandwidth), while an exact memory tier in front costs no decode time and no accuracy. Every tier reads
+entries of every codec, e.g. `memory:2GiB,disk:~/.cache/ragkv/kv:20GiB?kv=int8`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -26,15 +33,20 @@ DEFAULT_SPEC = "memory:2GiB"
 DEFAULT_MEMORY = "2GiB"
 DEFAULT_DISK = "20GiB"
 DEFAULT_COSTS = {"memory": 1.0, "redis": 0.25, "disk": 0.02}  # relative price per GB, when some tier names one
-SYNTAX = ("use a comma-separated list of memory[:SIZE], disk:PATH[:SIZE] and redis://HOST:PORT/DB[?ttl=SECONDS], "
-          "fastest first, e.g. memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0")
+SYNTAX = ("use a comma-separated list of memory[:SIZE], disk:PATH[:SIZE], redis://HOST:PORT/DB[?ttl=SECONDS] "
+          "and redis+cluster://HOST:PORT[,HOST:PORT...], fastest first, e.g. "
+          "memory:2GiB,disk:~/.cache/ragkv/kv:20GiB,redis://127.0.0.1:6379/0")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+KV_CHOICES = ("none", "int8", "int4", "fp8")  # = ragkv.store.compress.KV_CHOICES (parsing imports no torch)
+REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+CLUSTER_SYNTAX = "write redis+cluster://HOST:PORT[,HOST:PORT...], e.g. redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
 
 
 @dataclass(frozen=True)
 class MemoryTierSpec:
     capacity_bytes: int
     cost: float | None = None  # ?cost=: price of keeping a GB there (any unit, compared between tiers)
+    kv: str | None = None      # ?kv=: the tier's KV codec (None: uncompressed)
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class DiskTierSpec:
     path: Path
     capacity_bytes: int
     cost: float | None = None
+    kv: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,12 @@ class RedisTierSpec:
     ttl_s: int | None = None
     prefix: str | None = None
     cost: float | None = None
+    kv: str | None = None
+
+
+@dataclass(frozen=True)
+class RedisClusterTierSpec(RedisTierSpec):
+    """A Redis Cluster: `url` is redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...] (seed nodes)."""
 
 
 def _cost(value: str, where: str) -> float:
@@ -62,15 +81,26 @@ def _cost(value: str, where: str) -> float:
     return cost
 
 
-def _options(rest: str, where: str) -> tuple[str, float | None]:
-    """`PATH:SIZE?cost=X` -> (`PATH:SIZE`, X); memory and disk tiers take only `cost`."""
+def _kv(value: str, where: str) -> str | None:
+    kv = value.strip().lower()
+    if kv not in KV_CHOICES:
+        raise StoreSpecError(f"kv {value!r} in {where!r}: choose one of {', '.join(KV_CHOICES)}, e.g. ?kv=int8")
+    return None if kv == "none" else kv
+
+
+def _options(rest: str, where: str) -> tuple[str, float | None, str | None]:
+    """`PATH:SIZE?cost=X&kv=K` -> (`PATH:SIZE`, X, K); memory and disk tiers take only `cost` and `kv`."""
     rest, _, query = rest.partition("?")
-    cost = None
+    cost = kv = None
     for name, value in parse_qsl(query, keep_blank_values=True):
-        if name != "cost":
-            raise StoreSpecError(f"unknown option {name!r} in {where!r}; memory and disk tiers take ?cost=X")
-        cost = _cost(value, where)
-    return rest, cost
+        if name == "cost":
+            cost = _cost(value, where)
+        elif name == "kv":
+            kv = _kv(value, where)
+        else:
+            raise StoreSpecError(f"unknown option {name!r} in {where!r}; memory and disk tiers take ?cost=X and "
+                                 "?kv=none|int8|int4|fp8")
+    return rest, cost, kv
 
 
 @dataclass(frozen=True)
@@ -96,12 +126,12 @@ class StoreSpec:
 
 
 def _parse_memory(rest: str, text: str) -> MemoryTierSpec:
-    rest, cost = _options(rest, text)
-    return MemoryTierSpec(parse_size(rest or DEFAULT_MEMORY), cost)
+    rest, cost, kv = _options(rest, text)
+    return MemoryTierSpec(parse_size(rest or DEFAULT_MEMORY), cost, kv)
 
 
 def _parse_disk(rest: str, text: str) -> DiskTierSpec:
-    rest, cost = _options(rest, text)
+    rest, cost, kv = _options(rest, text)
     if not rest:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory: disk:PATH[:SIZE], e.g. "
                              "disk:~/.cache/ragkv/kv:20GiB")
@@ -117,7 +147,7 @@ def _parse_disk(rest: str, text: str) -> DiskTierSpec:
         path, size = ":".join(parts[:i]), parts[i]
     if not path:
         raise StoreSpecError(f"disk tier in {text!r} needs a directory before the size: disk:PATH:SIZE")
-    return DiskTierSpec(Path(path).expanduser(), parse_size(size), cost)
+    return DiskTierSpec(Path(path).expanduser(), parse_size(size), cost, kv)
 
 
 def _parse_redis(part: str, text: str) -> RedisTierSpec:
@@ -129,7 +159,7 @@ def _parse_redis(part: str, text: str) -> RedisTierSpec:
         u.port
     except ValueError as e:
         raise StoreSpecError(f"redis tier {part!r}: {e}; write redis://HOST:PORT/DB") from e
-    ttl, prefix, cost, others = None, None, None, []
+    ttl, prefix, cost, kv, others = None, None, None, None, []
     for name, value in parse_qsl(u.query, keep_blank_values=True):
         if name == "ttl":
             try:
@@ -143,9 +173,53 @@ def _parse_redis(part: str, text: str) -> RedisTierSpec:
             prefix = value
         elif name == "cost":
             cost = _cost(value, part)
+        elif name == "kv":
+            kv = _kv(value, part)
         else:
             others.append((name, value))  # left to redis-py (e.g. socket options)
-    return RedisTierSpec(urlunsplit(u._replace(query=urlencode(others))), ttl, prefix, cost)
+    return RedisTierSpec(urlunsplit(u._replace(query=urlencode(others))), ttl, prefix, cost, kv)
+
+
+def _parse_redis_cluster(part: str, text: str) -> RedisClusterTierSpec:
+    """The seed nodes checked here; ragkv's options parsed as a single node's, so both take the same ones."""
+    scheme, _, rest = part.partition("://")
+    netloc, _, query = rest.partition("?")
+    netloc, _, db = netloc.partition("/")
+    if db not in ("", "0"):
+        raise StoreSpecError(f"redis cluster tier {part!r}: a cluster has only database 0, so no /DB; "
+                             f"{CLUSTER_SYNTAX}")
+    auth, at, hosts = netloc.rpartition("@")
+    nodes = []
+    for node in hosts.split(","):
+        host, _, port = node.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreSpecError(f"redis cluster tier {part!r}: seed node {node!r} is not HOST:PORT; "
+                                 f"{CLUSTER_SYNTAX}")
+        nodes.append(f"{host}:{port}")
+    plain = scheme.lower().split("+")[0]
+    single_text = f"{plain}://{auth}{at}{nodes[0]}/0" + (f"?{query}" if query else "")
+    try:
+        single = _parse_redis(single_text, text)
+    except StoreSpecError as e:
+        raise StoreSpecError(str(e).replace(single_text, part)) from None
+    others = urlsplit(single.url).query  # left to redis-py, as for a single node
+    url = f"{scheme.lower()}://{auth}{at}{','.join(nodes)}" + (f"?{others}" if others else "")
+    return RedisClusterTierSpec(**{**{f.name: getattr(single, f.name) for f in fields(single)}, "url": url})
+
+
+def _split_tiers(text: str) -> list[str]:
+    """The spec's comma-separated tiers, keeping together the comma-separated seed nodes of a cluster URL (the
+    parts after it that read HOST:PORT, up to its query string)."""
+    parts: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        prev = parts[-1] if parts else ""
+        host, _, port = part.partition("?")[0].partition("/")[0].rpartition(":")
+        if (prev.lower().startswith(tuple(s + "://" for s in REDIS_CLUSTER_SCHEMES)) and "?" not in prev
+                and port.isdigit() and host and host.lower() not in ("memory", "disk")):
+            parts[-1] = f"{prev},{part}"
+        else:
+            parts.append(part)
+    return parts
 
 
 def parse_spec(text: str | None) -> StoreSpec:
@@ -156,7 +230,7 @@ def parse_spec(text: str | None) -> StoreSpec:
     """
     text = (text or DEFAULT_SPEC).strip()
     tiers = []
-    for part in (p.strip() for p in text.split(",")):
+    for part in _split_tiers(text):
         if not part:
             raise StoreSpecError(f"empty tier in store spec {text!r}; {SYNTAX}")
         scheme, _, rest = part.partition(":")
@@ -167,6 +241,8 @@ def parse_spec(text: str | None) -> StoreSpec:
             tiers.append(_parse_disk(rest, text))
         elif scheme in REDIS_SCHEMES:
             tiers.append(_parse_redis(part, text))
+        elif scheme in REDIS_CLUSTER_SCHEMES:
+            tiers.append(_parse_redis_cluster(part, text))
         else:
             raise StoreSpecError(f"unknown store tier {scheme!r} in {text!r}; {SYNTAX}")
     return StoreSpec(tuple(tiers), text)
@@ -181,11 +257,17 @@ def build_tier(t):
         from ragkv.store.disk import DiskStore
         tier = DiskStore(t.path, t.capacity_bytes)
     elif isinstance(t, RedisTierSpec):
+        from ragkv.store.redis_cluster import RedisClusterStore
         from ragkv.store.redis_store import DEFAULT_PREFIX, RedisStore
-        tier = RedisStore(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
+        # a cluster: the same store through the cluster client, with hash-tagged keys
+        store_class = RedisClusterStore if isinstance(t, RedisClusterTierSpec) else RedisStore
+        tier = store_class(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
     else:
         raise TypeError(f"not a tier spec: {t!r}")
+    from ragkv.store.compress import codec_named
+
     tier.cost = t.cost
+    tier.kv_codec = codec_named(t.kv)
     return tier
 
 
