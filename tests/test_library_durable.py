@@ -42,6 +42,24 @@ def words(text):
     return len(text.split())
 
 
+def write_concurrently(a, b, per_writer: int) -> None:
+    """Two libraries (replicas, or connections as two processes have) each add `per_writer` documents at the same
+    time: doc0.. through `a`, doc100.. through `b`. Any writer's exception fails the test."""
+    errors = []
+
+    def write(r, start):
+        try:
+            for i in range(start, start + per_writer):
+                r.ingest_documents([doc(i)], words)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(a, 0)), threading.Thread(target=write, args=(b, 100))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+
+
 def doc(i: int) -> Document:
     return Document.from_text(f"Document {i}. " + " ".join(f"word{i}x{j}" for j in range(900)), doc_id=f"doc{i}")
 
@@ -89,19 +107,7 @@ def test_sigkill_mid_add_leaves_every_document_whole_or_absent(tmp_path):
 def test_two_writers_keep_each_others_documents_and_readers_see_them_at_once(tmp_path):
     a = Retriever(tmp_path / "index", embedder=HashEmbedder())
     b = Retriever(tmp_path / "index", embedder=HashEmbedder())  # another connection, as another process has
-    errors = []
-
-    def write(r, start):
-        try:
-            for i in range(start, start + 10):
-                r.ingest_documents([doc(i)], words)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=write, args=(a, 0)), threading.Thread(target=write, args=(b, 100))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
+    write_concurrently(a, b, 10)
     expected = {f"doc{i}" for i in list(range(10)) + list(range(100, 110))}
     assert {d.doc_id for d in a.documents()} == {d.doc_id for d in b.documents()} == expected
     assert len(a.index) == len(b.index) == sum(d.chunks for d in a.documents())

@@ -6,7 +6,6 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -26,7 +25,7 @@ from ragkv.rag.redis_catalog import DEFAULT_PREFIX, LibraryUnavailableError, Red
 from ragkv.store.redis_server import private_redis
 from redis_cluster_fixture import empty, redis_cluster  # noqa: F401
 from redis_fixture import free_port, redis_server, redis_url  # noqa: F401
-from test_library_durable import HashEmbedder, doc, needs_model, words
+from test_library_durable import HashEmbedder, doc, needs_model, words, write_concurrently
 
 pytestmark = pytest.mark.redis
 
@@ -75,19 +74,7 @@ def test_tenants_are_isolated_across_replicas(library_url):
 
 def test_concurrent_writers_keep_each_others_documents(library_url):
     a, b = replica(library_url), replica(library_url)
-    errors = []
-
-    def write(r, start):
-        try:
-            for i in range(start, start + 6):
-                r.ingest_documents([doc(i)], words)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=write, args=(a, 0)), threading.Thread(target=write, args=(b, 100))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
+    write_concurrently(a, b, 6)
     expected = {f"doc{i}" for i in list(range(6)) + list(range(100, 106))}
     assert doc_ids(a) == doc_ids(b) == expected
     assert len(a.index) == len(b.index) == a.catalog.count("default") == sum(d.chunks for d in b.documents())
