@@ -195,6 +195,20 @@ def test_sweeps_calibration_and_report(engine, tmp_path):
     assert best["first_token_kl"] == min(min(row) for row in grid["first_token_kl"])
     assert load_ape_params(engine.fingerprint)[:2] == (best["temperature"], best["scale"])
     assert (tmp_path / "out" / "calibration-tiny.png").is_file()
+    with pytest.raises(ValueError, match="answers"):  # a task score needs generated answers
+        calibrate_ape(sw, _examples(2), temperatures=(0.8,), scales=(0.9,), objective="score")
+    # by task score (the APE paper's choice), stored for the examples' task beside the KL one
+    sw_score = SweepRun(engine, tmp_path / "out", tmp_path / "runs-score", "tiny", {"dataset": "tiny"},
+                        max_new_tokens=3, progress=False)
+    by_score = calibrate_ape(sw_score, _examples(2), temperatures=(0.8, 1.0), scales=(0.9, 1.0), objective="score")
+    b, metric = by_score["best"], by_score["metric"]
+    assert by_score["objective"] == "score" and b[metric] == max(max(row) for row in by_score[metric])
+    ties = [(t, s) for i, t in enumerate((0.8, 1.0)) for j, s in enumerate((0.9, 1.0))
+            if by_score[metric][i][j] == b[metric]]
+    assert b["first_token_kl"] == min(by_score["first_token_kl"][(0.8, 1.0).index(t)][(0.9, 1.0).index(s)]
+                                      for t, s in ties)  # ties go to the lower KL
+    assert load_ape_params(engine.fingerprint, "qa")[:2] == (b["temperature"], b["scale"])
+    assert load_ape_params(engine.fingerprint, "summarization")[:2] == (b["temperature"], b["scale"])  # latest
 
     rf = ResultsFile(tmp_path / "runs" / "eval-tiny.jsonl", {"dataset": "tiny", "model": "tiny", "dtype": "float32",
                                                              "device": "cpu", "max_new_tokens": 3})

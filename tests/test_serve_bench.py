@@ -7,6 +7,7 @@ import pytest
 from ragkv.errors import InvalidRequestError
 from ragkv.bench.serve import (ServeBenchConfig, ServerProcess, draw_requests, percentile, run_serve_bench,
                                slo_ratios)
+from redis_fixture import redis_server, redis_url  # noqa: F401
 from tiny import default_model_available
 
 
@@ -67,3 +68,21 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
         assert c["server_cpu_s_per_request"] > 0 and c["loadavg_1m"] >= 0
         assert c["prompt_tokens"] == pytest.approx(c["reused_tokens"] + c["recomputed_tokens"], abs=0.2)
     assert saved["ratios_vs_full"] == {}  # no `full` cells to compare with
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_serve_bench_round_robins_over_servers_sharing_a_store(tmp_path, redis_url):
+    """Two servers behind one Redis: only server 0 is warmed up, yet server 1 misses nothing (the shared tier)."""
+    pytest.importorskip("openai")
+    cfg = ServeBenchConfig(modes=("reuse",), concurrency=(2,), requests=4, passages_per_request=2, pool_size=4,
+                           passage_words=40, max_tokens=2)
+    servers = [ServerProcess(device="cpu", store=f"memory:256MiB,{redis_url}", threads=1) for _ in range(2)]
+    result = run_serve_bench(cfg, out_dir=tmp_path, progress=lambda m: None, server=servers)
+    assert len(result["url"]) == 2 and len(result["server"]["started_here"]) == 2
+    (cell,) = result["cells"]
+    assert cell["ok"] == 4 and "mean_batch" not in cell  # one server's batching counters would mislead
+    per = {s["server"]: s for s in cell["per_server"]}
+    assert per[0]["ok"] == per[1]["ok"] == 2
+    assert per[1]["cache_misses"] == 0 and per[1]["reused_tokens"] > 0  # found in Redis, written by server 0
+    assert "Per server (2 servers" in (tmp_path / "serve_bench.md").read_text()

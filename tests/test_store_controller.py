@@ -137,8 +137,8 @@ def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
 
     p = StoreProfiles(tmp_path / "p.json", {"recompute:x": {"points": [[128, 1.0], [512, 2.0], [2048, 4.0]],
                                                             "measured_at": 0}})
-    assert p.recompute("recompute:x", 320) == pytest.approx(1.5) and p.recompute("recompute:x", 10_000) == 4.0
-    assert p.recompute("recompute:x", 64) == 1.0 and p.recompute("nope", 100) is None
+    assert p.recompute("recompute:x", 320) == pytest.approx(1.5) and p.recompute("recompute:x", 3584) == 6.0
+    assert p.recompute("recompute:x", 64) == 1.0 and p.recompute("nope", 100) is None  # flat below the shortest
     assert p.stale("recompute:x")  # measured at the epoch: re-measured at the next start-up
 
 

@@ -46,6 +46,10 @@ def test_defaults():
     assert parse_spec("memory").tiers == (MemoryTierSpec(2 << 30),)
     assert parse_spec("disk:/tmp/kv").tiers == (DiskTierSpec(Path("/tmp/kv"), 20 << 30),)
     assert parse_spec("disk:/tmp/a:b").tiers[0].path == Path("/tmp/a:b")  # a ':' inside the path is kept
+    # options without a size: the default size with the options
+    assert parse_spec("memory?kv=int8&cost=2").tiers == (MemoryTierSpec(2 << 30, 2.0, "int8"),)
+    with pytest.raises(StoreSpecError, match="needs a directory"):
+        parse_spec("disk?kv=int8")
 
 
 def test_redis_query_parameters():

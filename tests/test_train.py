@@ -18,7 +18,7 @@ from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, lates
 from ragkv.train.config import TrainConfig, TrainConfigError
 from ragkv.train.data import (IGNORE, TrainingDataError, build_examples, collate, example_from_segments,
                               load_training_examples)
-from ragkv.train.loop import Trainer, data_order, forward_logits, lr_factor, token_loss_sum
+from ragkv.train.loop import Trainer, answer_loss_sum, data_order, forward_logits, lr_factor, token_loss_sum
 
 from tiny import make_segs, rand_ids
 
@@ -123,6 +123,8 @@ def test_collate_pads_right_and_keeps_each_row_exact(tiny_loaded):
         parts = sum(token_loss_sum(forward_logits(model, collate([e], method)), collate([e], method).labels)
                     for e in (short, long_))
         assert abs(loss_sum.item() - parts.item()) <= 1e-3
+        with torch.no_grad():  # the head only where a label follows: the same loss
+            assert abs(answer_loss_sum(model, batch).item() - loss_sum.item()) <= 1e-4
 
 
 class WordTokenizer:

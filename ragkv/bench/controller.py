@@ -9,7 +9,7 @@ matters on a machine where every real tier is fast next to the model.
   holder), blend with `auto_ratio` (r = max(r_min, the r whose recompute time the loading hides), each block read
   from the tier the plan names). The engine's profile (each tier's bandwidth, the model's recompute cost) is measured
   by `engine.profile_store()` before anything is timed.
-- **fixed choices**: every r in `ratios` x every tier forced for *all* blocks. A tier is forced honestly by giving
+- **fixed choices**: every r in `ratios` and the controller's own r x every tier forced for *all* blocks. A tier is forced honestly by giving
   each configuration its own single-tier store holding every block (as `ragkv bench store` does): the engine can
   only read from that tier, and the stores' hit counters (column "reads") prove which tier was read.
 - **spread, fixed r**: the controller's placement with a fixed r (each block from its fastest holder): what the
@@ -228,12 +228,11 @@ def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 # -- the run -------------------------------------------------------------------------------------------------
 
 def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench_out"), progress=print) -> dict:
-    import numpy as np
-
     from ragkv.bench.common import real_passages, save_json
     from ragkv.bench.ttft import build_request
     from ragkv.config import cache_dir
     from ragkv.engine.engine import Engine
+    from ragkv.engine.loading import recompute_cost
     from ragkv.store.controller import PROFILE_FILE, _read_json, profile_id
     from ragkv.store.memory import MemoryStore
     from ragkv.store.tiered import TieredStore
@@ -256,9 +255,8 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
         stack.callback(_restore_profiles, profile_path, saved_profiles, tier_ids, engine.fingerprint)
         t0 = time.perf_counter()
         prof = engine.profile_store(refresh=cfg.refresh_profile)  # recompute cost, before anything is timed
-        xs, ys = zip(*sorted(prof["recompute_points"]))
         tokens = sum(k.num_tokens for k in keys)
-        s_token_layer = float(np.interp(tokens, xs, ys))
+        s_token_layer = recompute_cost(prof["recompute_points"], tokens)  # as the controller prices it
         rec_min_s = cfg.r_min * tokens * s_token_layer  # per layer, what the controller compares loading with
         progress(f"recompute profile ({time.perf_counter() - t0:.0f} s): {s_token_layer * 1e6:.2f} us per token and "
                  f"layer at {tokens} tokens -> {rec_min_s * 1e3:.1f} ms per layer at r_min={cfg.r_min}")
@@ -295,16 +293,6 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
             stack.callback(t.clear, NAMESPACE)
             return t
 
-        configs = [Config("full", "full", "memory", FusionOptions(mode="full"), engine, base_store)]
-        for tier in tiers_avail:  # fixed: one single-tier store per tier, holding every block
-            t = make_tier(tier, "fixed")
-            store = TieredStore([t], pipelined=True, promote=False)
-            for k, kv in zip(keys, kvs):
-                t.put(k, kv)
-            e = engine.with_store(store, NAMESPACE)
-            for r in cfg.ratios:
-                f = replace(cfg.fusion, mode="blend", ratio=r, auto_ratio=False)
-                configs.append(Config(f"{tier} r={r:g}", "fixed", tier, f, e, store))
         spread_tiers = {tier: make_tier(tier, "spread") for tier in tiers_avail}
         spread = TieredStore([spread_tiers[t] for t in tiers_avail], pipelined=True, promote=False)
         for k, kv, holders in zip(keys, kvs, placement):
@@ -312,14 +300,28 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
                 spread_tiers[t].put(k, kv)
         e = engine.with_store(spread, NAMESPACE)
         tier_ids.update(profile_id(t) for t in spread.tiers)
-        tier_ids.update(profile_id(c.store.tiers[0]) for c in configs[1:])
         t0 = time.perf_counter()
         sprof = e.profile_store()  # each spread tier's bandwidth (the recompute cost is fresh from above)
         progress(f"tier profile ({time.perf_counter() - t0:.0f} s): " + ", ".join(
             f"{d}: {bw / 1e6:.1f} MB/s" for d, bw in sprof["tiers"].items()))
         ctrl = Config("controller", "controller", "spread", replace(cfg.fusion, mode="blend", ratio=cfg.r_min,
                                                                    auto_ratio=True), e, spread)
-        configs.insert(1, ctrl)
+        # the controller's own r joins the fixed grid: against a coarse grid, its in-between r would meet only
+        # fixed choices of more recompute (better KL, slower) and look better than it is
+        r_ctrl = round(e.prefill(segs, ctrl.fusion)[1].extra["loading_plan"]["ratio"], 3)
+        ratios = sorted({*cfg.ratios, r_ctrl})
+        progress(f"the controller's plan: r = {r_ctrl}; fixed choices at r in {ratios}")
+        configs = [Config("full", "full", "memory", FusionOptions(mode="full"), engine, base_store), ctrl]
+        for tier in tiers_avail:  # fixed: one single-tier store per tier, holding every block
+            t = make_tier(tier, "fixed")
+            store = TieredStore([t], pipelined=True, promote=False)
+            for k, kv in zip(keys, kvs):
+                t.put(k, kv)
+            fe = engine.with_store(store, NAMESPACE)
+            tier_ids.add(profile_id(t))
+            for r in ratios:
+                f = replace(cfg.fusion, mode="blend", ratio=r, auto_ratio=False)
+                configs.append(Config(f"{tier} r={r:g}", "fixed", tier, f, fe, store))
         for r in cfg.ratios:
             f = replace(cfg.fusion, mode="blend", ratio=r, auto_ratio=False)
             configs.append(Config(f"spread r={r:g}", "spread", "spread", f, e, spread))
@@ -329,7 +331,7 @@ def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench
     throttled_desc = spread_tiers["throttled"].describe()
     result = {**engine.info(), "threads": torch.get_num_threads(), "context_tokens": cfg.context,
               "prompt_tokens": segs.num_tokens, "blocks": len(keys), "block_tokens": [k.num_tokens for k in keys],
-              "kv_bytes": nbytes, "repeats": cfg.repeats, "r_min": cfg.r_min, "ratios": list(cfg.ratios),
+              "kv_bytes": nbytes, "repeats": cfg.repeats, "r_min": cfg.r_min, "ratios": ratios,
               "check_layers": list(cfg.fusion.check_layers), "deviation": cfg.fusion.deviation,
               "gradual": cfg.fusion.gradual,
               "throttle": {"kind": cfg.throttle, "delay_ms": round(delay_s * 1e3, 3),

@@ -16,6 +16,7 @@ streams: its prompt and answer tokens are counted client-side with the model's o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -191,12 +192,21 @@ def timed_request(client, model: str, messages: list[dict], extra_body: dict, ma
 def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: str, concurrency: int,
              max_tokens: int, system: str = "ragkv", count=None) -> dict:
     """N requests from `concurrency` closed-loop clients; requests/s over the wall time of all of them.
+    `client` may be a list of clients (servers behind one store): request i goes to client i mod their number,
+    as a round-robin balancer would send it, and the cell gets a per-server breakdown.
 
     `count(messages, text) -> (prompt_tokens, completion_tokens)` fills in what the server did not report
     (after the cell, outside the timing)."""
+    clients = client if isinstance(client, list) else [client]
+
+    def send(item):
+        i, (messages, extra) = item
+        return {**timed_request(clients[i % len(clients)], model, messages, extra, max_tokens),
+                "server": i % len(clients)}
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: timed_request(client, model, p[0], p[1], max_tokens), payloads))
+        results = list(pool.map(send, enumerate(payloads)))
     wall = time.perf_counter() - t0
     if count is not None:
         for (messages, _), r in zip(payloads, results):
@@ -204,7 +214,16 @@ def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: 
                 prompt, completion = count(messages, r["text"])
                 r["stats"] = {**r["stats"], "prompt_tokens": prompt, "completion_tokens": completion}
                 r["counted"] = True
-    return summarize(results, wall, mode, concurrency, system)
+    cell = summarize(results, wall, mode, concurrency, system)
+    if len(clients) > 1:
+        cell["per_server"] = [{"server": i, **{k: v for k, v in summarize(
+            [r for r in results if r["server"] == i], wall, mode, concurrency, system).items()
+            if k in PER_SERVER_KEYS}} for i in range(len(clients))]
+    return cell
+
+
+PER_SERVER_KEYS = ("requests", "ok", "ttft_p50_ms", "ttft_p95_ms", "latency_mean_ms", "server_ttft_p50_ms",
+                   "reused_tokens", "recomputed_tokens", "cache_misses")
 
 
 def summarize(results: list[dict], wall: float, mode: str, concurrency: int, system: str = "ragkv") -> dict:
@@ -342,8 +361,9 @@ class ServerProcess(_ServerSubprocess):
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
                  store: str = "memory:2GiB", startup_s: float = 300.0, cache_dir: Path | None = None,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), threads: int | None = None):
         self.model = model
+        self.threads = threads  # torch's threads in the server (None: its default, every core)
         self.cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--model", model, "--dtype", dtype,
                     "--device", device, "--store", store, *extra]
         self.startup_s = startup_s
@@ -357,6 +377,8 @@ class ServerProcess(_ServerSubprocess):
         root = Path(self.cache_dir) if self.cache_dir else Path(self.tmp.name)
         self.port = free_port()
         env = dict(os.environ, RAGKV_CACHE_DIR=str(root), RAGKV_MODELS_DIR=str(models_dir()))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         self.log_path = root / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port), "--index", str(root / "index")],
@@ -487,10 +509,12 @@ def token_counter(model: str):
 
 
 # -- the benchmark --------------------------------------------------------------------------------------------
-def run_serve_bench(cfg: ServeBenchConfig, url: str | None = None, out_dir: Path = Path("bench_out"),
+def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, out_dir: Path = Path("bench_out"),
                     progress=print, server: ServerProcess | None = None, peer: LlamaCppServer | None = None,
                     peer_url: str | None = None, model: str = "smollm2", count=None) -> dict:
     """Run every (mode, concurrency) cell against `url`, or against a server started here (and stopped after);
+    several URLs (servers sharing a store) take the requests round-robin, and only the first is warmed up, so
+    the others' hits come from the shared tiers;
     then, with `cfg.peer`, the same cells' requests against `peer_url` or a peer started here. Writes
     serve_bench.json, .png and .md under `out_dir`; returns the JSON object. `count` counts the peer's tokens
     (default: `token_counter` of the model)."""
@@ -501,9 +525,12 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | None = None, out_dir: Path
               "machine": {"cpus": os.cpu_count()}, "warmup": {}, "cells": []}
     if cfg.modes:
         if url is None:
-            with server or ServerProcess(model) as s:
-                _run(cfg, work, s.url, progress, result, s.cpu_seconds)
-                result["server"]["started_here"] = " ".join(s.cmd)
+            group = server if isinstance(server, list) else [server or ServerProcess(model)]
+            with contextlib.ExitStack() as stack:
+                started = [stack.enter_context(s) for s in group]
+                _run(cfg, work, started[0].url if len(started) == 1 else [s.url for s in started], progress,
+                     result, lambda: _cpu_seconds(started))
+                result["server"]["started_here"] = [" ".join(s.cmd) for s in started]
         else:
             _run(cfg, work, url, progress, result)
     if cfg.peer:
@@ -523,6 +550,22 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | None = None, out_dir: Path
     plot_serve_bench(result["cells"], out_dir / "serve_bench.png")
     (out_dir / "serve_bench.md").write_text(render_markdown(result) + "\n")
     return result
+
+
+def _wait_written(base: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server at `base` has no new block on its way to a slower tier (its /health
+    `write_back_pending`), or `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base + "/health", timeout=10).json().get("write_back_pending", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _cpu_seconds(servers: list[ServerProcess]) -> float | None:
+    """The servers' CPU time so far, together (None where any is unreadable)."""
+    cpu = [s.cpu_seconds() for s in servers]
+    return None if None in cpu else sum(cpu)
 
 
 def _workload(cfg: ServeBenchConfig) -> dict:
@@ -574,13 +617,20 @@ def _describe(cell: dict) -> str:
             f"{cell['completion_tokens']} out tokens, {cell['failed']} failed")
 
 
-def _run(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict, server_cpu=lambda: None) -> None:
+def _run(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress, result: dict,
+         server_cpu=lambda: None) -> None:
     import httpx
 
-    base, client, model = _client(url, cfg)
+    servers = [_client(u, cfg) for u in ([url] if isinstance(url, str) else url)]
+    models = {m for _, _, m in servers}
+    if len(models) > 1:
+        raise InvalidRequestError(f"the servers serve different models ({', '.join(sorted(models))}); a shared "
+                                  "store's benchmark wants one model behind every URL")
+    base, client, model = servers[0]
     health = httpx.get(base + "/health", timeout=10).json()
-    result["url"] = base
+    result["url"] = base if len(servers) == 1 else [b for b, _, _ in servers]
     result["server"].update(model=model, dtype=health.get("dtype"))
+    clients = client if len(servers) == 1 else [c for _, c, _ in servers]
     for mode in cfg.modes:
         if cfg.warmup:
             t0 = time.perf_counter()
@@ -589,13 +639,16 @@ def _run(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict, se
                 client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
                                                extra_body=extra)
             result["warmup"][mode] = {"requests": len(work["pool"]), "seconds": round(time.perf_counter() - t0, 2)}
+            if len(servers) > 1:  # the others should find the warm-up's blocks in the shared tiers, written by now
+                _wait_written(base)
             progress(f"[serve bench] {mode}: warm-up, {len(work['pool'])} single-passage requests in "
                      f"{result['warmup'][mode]['seconds']} s")
         for c, reqs in zip(cfg.concurrency, work["plans"]):
             payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
             h0 = httpx.get(base + "/health", timeout=10).json()
-            cell = _measure(result["cells"], client, model, payloads, mode, "ragkv", c, cfg, server_cpu)
-            cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()))
+            cell = _measure(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
+            if len(servers) == 1:  # one server's batching counters; with several, its share would mislead
+                cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()))
             progress(f"[serve bench] {mode} c={c}: {_describe(cell)}; reused {cell['reused_tokens']} / "
                      f"{cell['prompt_tokens']} prompt tokens")
 
@@ -687,6 +740,17 @@ def render_markdown(result: dict) -> str:
                        f"{x['baseline_concurrency']}, p95 <= {x['p95_ttft_budget_ms']} ms)"
                        for x in r["at_baseline_p95_ttft"])
         lines.append(f"- {mode}: requests/s vs full at full's p95 TTFT: {at}")
+    shared = [(c, s) for c in cells for s in c.get("per_server", [])]
+    if shared:
+        urls = result["url"]
+        lines += ["", f"Per server ({len(urls)} servers sharing one store, requests round-robin; only server 0 "
+                      "ran the warm-up, so the others' reused tokens came from the shared tiers):", "",
+                  markdown_table(["mode", "clients", "server", "ok", "TTFT p50 ms", "TTFT p95 ms", "e2e mean ms",
+                                  "server prefill p50 ms", "reused tok", "recomputed tok", "misses"],
+                                 [[c["mode"], c["concurrency"], f"{s['server']}: {urls[s['server']]}",
+                                   f"{s['ok']}/{s['requests']}", s["ttft_p50_ms"], s["ttft_p95_ms"],
+                                   s["latency_mean_ms"], s["server_ttft_p50_ms"], s["reused_tokens"],
+                                   s["recomputed_tokens"], s["cache_misses"]] for c, s in shared])]
     batching = [c for c in cells if "mean_batch" in c]
     if batching:
         lines += ["", "Continuous batching inside ragkv's server per cell (prefill runs in units between decode "

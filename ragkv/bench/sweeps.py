@@ -94,21 +94,28 @@ def blend_ratio_sweep(sw: SweepRun, examples, ratios=BLEND_RATIOS) -> dict:
 
 
 def ape_grid_sweep(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID, kind: str = "ape-grid",
-                   name: str | None = None) -> dict:
-    """Mean first-token KL to `full` (and the task score when generating) over APE's T x S grid (APE fig. 8)."""
+                   name: str | None = None, objective: str = "kl") -> dict:
+    """Mean first-token KL to `full` (and the task score when generating) over APE's T x S grid (APE fig. 8).
+    "best" is the lowest KL, or with `objective="score"` the best task score (ties: the lower KL)."""
     from ragkv.bench.plots import plot_heatmap
 
+    if objective not in ("kl", "score"):
+        raise ValueError(f"objective must be kl or score, got {objective!r}")
+    if objective == "score" and not sw.max_new_tokens:
+        raise ValueError("choosing by task score needs generated answers (max_new_tokens > 0)")
     keys = [ape_key(t, s) for t in temperatures for s in scales]
     summary, run = sw.evaluate(examples, keys, kind)
     grid = lambda k: [[summary[ape_key(t, s)].get(k) for s in scales] for t in temperatures]  # noqa: E731
     kl = grid("first_token_kl")
-    best = min(((t, s) for t in temperatures for s in scales), key=lambda ts: summary[ape_key(*ts)]["first_token_kl"])
+    metric = _task_metric(examples)
+    rank = (lambda ts: summary[ape_key(*ts)]["first_token_kl"]) if objective == "kl" else (
+        lambda ts: (-(summary[ape_key(*ts)].get(metric) or 0.0), summary[ape_key(*ts)]["first_token_kl"]))
+    best = min(((t, s) for t in temperatures for s in scales), key=rank)
     bi, bj = temperatures.index(best[0]), scales.index(best[1])
     out = {**sw.header(kind, len(examples) - len(run["skipped"])), "temperatures": list(temperatures),
            "scales": list(scales), "first_token_kl": kl, "first_token_kl_median": grid("first_token_kl_median"),
            "top1_agreement": grid("top1_agreement"),
-           "best": {"temperature": best[0], "scale": best[1], **summary[ape_key(*best)]}}
-    metric = _task_metric(examples)
+           "objective": objective, "best": {"temperature": best[0], "scale": best[1], **summary[ape_key(*best)]}}
     if sw.max_new_tokens:
         out["metric"], out[metric] = metric, grid(metric)
         out["greedy_agreement"] = grid("greedy_agreement")
@@ -143,17 +150,23 @@ def passages_sweep(sw: SweepRun, load: Callable[[int], list], counts=PASSAGE_COU
     return out
 
 
-def calibrate_ape(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID) -> dict:
-    """APE auto-calibration: the (T, S) minimizing mean first-token KL to `full` on held-out data, saved per model
-    fingerprint so that `ape` uses it by default (APE leaves T and S to be chosen by hand)."""
+def calibrate_ape(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID, objective: str = "kl") -> dict:
+    """APE auto-calibration on held-out data: the (T, S) with the best task score (`objective="score"`, as the
+    APE paper tunes them; needs generated answers) or the lowest mean first-token KL to `full` (`"kl"`). Saved
+    per model fingerprint and task, so that `ape` uses it by default (for that task in `ragkv eval`)."""
     from ragkv.engine.calibration import save_ape_params
 
-    grid = ape_grid_sweep(sw, examples, temperatures, scales, kind="calibrate", name=f"calibration-{sw.label}")
-    best = grid["best"]
+    grid = ape_grid_sweep(sw, examples, temperatures, scales, kind="calibrate", name=f"calibration-{sw.label}",
+                          objective=objective)
+    best, metric = grid["best"], grid.get("metric")
     path = save_ape_params(sw.engine.fingerprint, best["temperature"], best["scale"],
+                           task=examples[0].task if examples else None, objective=objective,
                            kl=best["first_token_kl"], kl_median=best["first_token_kl_median"],
                            top1_agreement=best["top1_agreement"], n=grid["n_examples"], data=sw.label,
-                           temperatures=list(temperatures), scales=list(scales), default_kl=grid.get("default", {}).get("first_token_kl"))
+                           metric=metric, score=best.get(metric) if metric else None,
+                           default_score=grid.get("default", {}).get(metric) if metric else None,
+                           temperatures=list(temperatures), scales=list(scales),
+                           default_kl=grid.get("default", {}).get("first_token_kl"))
     grid["saved_to"] = str(path)
     sw.save(f"calibration-{sw.label}", grid)
     return grid

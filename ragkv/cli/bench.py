@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from ragkv.cli.common import (add_fusion_args, add_model_args, engine_from_args, fusion_from_args, ints,
                               print_json, say)
 from ragkv.engine.options import MODES
-from ragkv.errors import RagkvError
+from ragkv.errors import InvalidRequestError, RagkvError
 
 
 def _output_args(p) -> None:
@@ -69,7 +72,10 @@ def register(sub) -> None:
 
     v = bsub.add_parser("serve", help="load benchmark of `ragkv serve`: requests/s and TTFT per mode and "
                                       "concurrency, optionally beside llama.cpp's server (--peer llama-cpp)")
-    v.add_argument("--url", default=None, help="a running server (default: start one here and stop it after)")
+    v.add_argument("--url", action="append", default=None,
+                   help="a running server (default: start one here and stop it after); repeat it for servers "
+                        "sharing one store: requests go round-robin, only the first is warmed up, and the table "
+                        "shows each server's TTFT and hits")
     v.add_argument("--modes", default="full,prefix,reuse,blend",
                    help="ragkv modes, comma-separated (empty with --peer: the peer only)")
     v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
@@ -82,6 +88,12 @@ def register(sub) -> None:
     v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
     v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
     v.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
+    v.add_argument("--servers", type=int, default=1,
+                   help="start this many servers here, each on cores/N threads, sharing --server-store's shared "
+                        "tiers; requests go round-robin and only the first is warmed up")
+    v.add_argument("--shared-cluster", action="store_true",
+                   help="start a private Redis Cluster (3 masters + 3 replicas on 127.0.0.1) and give it to the "
+                        "started servers as their last store tier and their --library")
     _output_args(v)
     from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
 
@@ -205,15 +217,30 @@ def run_serve(args) -> int:
                            requests=args.requests, passages_per_request=args.passages_per_request,
                            pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
                            seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
-    server = None if args.url or not cfg.modes else ServerProcess(
-        args.model, args.dtype, args.device, args.server_store,
-        extra=("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch)))
+    if args.servers < 1:
+        raise InvalidRequestError(f"--servers {args.servers}: start at least 1 server")
+    if args.url and (args.servers > 1 or args.shared_cluster):
+        raise InvalidRequestError("--servers and --shared-cluster start servers here; leave out --url (or start "
+                                  "the servers yourself and repeat --url)")
     peer = None
     if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
         peer = LlamaCppServer(args.model, args.peer_python, args.peer_gguf, args.peer_threads, args.peer_ctx,
                               extra=tuple(args.peer_arg))
-    result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, server, peer, args.peer_url,
-                             model=args.model)
+    with contextlib.ExitStack() as stack:
+        store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch))
+        if args.shared_cluster:
+            from ragkv.store.redis_cluster_server import private_redis_cluster
+
+            say("[serve bench] starting a private Redis Cluster (3 masters + 3 replicas)")
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="ragkv-bench-cluster-"))
+            cluster = stack.enter_context(private_redis_cluster(work))
+            store, extra = f"{store},{cluster.url}", (*extra, "--library", cluster.url)
+        threads = max(1, (os.cpu_count() or 1) // args.servers) if args.servers > 1 else None
+        servers = None if args.url or not cfg.modes else [
+            ServerProcess(args.model, args.dtype, args.device, store, extra=extra, threads=threads)
+            for _ in range(args.servers)]
+        result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, servers, peer, args.peer_url,
+                                 model=args.model)
     return _finish(args, result, "serve_bench.md")
 
 

@@ -92,7 +92,8 @@ class BlendPlan:
         for off, n in self.blocks:
             self.within[off:off + n] = torch.arange(n, device=dev)
         self.ratios = dict(zip(opts.check_layers, check_ratios(opts)))
-        self.last_check = opts.check_layers[-1]
+        self.first_check, self.last_check = min(opts.check_layers), opts.check_layers[-1]
+        self.unread = 0  # cached layers passed over: every row is recomputed before the first check layer
         self.sel = self.all_positions  # cache indices of the rows in x, ascending
         self.positions = self.sel
         self.deviation = torch.zeros(total, device=dev, dtype=torch.float32)
@@ -106,7 +107,18 @@ class BlendPlan:
             keep, self.pending = self.pending, None
             self.sel = self.positions = self.sel[keep]
             x = x[:, keep]
-        load_context_layer(self, layer)
+        if layer < self.first_check:
+            # every row (context and query) is computed afresh here and overwrites the cached layer: do not wait
+            # for it; the stream's item is dropped at the next load, by when it has long arrived (on a slow tier
+            # the first layer's load was the one not hidden behind compute)
+            self.unread += 1
+        else:
+            while self.unread and self.N:
+                self.unread -= 1
+                t0 = time.perf_counter()
+                next(self.layers)
+                self.stats.fetch_ms += (time.perf_counter() - t0) * 1000
+            load_context_layer(self, layer)
         if layer in self.ratios and self.n_block:
             x = self._select(layer, block, x)
         self.token_layers += x.shape[1]

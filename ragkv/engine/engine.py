@@ -177,6 +177,10 @@ class Engine:
         """Wait for the store's background write-back (new blocks on their way to slower tiers)."""
         getattr(self._store, "flush", lambda: None)()
 
+    def write_back_pending(self) -> int:
+        """New blocks still on their way to slower tiers (0 for a store without background write-back)."""
+        return getattr(self._store, "write_back_pending", lambda: 0)()
+
     def describe_store(self) -> str:
         return self._store.describe()
 

@@ -28,6 +28,17 @@ MAX_AGE_S = 7 * 24 * 3600             # a profile older than this is measured ag
 NO_PROFILE = "no load profile yet for this store and model (measured at server start-up or by `ragkv store profile`)"
 
 
+def recompute_cost(points: list, tokens: int | None = None) -> float:
+    """Seconds per token and layer at `tokens` from measured [length, cost] points (see StoreProfiles.recompute);
+    at the middle length when `tokens` is None."""
+    xs, ys = zip(*sorted(points))
+    n = tokens if tokens is not None else xs[len(xs) // 2]
+    if n > xs[-1] and len(xs) >= 2 and xs[-1] > xs[-2]:
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return float(ys[-1] + slope * (n - xs[-1]))
+    return float(np.interp(n, xs, ys))
+
+
 class StoreProfiles:
     """Saved measurements: load bytes/s and per-read latency per tier instance (`profile_id`), prefill s/token/layer per model."""
 
@@ -56,14 +67,15 @@ class StoreProfiles:
         return float(entry["bytes_per_s"]), float(latency) if isinstance(latency, (int, float)) else 0.0
 
     def recompute(self, model_key: str, tokens: int | None = None) -> float | None:
-        """Prefill seconds per token and layer at `tokens` (linear interpolation between the measured lengths,
-        the nearest end outside them); None when never measured."""
+        """Prefill seconds per token and layer at `tokens`: linear between the measured lengths, the shortest's
+        below them, and past the longest along the last two points' line, since attention keeps adding cost per
+        token with length (clamped, a 3K prompt was priced at 2K's cost: 20% under, and r came out too high).
+        None when never measured."""
         entry = self.data.get(model_key)
         points = entry.get("points") if isinstance(entry, dict) else None
         if not (isinstance(points, list) and points and all(isinstance(p, list) and len(p) == 2 for p in points)):
             return None
-        xs, ys = zip(*sorted(points))
-        return float(np.interp(tokens if tokens is not None else xs[len(xs) // 2], xs, ys))
+        return recompute_cost(points, tokens)
 
     def stale(self, key: str, max_age_s: float = MAX_AGE_S) -> bool:
         entry = self.data.get(key)

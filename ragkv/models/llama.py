@@ -144,11 +144,12 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                mask: torch.Tensor | None = None, all_logits: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | None = None, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Plain causal forward of ids [B, T], appending to `cache` (a KVCache) when given.
 
         Without a mask, each new token attends to the whole cache and causally to the new tokens.
-        Returns logits [B, T, V] (all_logits) or [B, 1, V] for the last token.
+        Returns logits [B, T, V] (all_logits) or [B, 1, V] for the last token; with `hidden`, the last layer's
+        output [B, T, H] before the final norm (`logits(x)` turns any rows of it into logits).
         """
         past = cache.length if cache is not None else 0
         if positions is None:
@@ -157,4 +158,6 @@ class Transformer(nn.Module):
         x = run_layers(self, self.embed(ids), plan)
         if cache is not None:
             cache.commit(ids.shape[1])
+        if hidden:
+            return x
         return self.logits(x if all_logits else x[:, -1:])

@@ -606,6 +606,7 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_id, "dtype": server.engine.dtype_name,
+                "write_back_pending": server.engine.write_back_pending(),
                 **server.scheduler.stats()}
 
     server.metrics.watch(server.scheduler.stats, server.engine.store_stats)

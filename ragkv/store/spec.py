@@ -235,6 +235,8 @@ def parse_spec(text: str | None) -> StoreSpec:
             raise StoreSpecError(f"empty tier in store spec {text!r}; {SYNTAX}")
         scheme, _, rest = part.partition(":")
         scheme = scheme.lower()
+        if scheme.partition("?")[0] in ("memory", "disk") and "?" in scheme:  # memory?kv=int8: options, no size
+            scheme, rest = scheme.partition("?")[0], "?" + part.partition("?")[2]
         if scheme == "memory":
             tiers.append(_parse_memory(rest, text))
         elif scheme == "disk":

@@ -204,7 +204,12 @@ class TieredStore(KVStore):
         return LayerStream(fetcher, num_layers, self.pipelined and not fetcher.instant, Stager(device))
 
     def stats(self):
-        return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters}
+        return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters,
+                "write_back_pending": self.write_back_pending()}
+
+    def write_back_pending(self) -> int:
+        """New blocks queued for, or being written to, a slower tier."""
+        return 0 if self._pending is None else self._pending.unfinished_tasks
 
 
 def _errors(tier) -> int:
