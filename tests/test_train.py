@@ -3,6 +3,8 @@ loss goes down, checkpoint + resume reproduces the straight run, data and output
 
 import copy
 import json
+import os
+import signal
 import zlib
 
 import pytest
@@ -266,6 +268,32 @@ def test_checkpoint_then_resume_equals_straight_run(tiny_loaded, tiny_dirs, tmp_
     with pytest.raises(TrainConfigError, match="different settings"):
         Trainer(fresh_model(tiny_loaded, "qwen2"), examples, TrainConfig(**{**cfg.to_dict(), "lr": 1e-3}),
                 out, src).resume(latest_checkpoint(out))
+
+
+def test_stop_request_saves_the_steps_done_and_resume_goes_on(tiny_loaded, tiny_dirs, tmp_path):
+    """SIGTERM/SIGINT (or request_stop) ends the run after the current step, with a checkpoint of it."""
+    examples = toy_examples(3)
+    cfg = TrainConfig(method="block", steps=5, lr=1e-3, warmup_steps=1, save_every=4)
+    out = tmp_path / "ft"
+    prepare_output(out, resume=False, overwrite=False)
+    trainer = Trainer(fresh_model(tiny_loaded, "qwen2"), examples, cfg, out, tiny_dirs["qwen2"])
+    step = trainer.train_step
+
+    def step_then_signal():
+        loss = step()
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill` would; the handler only asks the loop to stop
+        return loss
+
+    trainer.train_step = step_then_signal
+    before = signal.getsignal(signal.SIGTERM)
+    trainer.run(progress=False)
+    assert trainer.step == 2 and [s for s, _ in list_checkpoints(out)] == [2]
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
+    resumed = Trainer(fresh_model(tiny_loaded, "qwen2"), examples, cfg, out, tiny_dirs["qwen2"])
+    resumed.resume(latest_checkpoint(out))
+    resumed.run(progress=False)
+    assert resumed.step == 5 and (out / "config.json").exists()
 
 
 def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeypatch):

@@ -531,6 +531,7 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
                 _run(cfg, work, started[0].url if len(started) == 1 else [s.url for s in started], progress,
                      result, lambda: _cpu_seconds(started))
                 result["server"]["started_here"] = [" ".join(s.cmd) for s in started]
+                result["server"]["threads"] = [s.threads for s in started]  # None: torch's default (every core)
         else:
             _run(cfg, work, url, progress, result)
     if cfg.peer:

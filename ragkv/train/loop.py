@@ -10,8 +10,12 @@ import hashlib
 import json
 import logging
 import math
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +103,7 @@ class Trainer:
         self.step = 0
         self.data_id = data_fingerprint(examples)
         self.device = next(model.parameters()).device
+        self.stop_requested = threading.Event()
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def micro_batches(self, step: int) -> list[Batch]:
@@ -133,6 +138,7 @@ class Trainer:
         from tqdm import tqdm
 
         end = self.cfg.steps if stop_after is None else min(self.cfg.steps, self.step + stop_after)
+        restore = self._stop_on_signals()
         bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, desc=f"finetune {self.cfg.method}",
                    unit="step", dynamic_ncols=True, mininterval=1.0)
         loss = None
@@ -147,12 +153,37 @@ class Trainer:
                 self._log({"step": self.step, "loss": round(loss, 6), "lr": lr, "seconds": round(seconds, 3)})
                 if self.cfg.save_every and self.step % self.cfg.save_every == 0 and self.step < self.cfg.steps:
                     self.save_checkpoint()
+                elif self.stop_requested.is_set() and self.step < self.cfg.steps and self.output is not None:
+                    self.save_checkpoint()  # stopped between checkpoints: keep the steps done (--resume goes on)
+                if self.stop_requested.is_set():
+                    break
         finally:
             bar.close()
+            restore()
         if self.step == self.cfg.steps and self.output is not None:
             self.save_checkpoint()
             save_model_folder(self.model, self.source, self.output, self._meta())
         return loss
+
+    def request_stop(self) -> None:
+        """End the run after the current step, with a checkpoint of it (SIGINT and SIGTERM call this)."""
+        self.stop_requested.set()
+
+    def _stop_on_signals(self) -> Callable[[], None]:
+        """Route SIGINT/SIGTERM to `request_stop` while the run lasts (main thread only); returns the undo."""
+        def stop(signum, frame):
+            print(f"\nragkv finetune: {signal.Signals(signum).name}: finishing step {self.step + 1}, then saving a "
+                  "checkpoint (--resume goes on from it)", file=sys.stderr, flush=True)
+            self.request_stop()
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore() -> None:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        return restore
 
     def _log(self, record: dict) -> None:
         if self.output is not None:
