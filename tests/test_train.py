@@ -296,6 +296,33 @@ def test_stop_request_saves_the_steps_done_and_resume_goes_on(tiny_loaded, tiny_
     assert resumed.step == 5 and (out / "config.json").exists()
 
 
+def test_cli_stopped_run_says_how_to_go_on(tiny_loaded, tiny_dirs, tmp_path, monkeypatch, capsys):
+    """`ragkv finetune` stopped by a signal reports a checkpoint and --resume (not "model saved"), exit 130."""
+    from types import SimpleNamespace
+
+    from ragkv.cli import main
+    from ragkv.models import loader
+    from ragkv.train import data as train_data
+    from ragkv.train import loop
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: SimpleNamespace(
+        model=fresh_model(tiny_loaded, "qwen2"), tokenizer=WordTokenizer(), path=tiny_dirs["qwen2"]))
+    monkeypatch.setattr(train_data, "load_training_examples", lambda *a, **k: [hotpot_like(i) for i in range(3)])
+    step = loop.Trainer.train_step
+
+    def step_then_stop(self):
+        loss = step(self)
+        self.request_stop()
+        return loss
+
+    monkeypatch.setattr(loop.Trainer, "train_step", step_then_stop)
+    out = tmp_path / "ft"
+    code = main(["finetune", "--data", "unused.jsonl", "--output", str(out), "--steps", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 130 and "stopped at step 1 of 4" in err and "--resume" in err and "model saved" not in err
+    assert [s for s, _ in list_checkpoints(out)] == [1]
+
+
 def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeypatch):
     from ragkv.models import loader
 

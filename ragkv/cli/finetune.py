@@ -133,8 +133,14 @@ def run_finetune(args) -> int:
           f"examples, lr {cfg.lr}, {'bf16 autocast' if cfg.bf16 else 'fp32'} on {device}", file=sys.stderr)
     loss = trainer.run(progress=not args.no_progress)
     minutes = (time.perf_counter() - t_start) / 60
-    print(f"ragkv: done in {minutes:.1f} min, last loss {loss if loss is None else round(loss, 4)}; "
-          f"model saved to {output} (use --model {output})", file=sys.stderr)
+    last = f"last loss {loss if loss is None else round(loss, 4)}"
+    if trainer.step < cfg.steps:  # stopped by SIGINT/SIGTERM: a checkpoint, not the final model
+        print(f"ragkv: stopped at step {trainer.step} of {cfg.steps} after {minutes:.1f} min, {last}; checkpoint "
+              f"saved in {output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output "
+              f"{output} --resume", file=sys.stderr)
+        return 130
+    print(f"ragkv: done in {minutes:.1f} min, {last}; model saved to {output} (use --model {output})",
+          file=sys.stderr)
     return 0
 
 
