@@ -631,7 +631,7 @@ def _run(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress, resu
     health = httpx.get(base + "/health", timeout=10).json()
     result["url"] = base if len(servers) == 1 else [b for b, _, _ in servers]
     result["server"].update(model=model, dtype=health.get("dtype"))
-    clients = client if len(servers) == 1 else [c for _, c, _ in servers]
+    clients = [c for _, c, _ in servers]  # run_cell round-robins over them (one: every request to it)
     for mode in cfg.modes:
         if cfg.warmup:
             t0 = time.perf_counter()

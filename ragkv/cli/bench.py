@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -229,10 +228,11 @@ def run_serve(args) -> int:
     with contextlib.ExitStack() as stack:
         store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch))
         if args.shared_cluster:
+            from ragkv.bench.common import bench_dir
             from ragkv.store.redis_cluster_server import private_redis_cluster
 
             say("[serve bench] starting a private Redis Cluster (3 masters + 3 replicas)")
-            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="ragkv-bench-cluster-"))
+            work = stack.enter_context(bench_dir("serve-cluster"))
             cluster = stack.enter_context(private_redis_cluster(work))
             store, extra = f"{store},{cluster.url}", (*extra, "--library", cluster.url)
         threads = max(1, (os.cpu_count() or 1) // args.servers) if args.servers > 1 else None
