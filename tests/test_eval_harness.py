@@ -170,8 +170,12 @@ def test_mode_keys():
     assert parse_mode_key("blend", FusionOptions(mode="full", ratio=0.2)).ratio == 0.2
     (ape,) = resolve_modes(["ape"], FusionOptions(mode="full"), 0.7, 0.8)
     assert ape.params == {"ape_temperature": 0.7, "ape_scale": 0.8}
+    local, plain = resolve_modes(["reuse:pos=local", "reuse"], FusionOptions(mode="full"), 0.9, 0.9)
+    assert local.fusion.positions == "local" and local.params == {"positions": "local"}
+    assert plain.params == {}  # results written before `positions` existed still resume
     for bad, msg in (("turbo", "unknown mode"), ("ape:r=0.1", "ape takes: T, S"), ("blend:r=x", "bad value"),
-                     ("blend:r=2", "ratio"), ("reuse:T=1", "takes: none")):
+                     ("blend:r=2", "ratio"), ("reuse:T=1", "takes: pos"),
+                     ("reuse:pos=global", "positions must be")):
         with pytest.raises(ModeKeyError, match=msg):
             parse_mode_key(bad)
     with pytest.raises(ModeKeyError):

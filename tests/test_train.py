@@ -14,12 +14,13 @@ from ragkv.engine.engine import Engine
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Passage
 from ragkv.engine.state import decode_step
+from ragkv.errors import InvalidRequestError
 from ragkv.eval.datasets import Example
 from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
                                     prepare_output)
 from ragkv.train.config import TrainConfig, TrainConfigError
 from ragkv.train.data import (IGNORE, TrainingDataError, build_examples, collate, example_from_segments,
-                              load_training_examples)
+                              load_training_examples, local_positions)
 from ragkv.train.loop import Trainer, answer_loss_sum, data_order, forward_logits, lr_factor, token_loss_sum
 
 from tiny import make_segs, rand_ids
@@ -63,6 +64,40 @@ def test_block_training_forward_equals_reuse_inference(arch, tiny_loaded):
         assert maxdiff(decode_step(engine.model, state, tok), logits[start + 1 + i]) <= TOL
     # the loss is taken exactly on those positions
     assert ex.labels[start + 1:] == answer and set(ex.labels[:start + 1]) == {IGNORE}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_local_training_forward_equals_reuse_without_reencoding(arch, tiny_loaded):
+    """The w/o-pos ablation: training under the block mask with each passage at positions 0..n-1 sees the
+    logits `reuse:pos=local` produces; those differ from re-encoded `reuse` (the positions do matter)."""
+    engine = Engine(tiny_loaded[arch])
+    segs, answer = make_segs(), [17, 41, 99, 2]
+    ex = example_from_segments(segs, answer)
+    batch = collate([ex], "block-local")
+    lens = [len(segs.prefix)] + [len(b) for b in segs.blocks]
+    want = torch.cat([torch.arange(n) for n in lens] + [torch.arange(sum(lens), len(ex))])
+    assert torch.equal(batch.positions[0], want)
+    with torch.no_grad():
+        logits = forward_logits(engine.model, batch)[0]
+    state, stats = engine.prefill(segs, FusionOptions(mode="reuse", positions="local"))
+    start = segs.num_tokens - 1
+    assert maxdiff(state.logits, logits[start]) <= TOL
+    for i, tok in enumerate(answer[:-1]):
+        assert maxdiff(decode_step(engine.model, state, tok), logits[start + 1 + i]) <= TOL
+    reencoded, again = engine.prefill(segs, FusionOptions(mode="reuse"))
+    assert again.cache_misses == 0  # the same cache entries: only the rotation differs
+    assert maxdiff(reencoded.logits, state.logits) > 1e-3
+    with torch.no_grad():
+        assert maxdiff(answer_loss_sum(engine.model, batch),
+                       token_loss_sum(logits[None], batch.labels)) <= TOL
+
+
+def test_local_positions_restart_per_block_and_pads_follow():
+    segs = make_segs(prefix=3, blocks=(2, 4), query=2)
+    ex = example_from_segments(segs, [7, 2])
+    assert local_positions(ex, 15).tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 9, 10, 11, 12, 13, 14]
+    with pytest.raises(InvalidRequestError, match="applies to mode 'reuse' only"):
+        FusionOptions(mode="full", positions="local")
 
 
 def test_vanilla_training_forward_equals_full_inference(tiny_loaded):

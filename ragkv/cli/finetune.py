@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ragkv.errors import RagkvError
+from ragkv.train.config import METHODS
 
 
 # TrainConfig field -> argparse dest, for the options a resumed run may take from the saved run
@@ -26,7 +27,9 @@ def register(sub) -> None:
                     "Block-Attention mask (each passage sees only itself; question and answer see everything), "
                     "so the result answers well in --mode reuse; --method vanilla trains under the causal mask. "
                     "The output folder is an ordinary Hugging Face model folder for --model.")
-    p.add_argument("--method", choices=("block", "vanilla"), default="block")
+    p.add_argument("--method", choices=METHODS, default="block",
+                   help="block-local: Block-Attention without position re-encoding (each passage at positions "
+                        "0..n-1, evaluate with --modes reuse:pos=local), the paper's w/o-pos ablation")
     src = p.add_argument_group("data (default: --dataset hotpotqa-train)")
     src.add_argument("--data", default=None, metavar="FILE", help="a training file in an eval format (see --format)")
     src.add_argument("--format", default=None, help="format of --data: hotpotqa (default), cacheblend, nq, ...")

@@ -316,7 +316,7 @@ class Engine:
                 state = yield from prefill_prefix(self.model, store, self.fingerprint, ns, segs.all_ids(),
                                                   fusion.prefix_chunk, capacity, stats, chunk)
         else:
-            layout_kind = "shared" if mode == "ape" else "sequential"
+            layout_kind = "shared" if mode == "ape" else "local" if fusion.positions == "local" else "sequential"
             prefix_blocks = [segs.prefix] if segs.prefix else []
             layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], layout_kind)
             self._check_length(layout.query_start + len(segs.query))

@@ -30,7 +30,9 @@ class Layout:
 
 def make_layout(prefix_len: int, block_lens: list[int], kind: str = "sequential") -> Layout:
     """`sequential`: each block after the previous (Block-Attention, CacheBlend);
-    `shared`: every block starts right after the prefix, query after the longest (APE)."""
+    `shared`: every block starts right after the prefix, query after the longest (APE);
+    `local`: no position re-encoding, every block (the prefix too) keeps the positions 0..n-1 it was encoded at,
+    the query after all of them (Block-Attention's "w/o-pos" ablation, Ma et al., ICLR 2025)."""
     parts = [torch.arange(prefix_len)]
     if kind == "sequential":
         start = prefix_len
@@ -42,6 +44,9 @@ def make_layout(prefix_len: int, block_lens: list[int], kind: str = "sequential"
         for n in block_lens:
             parts.append(torch.arange(prefix_len, prefix_len + n))
         query_start = prefix_len + max(block_lens, default=0)
+    elif kind == "local":
+        parts += [torch.arange(n) for n in block_lens]
+        query_start = prefix_len + sum(block_lens)
     else:
         raise ValueError(f"unknown layout {kind!r}")
     return Layout(prefix_len, tuple(block_lens), query_start, torch.cat(parts).long())

@@ -25,6 +25,8 @@ class FusionOptions:
     ape_temperature: float | None = None  # ape: None -> calibrated value or 0.9
     ape_scale: float | None = None
     prefix_chunk: int = 32                # prefix: tokens per hash-chained chunk
+    positions: str = "reencoded"          # reuse: "reencoded" (each block re-rotated to its place in the prompt)
+    #                                       or "local" (no re-encoding: each block keeps positions 0..n-1, an ablation)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -43,6 +45,10 @@ class FusionOptions:
             val = getattr(self, name)
             if val is not None and val <= 0:
                 raise InvalidRequestError(f"{name} must be > 0, got {val}")
+        if self.positions not in ("reencoded", "local"):
+            raise InvalidRequestError(f"positions must be 'reencoded' or 'local', got {self.positions!r}")
+        if self.positions == "local" and self.mode != "reuse":
+            raise InvalidRequestError(f"positions='local' applies to mode 'reuse' only, not {self.mode!r}")
         if self.prefix_chunk < 1:
             raise InvalidRequestError("prefix_chunk must be >= 1")
 

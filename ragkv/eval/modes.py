@@ -29,6 +29,7 @@ def _layers(s: str) -> tuple[int, ...]:
 
 PARAMS = {
     "prefix": {"chunk": ("prefix_chunk", int)},
+    "reuse": {"pos": ("positions", str)},
     "ape": {"T": ("ape_temperature", float), "S": ("ape_scale", float)},
     "blend": {"r": ("ratio", float), "dev": ("deviation", str), "check": ("check_layers", _layers),
               "gradual": ("gradual", _bool), "sink": ("sink_tokens", int), "rows": ("check_rows", str),
@@ -37,11 +38,11 @@ PARAMS = {
 
 # the FusionOptions fields each mode depends on: what a record stores and what must match on resume
 MODE_FIELDS = {
-    "full": (), "reuse": (), "prefix": ("prefix_chunk",), "ape": ("ape_temperature", "ape_scale"),
+    "full": (), "reuse": ("positions",), "prefix": ("prefix_chunk",), "ape": ("ape_temperature", "ape_scale"),
     "blend": ("ratio", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows", "select_per_block"),
 }
 # fields added later: stored only when not at their default, so results files written before them still resume
-LATER_FIELDS = {"check_rows": "selected", "select_per_block": False}
+LATER_FIELDS = {"check_rows": "selected", "select_per_block": False, "positions": "reencoded"}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ragkv.errors import RagkvError
 
-METHODS = ("block", "vanilla")
+METHODS = ("block", "vanilla", "block-local")
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -16,7 +16,8 @@ class TrainConfigError(RagkvError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    method: str = "block"          # block: Block-Attention mask; vanilla: causal mask
+    method: str = "block"          # block: Block-Attention mask; vanilla: causal mask; block-local: the
+    #                                Block-Attention mask with each passage at positions 0..n-1 (no re-encoding)
     steps: int = 100               # optimizer steps
     lr: float = 5e-5
     warmup_steps: int | None = None  # None: 10% of steps

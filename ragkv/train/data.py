@@ -174,6 +174,7 @@ class Batch:
     ids: torch.Tensor            # [B, T]
     labels: torch.Tensor         # [B, T], IGNORE on prompt and padding
     mask: torch.Tensor | None    # [B, 1, T, T] bool (True = may attend) for block; None = causal (vanilla)
+    positions: torch.Tensor | None = None  # [B, T] for block-local; None = sequential 0..T-1
 
     @property
     def target_tokens(self) -> int:
@@ -189,9 +190,24 @@ def example_mask(ex: TrainExample, length: int | None = None) -> torch.Tensor:
     return block_attention_mask(seg, torch.tensor([ex.open_id]))
 
 
+def local_positions(ex: TrainExample, length: int | None = None) -> torch.Tensor:
+    """Positions without re-encoding (`reuse:pos=local`): each closed segment restarts at 0; the open segment
+    (query + answer) and the padding keep their index in the sequence, after all the blocks."""
+    n = length or len(ex)
+    pos = torch.arange(n)
+    start = 0
+    for t in range(1, len(ex) + 1):
+        if t == len(ex) or ex.segment_ids[t] != ex.segment_ids[start]:
+            if ex.segment_ids[start] != ex.open_id:
+                pos[start:t] -= start
+            start = t
+    return pos
+
+
 def collate(examples: list[TrainExample], method: str, pad_id: int = 0) -> Batch:
-    """Pad to the longest example. `block`: per-example Block-Attention mask; `vanilla`: causal (mask None)."""
-    if method not in ("block", "vanilla"):
+    """Pad to the longest example. `block`: per-example Block-Attention mask; `vanilla`: causal (mask None);
+    `block-local`: the Block-Attention mask and per-example positions without re-encoding."""
+    if method not in ("block", "vanilla", "block-local"):
         raise ValueError(f"unknown method {method!r}")
     T = max(len(e) for e in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
@@ -199,5 +215,6 @@ def collate(examples: list[TrainExample], method: str, pad_id: int = 0) -> Batch
     for i, e in enumerate(examples):
         ids[i, :len(e)] = torch.tensor(e.ids)
         labels[i, :len(e)] = torch.tensor(e.labels)
-    mask = torch.stack([example_mask(e, T) for e in examples]).unsqueeze(1) if method == "block" else None
-    return Batch(ids, labels, mask)
+    mask = torch.stack([example_mask(e, T) for e in examples]).unsqueeze(1) if method != "vanilla" else None
+    positions = torch.stack([local_positions(e, T) for e in examples]) if method == "block-local" else None
+    return Batch(ids, labels, mask, positions)

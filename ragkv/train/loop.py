@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def forward_logits(model, batch: Batch) -> torch.Tensor:
-    """Training forward: logits [B, T, V] of every position; positions are sequential 0..T-1 (as `reuse`)."""
-    return model(batch.ids, mask=batch.mask, all_logits=True)
+    """Training forward: logits [B, T, V] of every position; positions are sequential 0..T-1 (as `reuse`), or
+    the batch's own (block-local)."""
+    return model(batch.ids, positions=batch.positions, mask=batch.mask, all_logits=True)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ def answer_loss_sum(model, batch: Batch) -> torch.Tensor:
     """`token_loss_sum(forward_logits(model, batch), batch.labels)` with the LM head applied only where a label
     follows: the answer is a few tokens of a ~2K-token prompt, and the head over every position (49K-word vocab)
     was a fifth of a step's work."""
-    x = model(batch.ids, mask=batch.mask, hidden=True)
+    x = model(batch.ids, positions=batch.positions, mask=batch.mask, hidden=True)
     targets = batch.labels[:, 1:]
     where = targets != IGNORE
     return F.cross_entropy(model.logits(x[:, :-1][where]).float(), targets[where], reduction="sum")
