@@ -71,6 +71,39 @@ def test_prefill_units_interleave_with_decode_steps():
     assert a.future.result()[2] == "cancelled" and b.future.result()[1].done_tokens == 3
 
 
+def test_idle_only_background_work_waits_for_decoding_to_end_and_ingestion_does_not():
+    """Start-up profiling (idle_only, a unit is a long forward) never runs between two decode steps; ingestion
+    (a normal background job) still advances between them."""
+    steps = []
+    sched = Scheduler(step=lambda seqs: steps.append(len(seqs)) or time.sleep(0.001), max_batch=4)
+    gate = threading.Event()
+    ran_at = {"idle": [], "ingest": []}
+
+    def units(name, n):
+        def start():
+            for _ in range(n):
+                ran_at[name].append((len(sched.running), sched.steps))
+                yield
+            return name
+        return start
+
+    def start_gen():
+        gate.wait(5)
+        yield
+        return FakeSeq(200, "a"), "A"
+
+    gen = sched.submit_generation(start_gen)
+    time.sleep(0.1)  # the generation is being prefilled (waiting on the gate)
+    idle = sched.submit_background(units("idle", 3), timeout_s=30, idle_only=True)
+    ingest = sched.submit_background(units("ingest", 3), timeout_s=30)
+    gate.set()
+    run_jobs(sched, [gen, ingest, idle])
+    assert any(r for r, _ in ran_at["ingest"])  # ingestion ran beside the decoding answer
+    assert all(r == 0 for r, _ in ran_at["idle"])  # profiling only once nothing decoded
+    assert min(s for _, s in ran_at["idle"]) >= 199  # i.e. after the answer's decode steps
+    assert idle.future.result() == "idle" and ingest.future.result() == "ingest"
+
+
 def test_cancelled_and_expired_jobs_leave_the_batch():
     sched = Scheduler(step=lambda seqs: time.sleep(0.002), max_batch=8, timeout_s=0.5)
 

@@ -102,8 +102,9 @@ def run_serve(args) -> int:
     signal.signal(signal.SIGINT, stop)
     web.start()
     # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, only
-    # while no request waits (a background job, like ingestion), never inside a request; later starts read it
-    engine.profile_in_background(lambda start: server.scheduler.submit_background(start, timeout_s=3600))
+    # while the server is idle (a background job whose units never pause an answer); later starts read it
+    engine.profile_in_background(lambda start: server.scheduler.submit_background(start, timeout_s=3600,
+                                                                                        idle_only=True))
     if not keys:
         log.warning("no --api-key: the server is open, and every client shares tenant 'default' (documents and "
                     "KV); pass --api-key KEY[:TENANT] to require keys")

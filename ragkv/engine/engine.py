@@ -215,7 +215,7 @@ class Engine:
     def profile_in_background(self, submit_background) -> None:
         """Start-up profiling that never holds up a request: tier bandwidths on a thread (no model needed), then
         the recompute lengths as one background job handed to `submit_background` (a scheduler's), one length
-        per unit, each run only while no request waits for the model."""
+        per unit (`ragkv serve` runs it idle_only: never between two decode steps of an answer)."""
         import threading
 
         def measure(lengths):

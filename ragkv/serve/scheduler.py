@@ -9,7 +9,8 @@ timed-out generations leave the batch at once.
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
-can be cancelled between two units and obey their own deadline.
+can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
+unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Job:
         self.timeout_s = timeout_s
         self.seqs: list = []
         self.info = self.steps = None
+        self.idle_only = False  # a background job that runs only while no generation decodes
 
     @property
     def seq(self):
@@ -120,11 +122,13 @@ class Scheduler:
         """A one-off job run on the worker between decode steps; its future holds fn's result."""
         return self._put(Job(self.timeout_s, fn=fn))
 
-    def submit_background(self, start: Callable, timeout_s: float) -> Job:
-        """`start()` gives a generator doing the work in short units and returning the result."""
+    def submit_background(self, start: Callable, timeout_s: float, idle_only: bool = False) -> Job:
+        """`start()` gives a generator doing the work in short units and returning the result. `idle_only`: its
+        units run only while no generation is decoding (for work whose unit is long and that nobody waits for)."""
         if len([j for j in self.background if not j.future.done()]) >= self.max_background:
             raise QueueFull(f"{self.max_background} background jobs are already queued; retry later")
         job = Job(timeout_s, start=start)
+        job.idle_only = idle_only
         self.background.append(job)
         return job
 
@@ -206,10 +210,10 @@ class Scheduler:
             self.stall_ms_total += ms
 
     def _background_unit(self) -> None:
-        """One unit of the oldest background job (nothing else is waiting for the model)."""
-        if not self.background:
+        """One unit of the oldest background job that may run now (nothing else is waiting for the model)."""
+        job = next((j for j in self.background if not (j.idle_only and self.running)), None)
+        if job is None:
             return
-        job = self.background[0]
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.should_stop():
@@ -229,7 +233,7 @@ class Scheduler:
         finally:
             if stalled:
                 self.stall_ms_max = max(self.stall_ms_max, (time.perf_counter() - t0) * 1000)
-        self.background.popleft()
+        self.background.remove(job)
 
     def stop(self) -> None:
         self.stopping.set()
