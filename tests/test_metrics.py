@@ -50,6 +50,12 @@ def test_each_server_counts_in_a_registry_of_its_own():
     assert value(sa, "ragkv_ttft_seconds_bucket", mode="reuse", le="0.025") == 0
     assert value(sa, "ragkv_request_latency_seconds_sum", mode="reuse") == pytest.approx(0.12)
     assert value(sa, "ragkv_time_per_output_token_seconds_sum") == pytest.approx(0.02)
+    assert value(sa, "ragkv_completion_tokens_total") == 4
+    # n = 3 choices of one prompt: one prefill (hits, prompt tokens) but every choice's tokens
+    b.observe_stats(RequestStats(mode="reuse", cache_hits=2, prompt_tokens=50, completion_tokens=4), 11)
+    sb = rendered(b)
+    assert value(sb, "ragkv_completion_tokens_total") == 11 and value(sb, "ragkv_prompt_tokens_total") == 50
+    assert value(sb, "ragkv_block_cache_hits_total") == 2
     for found in (sa, sb):  # process and platform collectors in each registry
         assert value(found, "process_resident_memory_bytes") > 0
         assert value(found, "process_cpu_seconds_total") > 0

@@ -104,6 +104,26 @@ def test_idle_only_background_work_waits_for_decoding_to_end_and_ingestion_does_
     assert idle.future.result() == "idle" and ingest.future.result() == "ingest"
 
 
+def test_on_finish_gets_the_first_choice_stats_and_every_choice_tokens():
+    """n > 1: one prefill's figures once, the tokens of every choice (what /metrics counts)."""
+    seen = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=4,
+                      on_finish=lambda stats, tokens: seen.append((stats, tokens)))
+
+    def start():
+        yield
+        seqs = [FakeSeq(n, name) for n, name in ((2, "a"), (5, "b"))]
+        for s in seqs:
+            s.stats = type("Stats", (), {"completion_tokens": s.n})()
+        return seqs, "info"
+
+    job = sched.submit_generation(start)
+    time.sleep(0.2)
+    job.cancel()
+    run_jobs(sched, [job])
+    assert len(seen) == 1 and seen[0][1] == 7 and seen[0][0] is job.seqs[0].stats
+
+
 def test_cancelled_and_expired_jobs_leave_the_batch():
     sched = Scheduler(step=lambda seqs: time.sleep(0.002), max_batch=8, timeout_s=0.5)
 

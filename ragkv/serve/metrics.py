@@ -50,8 +50,9 @@ class Metrics:
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def observe_stats(self, stats) -> None:
-        """One finished generation (the scheduler's worker thread calls this; prometheus-client locks)."""
+    def observe_stats(self, stats, completion_tokens: int | None = None) -> None:
+        """One finished generation (the scheduler's worker thread calls this; prometheus-client locks): `stats`
+        of its first choice, `completion_tokens` of all its choices when it has several (n > 1)."""
         self.ttft.labels(stats.mode).observe(stats.ttft_ms / 1000)
         self.latency.labels(stats.mode).observe((stats.ttft_ms + stats.decode_ms) / 1000)
         if stats.completion_tokens:
@@ -61,7 +62,7 @@ class Metrics:
         self.prompt.inc(stats.prompt_tokens)
         self.reused.inc(stats.reused_tokens)
         self.recomputed.inc(stats.recomputed_tokens)
-        self.completion.inc(stats.completion_tokens)
+        self.completion.inc(stats.completion_tokens if completion_tokens is None else completion_tokens)
         self.uncached.inc(stats.extra.get("uncached_blocks", 0))
         if "store_fault" in stats.extra:
             self.store_faults.inc()

@@ -288,8 +288,8 @@ class Scheduler:
     def _finish(self, job: Job, reason: str) -> None:
         if job in self.running:
             self.running.remove(job)
-        if self.on_finish is not None:
-            self.on_finish(job.seq.stats)
+        if self.on_finish is not None:  # one prefill's figures; the tokens of every choice (n > 1)
+            self.on_finish(job.seq.stats, sum(s.stats.completion_tokens for s in job.seqs))
         if not job.future.done():
             job.future.set_result((job.info, job.seq, reason))
 
