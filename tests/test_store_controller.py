@@ -171,3 +171,14 @@ def test_costs_parse_and_are_checked():
     for bad in ("memory:1GiB?cost=-1", "disk:/tmp/x?cost=cheap", "memory?speed=3"):
         with pytest.raises(StoreSpecError):
             parse_spec(bad)
+
+
+def test_profile_id_names_the_codec_not_the_capacity(tmp_path):
+    """A compressed tier loads at another speed (decompression is part of a load): its own profile entry."""
+    from ragkv.store.controller import profile_id
+
+    assert profile_id(MemoryStore(1 << 20)) == profile_id(MemoryStore(1 << 30)) == "memory"
+    assert profile_id(MemoryStore(1 << 20, kv="int8")) == "memory?kv=int8"
+    disk = DiskStore(tmp_path / "kv", 1 << 30)
+    assert profile_id(disk) == f"disk:{disk.root}"
+    assert profile_id(DiskStore(tmp_path / "kv", 1 << 20, kv="int4")) == f"disk:{disk.root}?kv=int4"

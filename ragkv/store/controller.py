@@ -171,11 +171,14 @@ def plan_blocks(blocks: list[tuple[int, float | dict[str, float], dict[str, Spee
 # --- bandwidth profiling ----------------------------------------------------------------------------------
 
 def profile_id(tier: KVStore) -> str:
-    """What the bandwidth depends on: the medium and where it is, not its capacity."""
+    """What the bandwidth depends on: the medium, where it is and its codec (decompression is part of a load),
+    not its capacity."""
+    codec = getattr(tier, "kv_codec", None)
+    suffix = f"?kv={codec.name}" if codec else ""
     if tier.name == "memory":
-        return "memory"
+        return "memory" + suffix
     if tier.name == "disk":
-        return f"disk:{tier.root}"
+        return f"disk:{tier.root}" + suffix
     return tier.describe()
 
 
