@@ -370,3 +370,28 @@ def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeyp
     with torch.no_grad():
         assert maxdiff(back.model(ids, all_logits=True), model(ids, all_logits=True)) == 0
     assert back.fingerprint != tiny_loaded["qwen2"].fingerprint
+
+
+def test_finetune_report_rows_intervals_and_paired_targets(tmp_path):
+    """Table 1 from results files: each row's accuracy with its interval, the w/o-pos rows, and the targets as
+    paired differences over the examples both rows answered."""
+    from ragkv.bench.finetune_report import table
+    from ragkv.eval.results import ResultsFile
+
+    def results(name, accuracy_by_mode):
+        f = ResultsFile(tmp_path / f"{name}.jsonl", {"model": name})
+        for mode, accs in accuracy_by_mode.items():
+            for i, acc in enumerate(accs):
+                f.append({"example_id": f"q{i}", "mode_key": mode, "completion_tokens": 3,
+                          "scores": {"accuracy": acc, "f1": acc}, "fidelity": {"first_token_kl": 0.1 * acc}})
+        return f.path
+
+    rows = {"vanilla-ft": results("v", {"full": [1, 1, 0, 1], "reuse": [0, 1, 0, 0]}),
+            "block-ft": results("b", {"reuse": [1, 1, 0, 0], "reuse:pos=local": [0, 0, 0, 0], "full": [1] * 4})}
+    out = table(rows, limit=None)
+    assert "| vanilla-ft / full | 75.0% [" in out and "| block-ft / reuse:pos=local | 0.0% [0.0, 0.0] |" in out
+    assert "| block-ft / reuse - vanilla-ft / full | -25.0 [" in out  # paired over q0..q3
+    assert "| block-ft / reuse - block-ft / reuse:pos=local | +50.0 [" in out
+    assert "block-local-ft" not in out and "base" not in out  # rows without a file are left out
+    two = table(rows, limit=2)
+    assert "| block-ft / reuse | 100.0% [100.0, 100.0] | 100.0 | 0.100 | 3.0 | 2 |" in two

@@ -10,8 +10,14 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-ROWS = [("base", "full"), ("base", "reuse"), ("vanilla-ft", "full"), ("vanilla-ft", "reuse"),
-        ("block-ft", "reuse"), ("block-ft", "full")]
+LOCAL = "reuse:pos=local"  # no position re-encoding: the paper's w/o-pos rows
+ROWS = [("base", "full"), ("base", "reuse"), ("base", LOCAL), ("vanilla-ft", "full"), ("vanilla-ft", "reuse"),
+        ("block-ft", "reuse"), ("block-ft", "full"), ("block-ft", LOCAL), ("block-local-ft", LOCAL)]
+# the paper's claims as paired differences on the same examples: (row, minus row, what the target asks)
+TARGETS = [(("block-ft", "reuse"), ("vanilla-ft", "full"), "within 1 point: the interval's upper end >= -1"),
+           (("block-ft", "reuse"), ("block-ft", LOCAL), "above: > 0 (re-encoding positions helps)"),
+           (("block-ft", "reuse"), ("block-local-ft", LOCAL), "above: > 0 (trained without re-encoding)"),
+           (("block-ft", "reuse"), ("base", "reuse"), "above: > 0 (block fine-tuning helps reuse)")]
 
 
 def load_scores(path: Path, limit: int | None = None) -> dict[str, dict[str, dict]]:
@@ -35,24 +41,46 @@ def mean(xs) -> float | None:
 
 
 def row_stats(recs: dict[str, dict]) -> dict:
+    from ragkv.eval.summary import bootstrap_ci
+
     return {"n": len(recs), "accuracy": mean(r["scores"]["accuracy"] for r in recs.values()),
+            "accuracy_ci": bootstrap_ci([r["scores"]["accuracy"] for r in recs.values()]),
             "f1": mean(r["scores"]["f1"] for r in recs.values()),
             "kl": mean(r["fidelity"]["first_token_kl"] for r in recs.values()),
             "tokens": mean(r["completion_tokens"] for r in recs.values())}
 
 
+def _pct(ci) -> str:
+    return f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+
+
 def table(rows: dict[str, Path], limit: int | None) -> str:
-    lines = ["| model / mode | accuracy | F1 | first-token KL to the same model's `full` | answer tokens | n |",
+    """Table 1's rows present in `rows` (accuracy with its 95% bootstrap interval), then the targets as paired
+    differences over the examples both rows answered."""
+    from ragkv.eval.summary import bootstrap_ci
+
+    scores = {model: load_scores(path, limit) for model, path in rows.items()}
+    lines = ["| model / mode | accuracy [95% CI] | F1 | first-token KL to the same model's `full` | answer tokens | n |",
              "|---|---|---|---|---|---|"]
     for model, mode in ROWS:
-        if model not in rows:
-            continue
-        recs = load_scores(rows[model], limit).get(mode)
+        recs = scores.get(model, {}).get(mode)
         if not recs:
             continue
         s = row_stats(recs)
-        lines.append(f"| {model} / {mode} | {100 * s['accuracy']:.1f}% | {100 * s['f1']:.1f} | {s['kl']:.3f} | "
-                     f"{s['tokens']:.1f} | {s['n']} |")
+        lo, hi = s["accuracy_ci"]
+        lines.append(f"| {model} / {mode} | {100 * s['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | "
+                     f"{100 * s['f1']:.1f} | {s['kl']:.3f} | {s['tokens']:.1f} | {s['n']} |")
+    checks = []
+    for (am, amode), (bm, bmode), want in TARGETS:
+        a, b = scores.get(am, {}).get(amode), scores.get(bm, {}).get(bmode)
+        both = sorted(set(a or ()) & set(b or ()))
+        if not both:
+            continue
+        diff = [a[i]["scores"]["accuracy"] - b[i]["scores"]["accuracy"] for i in both]
+        checks.append(f"| {am} / {amode} - {bm} / {bmode} | {100 * mean(diff):+.1f} {_pct(bootstrap_ci(diff))} | "
+                      f"{want} | {len(both)} |")
+    if checks:
+        lines += ["", "| paired difference (points) | mean [95% CI] | target | n |", "|---|---|---|---|", *checks]
     return "\n".join(lines)
 
 
@@ -62,7 +90,7 @@ def curve(points: dict[str, dict[int, Path]], limit: int | None) -> dict[str, di
     for model, by_step in points.items():
         for step, path in sorted(by_step.items()):
             for mode, recs in load_scores(path, limit).items():
-                if mode in ("full", "reuse") and recs:
+                if mode in ("full", "reuse", LOCAL) and recs:
                     out.setdefault(f"{model} / {mode}", {})[step] = 100 * row_stats(recs)["accuracy"]
     return out
 

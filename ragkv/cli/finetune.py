@@ -70,7 +70,7 @@ def register(sub) -> None:
 
     r = sub.add_parser("finetune-report", help="Block-Attention table 1 and the accuracy-vs-steps curve from "
                                                "`ragkv eval` results of base and fine-tuned models")
-    r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft)")
+    r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft, block-local-ft)")
     r.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
     r.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
     r.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
