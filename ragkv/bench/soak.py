@@ -250,7 +250,21 @@ def _ms(x):
 
 
 # -- processes ------------------------------------------------------------------------------------------------
-class RedisProcess:
+class _Restartable:
+    """A process the soak restarts (`start`, `stop`), as a context manager: started on entry; once exited, no late
+    restart may start it again (`closed`, under `lock`)."""
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.closed = True
+        self.stop()
+
+
+class RedisProcess(_Restartable):
     """redis-server on one free 127.0.0.1 port that can be killed and started again on it (no persistence: it
     comes back empty); a context manager that stops it, like `private_redis`."""
 
@@ -325,17 +339,8 @@ class RedisProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "RedisProcess":
-        self.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        with self.lock:
-            self.closed = True
-        self.stop()
-
-
-class ServerSupervisor:
+class ServerSupervisor(_Restartable):
     """The `ragkv serve` under test, restartable on its cache folder (a new port each start); a context manager
     that stops whichever one runs."""
 
@@ -378,14 +383,6 @@ class ServerSupervisor:
             return ""
         return Path(self.logs[-1]).read_text(errors="replace")[-chars:]
 
-    def __enter__(self) -> "ServerSupervisor":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self.lock:
-            self.closed = True
-        self.stop()
 
 
 # -- faults ---------------------------------------------------------------------------------------------------
