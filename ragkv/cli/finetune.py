@@ -25,11 +25,11 @@ def register(sub) -> None:
         description="Supervised fine-tuning on RAG examples built exactly like inference prompts (prefix, one "
                     "block per passage, question), loss on the gold answer + EOS. --method block trains under the "
                     "Block-Attention mask (each passage sees only itself; question and answer see everything), "
-                    "so the result answers well in --mode reuse; --method vanilla trains under the causal mask. "
+                    "so the result answers well in --mode reuse; --method vanilla trains under the causal mask; "
+                    "--method block-local under the block mask with each passage at positions 0..n-1 (no position "
+                    "re-encoding: Block-Attention's w/o-pos ablation, evaluated with --modes reuse:pos=local). "
                     "The output folder is an ordinary Hugging Face model folder for --model.")
-    p.add_argument("--method", choices=METHODS, default="block",
-                   help="block-local: Block-Attention without position re-encoding (each passage at positions "
-                        "0..n-1, evaluate with --modes reuse:pos=local), the paper's w/o-pos ablation")
+    p.add_argument("--method", choices=METHODS, default="block")
     src = p.add_argument_group("data (default: --dataset hotpotqa-train)")
     src.add_argument("--data", default=None, metavar="FILE", help="a training file in an eval format (see --format)")
     src.add_argument("--format", default=None, help="format of --data: hotpotqa (default), cacheblend, nq, ...")
