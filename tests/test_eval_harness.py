@@ -270,6 +270,33 @@ def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monke
     assert "reuse" in capsys.readouterr().out
 
 
+def test_cli_shards_merge_into_the_unsharded_run(default_engine, tmp_path, capsys, monkeypatch):
+    from ragkv.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
+    data = _hotpot_file(tmp_path / "h.json", n=3)
+    argv = ["eval", "--data-file", str(data), "--format", "hotpotqa", "--modes", "full,reuse", "--max-new-tokens",
+            "2", "--device", "cpu", "--no-progress"]
+    whole, shards = tmp_path / "whole.jsonl", [tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"]
+    assert main(argv + ["--output", str(whole)]) == 0
+    for k, path in enumerate(shards, start=1):
+        assert main(argv + ["--shard", f"{k}/2", "--output", str(path)]) == 0
+    assert [len({r["example_id"] for r in read_results(p)[1]}) for p in shards] == [2, 1]  # examples 1, 3 | 2
+    capsys.readouterr()
+    assert main(["report", *map(str, shards), "--tables"]) == 0
+    merged = capsys.readouterr().out
+    assert main(["report", str(whole), "--tables"]) == 0
+    alone = capsys.readouterr().out
+    assert merged.count("### ") == 1 and "3 examples" in merged
+    def quality(out):  # mode .. greedy agreement: everything but the timings
+        return [line.split(" | ")[:9] for line in out.splitlines() if line.startswith(("| full", "| reuse"))]
+
+    assert len(quality(merged)) == 2 and quality(merged) == quality(alone)
+    with pytest.raises(SystemExit):  # argparse: usage and the reason, exit status 2
+        main(argv + ["--shard", "3/2"])
+    assert "1 <= K <= N" in capsys.readouterr().err
+
+
 def test_cli_gold_position_names_the_run():
     import argparse
 

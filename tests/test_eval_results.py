@@ -88,3 +88,21 @@ def test_append_validates_record(tmp_path):
     with pytest.raises(TypeError):
         rf.append({"example_id": "0", "mode_key": "full", "bad": object()})
     assert read_results(tmp_path / "r.jsonl")[1] == []  # nothing half-written
+
+
+def test_shards_of_one_run_merge_and_other_runs_stay_apart(tmp_path):
+    from ragkv.eval.results import read_runs
+
+    paths = []
+    for k, threads in ((1, 1), (2, 2)):  # shards may run with different thread counts
+        rf = ResultsFile(tmp_path / f"s{k}.jsonl", {**CONFIG, "shard": f"{k}/2", "threads": threads})
+        for i in range(k - 1, 6, 2):
+            rf.append(_rec(i))
+        paths.append(rf.path)
+    ResultsFile(paths[0], {**CONFIG, "shard": "1/2", "threads": 1}).append(_rec(0))  # a duplicate counts once
+    other = ResultsFile(tmp_path / "other.jsonl", {**CONFIG, "max_new_tokens": 8})
+    other.append(_rec(0))
+    runs = read_runs([*paths, other.path])
+    assert [files for files, _, _ in runs] == [paths, [other.path]]
+    assert sorted(int(r["example_id"]) for r in runs[0][2]) == list(range(6))
+    assert runs[0][1]["shard"] == "1/2" and len(runs[1][2]) == 1

@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ragkv.eval.results import read_results
+from ragkv.eval.results import read_runs
 from ragkv.bench.common import markdown_table
 from ragkv.eval.summary import summarize, table_rows
 
@@ -41,15 +41,15 @@ def _command(config: dict, summary: dict, n: int) -> str:
 
 
 def load_eval(paths: list[Path]) -> list[dict]:
+    """One entry per run; the shards of a run (`ragkv eval --shard`) merge into one."""
     out = []
-    for path in paths:
-        config, records = read_results(path)
+    for files, config, records in read_runs(paths):
         if not records:
             continue
         summary = summarize(records)
         n = len({r["example_id"] for r in records})
-        out.append({"path": str(path), "label": _label(config), "config": config, "n_examples": n,
-                    "summary": summary})
+        out.append({"path": ", ".join(map(str, files)), "label": _label(config), "config": config,
+                    "n_examples": n, "summary": summary})
     labels = [e["label"] for e in out]
     for e in out:  # same data set from several models / dtypes: tell them apart
         if labels.count(e["label"]) > 1:
@@ -84,13 +84,13 @@ def lost_in_the_middle(paths: list[Path], png: Path | None = None, metric: str =
     from ragkv.eval.summary import summarize
 
     runs: dict[str, dict[int, tuple[dict, list[dict]]]] = {}
-    for path in paths:
-        config, records = read_results(path)
+    for files, config, records in read_runs(paths):  # the shards of one run merge
+        path = ", ".join(map(str, files))
         if config.get("gold_position") is None:
             raise ValueError(f"{path}: not a run with a fixed --gold-position")
         model = f"{config['model']} ({config['dtype']})"
         if config["gold_position"] in runs.setdefault(model, {}):
-            raise ValueError(f"{path}: a second results file for {model} at gold position {config['gold_position']}")
+            raise ValueError(f"{path}: a second run for {model} at gold position {config['gold_position']}")
         runs[model][config["gold_position"]] = (config, records)
     out: dict = {"metric": metric, "models": {}}
     rows = []

@@ -53,6 +53,17 @@ def _run_args(p, output_help: str) -> None:
     p.add_argument("--output", default=None, help=output_help)
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """`K/N` -> (K, N): the K-th of N interleaved parts of the examples, 1 <= K <= N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants K/N like 1/2, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"wants K/N with 1 <= K <= N, got {text!r}")
+    return k, n
+
+
 def register(sub) -> None:
     e = sub.add_parser("eval", help="quality of each fusion mode on a benchmark: task metric, fidelity to full, TTFT",
                        description="Greedy evaluation of fusion modes on a data set. Mode keys: full, prefix, reuse, "
@@ -64,6 +75,10 @@ def register(sub) -> None:
     _model_args(e)
     _fusion_args(e)
     _run_args(e, "results JSONL (default runs/eval-<dataset>-<model>.jsonl)")
+    e.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                   help="evaluate every N-th example starting at the K-th (of those --limit keeps), into its own "
+                   "file (default name: runs/eval-<dataset>-shardKofN-<model>.jsonl), to run N processes side by "
+                   "side; `ragkv report` merges the shards of one run")
     e.set_defaults(func=run_eval_cmd)
 
     s = sub.add_parser("sweep", help="blend ratio, APE T x S grid or passage-count sweep: JSON + PNG")
@@ -182,6 +197,11 @@ def run_eval_cmd(args) -> int:
         parse_mode_key(k, base)
     label, desc, kw = _dataset(args, None)
     examples = _load(kw, args.limit)
+    if args.shard:
+        k, n = args.shard
+        examples = examples[k - 1::n]  # interleaved, so each shard gets the same mix of long and short examples
+        desc["shard"] = f"{k}/{n}"  # only when set: unsharded files resume as before
+        label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
     engine = _engine(args)
     from ragkv.engine.calibration import load_ape_params

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from ragkv.errors import RagkvError
 
 FORMAT_VERSION = 1
+# config keys in which the shards of one run (`ragkv eval --shard K/N`) may differ: they merge into one run
+SHARD_KEYS = ("shard", "threads")
 
 
 class ResultsFileError(RagkvError):
@@ -45,6 +47,29 @@ def read_results(path: str | Path) -> tuple[dict, list[dict]]:
     if config is None:
         raise ResultsFileError(f"{path} is not a ragkv results file (no header line)")
     return config, records
+
+
+def run_identity(config: Mapping[str, Any]) -> str:
+    """The part of a results config that says which run it belongs to (its shard and thread count left out)."""
+    return json.dumps({k: v for k, v in config.items() if k not in SHARD_KEYS}, sort_keys=True)
+
+
+def read_runs(paths: list[str | Path]) -> list[tuple[list[Path], dict, list[dict]]]:
+    """Results files grouped by run: (paths, the first file's config, records), in the order first seen.
+
+    Files whose configs differ only in `SHARD_KEYS` are shards of one run and merge; an (example, mode) pair
+    that two of them hold counts once (the first file's record).
+    """
+    runs: dict[str, tuple[list[Path], dict, list[dict], set]] = {}
+    for path in map(Path, paths):
+        config, records = read_results(path)
+        files, _, merged, seen = runs.setdefault(run_identity(config), ([], config, [], set()))
+        files.append(path)
+        for r in records:
+            if (r["example_id"], r["mode_key"]) not in seen:
+                seen.add((r["example_id"], r["mode_key"]))
+                merged.append(r)
+    return [(files, config, records) for files, config, records, _ in runs.values()]
 
 
 def _scan(path: Path) -> tuple[dict | None, list[dict], int]:
