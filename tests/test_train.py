@@ -19,8 +19,8 @@ from ragkv.eval.datasets import Example
 from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
                                     prepare_output)
 from ragkv.train.config import TrainConfig, TrainConfigError
-from ragkv.train.data import (IGNORE, TrainingDataError, build_examples, collate, example_from_segments,
-                              load_training_examples, local_positions)
+from ragkv.train.data import (IGNORE, Batch, TrainingDataError, build_examples, collate, example_from_segments,
+                              example_mask, load_training_examples, local_positions)
 from ragkv.train.loop import Trainer, answer_loss_sum, data_order, forward_logits, lr_factor, token_loss_sum
 
 from tiny import make_segs, rand_ids
@@ -112,6 +112,38 @@ def test_vanilla_training_forward_equals_full_inference(tiny_loaded):
     assert maxdiff(state.logits, logits[segs.num_tokens - 1]) <= TOL
 
 
+@pytest.mark.parametrize("method", ["block", "block-local"])
+def test_block_by_block_attention_equals_the_dense_mask(method, tiny_loaded):
+    """Fine-tuning attends span by span (`SegmentedMask`); the dense Block-Attention mask is the reference:
+    the same loss and the same gradients, padding included."""
+    model = fresh_model(tiny_loaded).requires_grad_(True)
+    batch = collate(toy_examples(3), method)
+    dense = Batch(batch.ids, batch.labels, batch.mask.dense(), batch.positions)
+    grads = []
+    for b in (batch, dense):
+        model.zero_grad()
+        loss = token_loss_sum(forward_logits(model, b), b.labels)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (fast, g_fast), (ref, g_ref) = grads
+    assert abs(fast - ref) <= 1e-4 * abs(ref) and len(g_fast) == len(g_ref)
+    assert max(maxdiff(a, b) for a, b in zip(g_fast, g_ref)) <= 1e-5
+
+
+def test_the_training_step_keeps_block_local_positions(tiny_loaded):
+    """The step's loss is the block-local forward's (positions restart per block), not the re-encoded one."""
+    examples = toy_examples(2)
+    cfg = TrainConfig(method="block-local", steps=1, lr=1e-9, warmup_steps=0, batch_size=2, grad_accum=1)
+    model = fresh_model(tiny_loaded)
+    batch = collate(examples, "block-local")
+    with torch.no_grad():
+        local = answer_loss_sum(model, batch).item() / batch.target_tokens
+        moved = answer_loss_sum(model, Batch(batch.ids, batch.labels, batch.mask)).item() / batch.target_tokens
+    trainer = Trainer(model, examples, cfg)
+    assert abs(local - moved) > 1e-3  # the positions matter here
+    assert trainer.train_step() == pytest.approx(local, abs=1e-5)
+
+
 # --- examples, collation, masks ---
 
 def test_example_layout_segments_and_labels():
@@ -127,7 +159,7 @@ def test_example_layout_segments_and_labels():
 def test_block_mask_structure():
     segs = make_segs(prefix=3, blocks=(2, 4), query=2)
     ex = example_from_segments(segs, [7, 2])
-    m = collate([ex], "block").mask[0, 0]
+    m = collate([ex], "block").mask.dense()[0, 0]
     assert m.shape == (13, 13)
     causal = torch.ones(13, 13, dtype=torch.bool).tril()
     assert torch.equal(m[:3, :3], causal[:3, :3]) and not m[:3, 3:].any()  # the prefix is a block too
@@ -148,9 +180,11 @@ def test_collate_pads_right_and_keeps_each_row_exact(tiny_loaded):
         assert batch.ids[0, len(short):].eq(0).all() and batch.labels[0, len(short):].eq(IGNORE).all()
         assert batch.target_tokens == sum(lab != IGNORE for e in (short, long_) for lab in e.labels)
         if method != "vanilla":
-            assert batch.mask.shape == (2, 1, T, T)
-            assert not batch.mask[0, 0, :len(short), len(short):].any()  # no real token sees padding
-            assert batch.mask[0, 0].diagonal().all()                      # no fully masked row (NaN-free)
+            dense = batch.mask.dense()
+            assert dense.shape == (2, 1, T, T)
+            assert torch.equal(dense[:, 0], torch.stack([example_mask(e, T) for e in (short, long_)]))
+            assert not dense[0, 0, :len(short), len(short):].any()  # no real token sees padding
+            assert dense[0, 0].diagonal().all()                      # no fully masked row (NaN-free)
         with torch.no_grad():
             padded = forward_logits(model, batch)
             alone = forward_logits(model, collate([short], method))

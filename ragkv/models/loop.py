@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.attention import SegmentedMask, prefill_mask, sdpa
 from ragkv.ops.rope import apply_rope
 
 
@@ -54,17 +54,22 @@ class CausalPlan:
     position p sees keys at positions > p - window only (cache index == position here).
     """
 
-    def __init__(self, positions: torch.Tensor, cache=None, mask: torch.Tensor | None = None,
+    def __init__(self, positions: torch.Tensor, cache=None, mask: torch.Tensor | SegmentedMask | None = None,
                  window: int | None = None):
-        self.positions, self.cache = positions, cache
+        self.positions, self.cache, self.segments = positions, cache, None
         T = positions.shape[-1]
         past = cache.length if cache is not None else 0
+        if isinstance(mask, SegmentedMask):  # fine-tuning's Block-Attention mask, attended block by block
+            if past == 0 and (window is None or window >= T):
+                self.segments, mask = mask, None
+            else:
+                mask = mask.dense(positions.device)
         if T > 1:
             causal = prefill_mask(T, past + T, window, positions.device)
             mask = causal if mask is None else (mask if causal is None else mask & causal)
         elif window is not None and window < past + T:  # one row: only the window limits it
             mask = prefill_mask(T, past + T, window, positions.device) if mask is None else mask
-        self.mask, self.causal = mask, mask is None and T > 1
+        self.mask, self.causal = mask, mask is None and T > 1 and self.segments is None
 
     def begin(self, layer, block, x):
         return x
@@ -73,4 +78,6 @@ class CausalPlan:
         return self.cache.append(layer, k, v) if self.cache is not None else (k, v)
 
     def attend(self, layer, q, kv):
+        if self.segments is not None:
+            return self.segments.attend(q, *kv)
         return sdpa(q, *kv, mask=self.mask, causal=self.causal)

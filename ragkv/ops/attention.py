@@ -7,6 +7,8 @@ Boolean masks are True where attention is allowed, shaped [T, S] (broadcast over
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,57 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     scores = scores * (1.0 / math.sqrt(D))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(B, Hq, T, D)
+
+
+@dataclass(frozen=True)
+class SegmentedMask:
+    """Block-Attention masks of a batch kept as their segments: per example, spans (start, end, open) covering
+    0..T. A closed span attends causally within itself, an open one causally to everything before it.
+
+    Equals `block_attention_mask` (`dense`; tested), but attending span by span lets SDPA take its causal kernel
+    and skips the masked-out blocks instead of computing [T, T] scores and discarding most of them.
+    """
+    spans: tuple[tuple[tuple[int, int, bool], ...], ...]
+
+    @classmethod
+    def from_segment_ids(cls, rows: Sequence[Sequence[int]], open_ids: Sequence[int]) -> "SegmentedMask":
+        """rows: per example, the non-decreasing segment id of each token (all rows of one length)."""
+        out = []
+        for seg, open_id in zip(rows, open_ids):
+            spans, start = [], 0
+            for t in range(1, len(seg) + 1):
+                if t == len(seg) or seg[t] != seg[start]:
+                    spans.append((start, t, seg[start] == open_id))
+                    start = t
+            out.append(tuple(spans))
+        return cls(tuple(out))
+
+    @property
+    def length(self) -> int:
+        return self.spans[0][-1][1] if self.spans and self.spans[0] else 0
+
+    def to(self, device) -> "SegmentedMask":
+        return self  # plain integers: nothing lives on a device
+
+    def dense(self, device=None) -> torch.Tensor:
+        """The same masks as booleans [B, 1, T, T] (True = may attend)."""
+        T = self.length
+        out = torch.zeros(len(self.spans), 1, T, T, dtype=torch.bool, device=device)
+        for b, spans in enumerate(self.spans):
+            for s, e, is_open in spans:
+                out[b, 0, s:e, :e] = causal_mask(e - s, e, device)
+                if not is_open:
+                    out[b, 0, s:e, :s] = False
+        return out
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, Hq, T, D] of rotated q over k, v under these masks."""
+        rows = []
+        for b, spans in enumerate(self.spans):
+            qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+            parts = [sdpa(qb[:, :, s:e], kb[:, :, :e], vb[:, :, :e], mask=causal_mask(e - s, e, q.device))
+                     if is_open and s > 0 else
+                     sdpa(qb[:, :, s:e], kb[:, :, s:e], vb[:, :, s:e], causal=True)
+                     for s, e, is_open in spans]
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)

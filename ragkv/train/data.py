@@ -16,7 +16,7 @@ import torch
 
 from ragkv.engine.request import PromptFormat, Segments, build_segments, tokenize
 from ragkv.errors import RagkvError
-from ragkv.ops.attention import block_attention_mask
+from ragkv.ops.attention import SegmentedMask, block_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +173,16 @@ def load_training_examples(dataset: str | None, data_file: str | None, fmt: str 
 class Batch:
     ids: torch.Tensor            # [B, T]
     labels: torch.Tensor         # [B, T], IGNORE on prompt and padding
-    mask: torch.Tensor | None    # [B, 1, T, T] bool (True = may attend) for block; None = causal (vanilla)
+    mask: SegmentedMask | None   # per-example Block-Attention masks (`.dense()`: [B, 1, T, T]); None = causal
     positions: torch.Tensor | None = None  # [B, T] for block-local; None = sequential 0..T-1
 
     @property
     def target_tokens(self) -> int:
         return int((self.labels != IGNORE).sum())
+
+    def to(self, device) -> "Batch":
+        return Batch(self.ids.to(device), self.labels.to(device), self.mask,
+                     None if self.positions is None else self.positions.to(device))
 
 
 def example_mask(ex: TrainExample, length: int | None = None) -> torch.Tensor:
@@ -215,6 +219,9 @@ def collate(examples: list[TrainExample], method: str, pad_id: int = 0) -> Batch
     for i, e in enumerate(examples):
         ids[i, :len(e)] = torch.tensor(e.ids)
         labels[i, :len(e)] = torch.tensor(e.labels)
-    mask = torch.stack([example_mask(e, T) for e in examples]).unsqueeze(1) if method != "vanilla" else None
+    mask = None
+    if method != "vanilla":  # a pad segment after each example: pads attend among themselves, no token sees them
+        mask = SegmentedMask.from_segment_ids([e.segment_ids + [e.open_id + 1] * (T - len(e)) for e in examples],
+                                              [e.open_id for e in examples])
     positions = torch.stack([local_positions(e, T) for e in examples]) if method == "block-local" else None
     return Batch(ids, labels, mask, positions)

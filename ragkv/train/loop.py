@@ -119,8 +119,7 @@ class Trainer:
         total = sum(bt.target_tokens for bt in batches)  # token-weighted mean over the whole step
         loss_sum = 0.0
         for bt in batches:
-            bt = Batch(bt.ids.to(self.device), bt.labels.to(self.device),
-                       None if bt.mask is None else bt.mask.to(self.device))
+            bt = bt.to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 loss = answer_loss_sum(self.model, bt)
             (loss / total).backward()
