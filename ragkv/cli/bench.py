@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine|decode|store|serve|soak`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
+"""`ragkv bench ttft|engine|decode|train-step|store|serve|soak`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, store, serve, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, train-step, store, serve, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -50,6 +50,18 @@ def register(sub) -> None:
     d.add_argument("--fidelity-examples", type=int, default=8)
     _output_args(d)
     d.set_defaults(func=run_decode)
+
+    f = bsub.add_parser("train-step", help="one fine-tuning example's forward + backward: causal vs Block-Attention "
+                                           "mask (dense, and block by block)")
+    f.add_argument("--model", default="smollm2")
+    f.add_argument("--examples", type=int, default=4, help="HotpotQA train examples (10 passages each)")
+    f.add_argument("--rounds", type=int, default=3, help="passes over the examples, the variants' order rotating")
+    f.add_argument("--max-length", type=int, default=2048)
+    f.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; finetune runs used 1)")
+    _output_args(f)
+    f.set_defaults(func=run_train_step)
 
     s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
     s.add_argument("--context", type=int, default=4096, help="context tokens of the request")
@@ -196,6 +208,20 @@ def run_decode(args) -> int:
     cfg = DecodeBenchConfig(model=args.model, configs=configs, batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
                             steps=args.steps, rounds=args.rounds, fidelity_examples=args.fidelity_examples)
     return _finish(args, run_decode_bench(cfg, Path(args.output_dir), say), "decode.md")
+
+
+def run_train_step(args) -> int:
+    from ragkv.bench.train_step import TrainStepBenchConfig, run_train_step_bench
+
+    if args.examples < 1 or args.rounds < 1 or (args.threads is not None and args.threads < 1):
+        raise InvalidRequestError("--examples, --rounds and --threads must be >= 1")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = TrainStepBenchConfig(model=args.model, examples=args.examples, rounds=args.rounds,
+                               max_length=args.max_length, bf16=not args.fp32, device=args.device)
+    return _finish(args, run_train_step_bench(cfg, Path(args.output_dir), say), "train_step.md")
 
 
 def run_store(args) -> int:
