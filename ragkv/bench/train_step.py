@@ -19,6 +19,7 @@ import torch
 
 from ragkv.bench.common import markdown_table, save_json
 from ragkv.bench.decode import cpu_name
+from ragkv.train.loop import answer_loss_sum
 
 VARIANTS = ("vanilla", "block-dense", "block")
 
@@ -48,8 +49,6 @@ def _batches(cfg: TrainStepBenchConfig, tokenizer) -> dict[str, list]:
 
 
 def _step_ms(model, batch, bf16: bool, device: str) -> tuple[float, float]:
-    from ragkv.train.loop import answer_loss_sum
-
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
@@ -70,8 +69,6 @@ def run_train_step_bench(cfg: TrainStepBenchConfig, out_dir: Path, progress=prin
     tokens = [int(b.ids.shape[1]) for b in batches["block"]]
     progress(f"[bench train-step] {cfg.model}, {n} HotpotQA train examples of {min(tokens)}-{max(tokens)} tokens, "
              f"{'bf16 autocast' if cfg.bf16 else 'fp32'}; CPU {cpu_name()}, {torch.get_num_threads()} threads")
-    from ragkv.train.loop import answer_loss_sum
-
     with torch.no_grad():  # the two block paths compute one loss (checked in fp32: bf16 rounding differs by path)
         for dense, seg in zip(batches["block-dense"], batches["block"]):
             a, b = answer_loss_sum(model, dense).item(), answer_loss_sum(model, seg).item()
@@ -81,7 +78,7 @@ def run_train_step_bench(cfg: TrainStepBenchConfig, out_dir: Path, progress=prin
         _step_ms(model, batches[v][0], cfg.bf16, cfg.device)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(cfg.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for i in range(n):
             for v in order:
                 times[v].append(_step_ms(model, batches[v][i], cfg.bf16, cfg.device)[0])

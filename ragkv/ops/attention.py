@@ -155,15 +155,15 @@ class SegmentedMask:
         return self  # plain integers: nothing lives on a device
 
     def dense(self, device=None) -> torch.Tensor:
-        """The same masks as booleans [B, 1, T, T] (True = may attend)."""
-        T = self.length
-        out = torch.zeros(len(self.spans), 1, T, T, dtype=torch.bool, device=device)
-        for b, spans in enumerate(self.spans):
-            for s, e, is_open in spans:
-                out[b, 0, s:e, :e] = causal_mask(e - s, e, device)
-                if not is_open:
-                    out[b, 0, s:e, :s] = False
-        return out
+        """The same masks as booleans [B, 1, T, T] (True = may attend), from `block_attention_mask`."""
+        out = []
+        for spans in self.spans:
+            seg = torch.repeat_interleave(torch.arange(len(spans), device=device),
+                                          torch.tensor([e - s for s, e, _ in spans], device=device))
+            open_ids = torch.tensor([i for i, (_, _, is_open) in enumerate(spans) if is_open], dtype=torch.long,
+                                    device=device)
+            out.append(block_attention_mask(seg, open_ids))
+        return torch.stack(out).unsqueeze(1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention output [B, Hq, T, D] of rotated q over k, v under these masks."""

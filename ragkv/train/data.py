@@ -173,7 +173,7 @@ def load_training_examples(dataset: str | None, data_file: str | None, fmt: str 
 class Batch:
     ids: torch.Tensor            # [B, T]
     labels: torch.Tensor         # [B, T], IGNORE on prompt and padding
-    mask: SegmentedMask | None   # per-example Block-Attention masks (`.dense()`: [B, 1, T, T]); None = causal
+    mask: SegmentedMask | torch.Tensor | None  # Block-Attention masks (or their `.dense()` [B, 1, T, T]); None: causal
     positions: torch.Tensor | None = None  # [B, T] for block-local; None = sequential 0..T-1
 
     @property
@@ -181,17 +181,20 @@ class Batch:
         return int((self.labels != IGNORE).sum())
 
     def to(self, device) -> "Batch":
-        return Batch(self.ids.to(device), self.labels.to(device), self.mask,
+        return Batch(self.ids.to(device), self.labels.to(device), None if self.mask is None else self.mask.to(device),
                      None if self.positions is None else self.positions.to(device))
 
 
+def padded_segment_ids(ex: TrainExample, length: int | None = None) -> list[int]:
+    """The example's segment ids, padded to `length` with a closed segment of its own after the open one: pads
+    attend causally among themselves and no real token sees them."""
+    return ex.segment_ids + [ex.open_id + 1] * ((length or len(ex)) - len(ex))
+
+
 def example_mask(ex: TrainExample, length: int | None = None) -> torch.Tensor:
-    """Block-Attention mask [T, T] of one example, padded to `length` (pads attend causally among themselves)."""
-    seg = torch.tensor(ex.segment_ids)
-    pad = (length or len(ex)) - len(ex)
-    if pad > 0:
-        seg = torch.cat([seg, torch.full((pad,), ex.open_id + 1)])
-    return block_attention_mask(seg, torch.tensor([ex.open_id]))
+    """Block-Attention mask [T, T] of one example, padded to `length` (the reference `SegmentedMask` is tested
+    against)."""
+    return block_attention_mask(torch.tensor(padded_segment_ids(ex, length)), torch.tensor([ex.open_id]))
 
 
 def local_positions(ex: TrainExample, length: int | None = None) -> torch.Tensor:
@@ -219,9 +222,7 @@ def collate(examples: list[TrainExample], method: str, pad_id: int = 0) -> Batch
     for i, e in enumerate(examples):
         ids[i, :len(e)] = torch.tensor(e.ids)
         labels[i, :len(e)] = torch.tensor(e.labels)
-    mask = None
-    if method != "vanilla":  # a pad segment after each example: pads attend among themselves, no token sees them
-        mask = SegmentedMask.from_segment_ids([e.segment_ids + [e.open_id + 1] * (T - len(e)) for e in examples],
-                                              [e.open_id for e in examples])
+    mask = None if method == "vanilla" else SegmentedMask.from_segment_ids(
+        [padded_segment_ids(e, T) for e in examples], [e.open_id for e in examples])
     positions = torch.stack([local_positions(e, T) for e in examples]) if method == "block-local" else None
     return Batch(ids, labels, mask, positions)
