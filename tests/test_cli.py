@@ -36,6 +36,8 @@ def test_help_lists_every_subcommand(capsys):
     (["generate", "--prompt", "hi", "--model", "/no/such/folder"], "not a known name"),
     (["ask", "--doc", "/no/such/file.txt", "--question", "q", "--dtype", "float32"], "cannot read passage"),
     (["ask", "--question", "q", "--mode", "blend", "--ratio", "1.5", "--doc", "x"], "ratio"),
+    (["finetune-report", "--row", "base="], "KEY=FILE,FILE"),
+    (["finetune-report", "--row", "base=/no/such/results.jsonl"], "/no/such/results.jsonl"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     code, _, err = run(capsys, *argv)

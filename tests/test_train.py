@@ -429,3 +429,29 @@ def test_finetune_report_rows_intervals_and_paired_targets(tmp_path):
     assert "block-local-ft" not in out and "base" not in out  # rows without a file are left out
     two = table(rows, limit=2)
     assert "| block-ft / reuse | 100.0% [100.0, 100.0] | 100.0 | 0.100 | 3.0 | 2 |" in two
+
+
+def test_finetune_report_row_merges_the_shards_of_one_run(tmp_path):
+    """A row given as the files of `ragkv eval --shard K/N` reports as the unsharded run; files of two different
+    runs in one row are refused with a message."""
+    import pytest
+
+    from ragkv.bench.finetune_report import table
+    from ragkv.errors import RagkvError
+    from ragkv.eval.results import ResultsFile
+
+    def results(name, config, ids, accs):
+        f = ResultsFile(tmp_path / f"{name}.jsonl", config)
+        for i, acc in zip(ids, accs):
+            f.append({"example_id": f"q{i}", "mode_key": "full", "completion_tokens": 2,
+                      "scores": {"accuracy": acc, "f1": acc}, "fidelity": {"first_token_kl": 0.0}})
+        return f.path
+
+    accs = [1, 0, 1, 1, 0, 1]
+    whole = results("whole", {"model": "m"}, range(6), accs)
+    s1 = results("s1", {"model": "m", "shard": "1/2"}, range(0, 6, 2), accs[0::2])
+    s2 = results("s2", {"model": "m", "shard": "2/2"}, range(1, 6, 2), accs[1::2])
+    assert table({"base": [s1, s2]}, limit=None) == table({"base": whole}, limit=None)
+    other = results("other", {"model": "other"}, range(3), accs[:3])
+    with pytest.raises(RagkvError, match="2 different runs"):
+        table({"base": [s1, other]}, limit=None)

@@ -1,7 +1,7 @@
 """The fine-tuning table (Block-Attention table 1 layout) and accuracy-vs-steps plot (its figure 4) from
 `ragkv eval` results files of the base model, the fine-tuned models and their checkpoints.
 
-    ragkv finetune-report --row base=runs/base.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
+    ragkv finetune-report --row base=runs/base-s1.jsonl,runs/base-s2.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
         --row block-ft=runs/block.jsonl --curve vanilla-ft:25=runs/v25.jsonl ... --plot docs/results/finetune_curve.png
 """
 
@@ -20,11 +20,17 @@ TARGETS = [(("block-ft", "reuse"), ("vanilla-ft", "full"), "within 1 point: the 
            (("block-ft", "reuse"), ("base", "reuse"), "above: > 0 (block fine-tuning helps reuse)")]
 
 
-def load_scores(path: Path, limit: int | None = None) -> dict[str, dict[str, dict]]:
-    """{mode_key: {example_id: record}} of a results file, keeping its first `limit` examples."""
-    from ragkv.eval.results import read_results
+def load_scores(paths: Path | list[Path], limit: int | None = None) -> dict[str, dict[str, dict]]:
+    """{mode_key: {example_id: record}} of one run's results file, or of the files of its shards
+    (`ragkv eval --shard`), keeping its first `limit` examples."""
+    from ragkv.eval.results import ResultsFileError, read_runs
 
-    _, records = read_results(path)
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    runs = read_runs(paths)
+    if len(runs) != 1:
+        raise ResultsFileError(f"{', '.join(map(str, paths))} are {len(runs)} different runs, not the shards of one; "
+                               "give one row one run's files")
+    records = runs[0][2]
     order: list[str] = []
     out: dict[str, dict[str, dict]] = {}
     for r in records:
@@ -54,7 +60,7 @@ def _pct(ci) -> str:
     return f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
-def table(rows: dict[str, Path], limit: int | None) -> str:
+def table(rows: dict[str, Path | list[Path]], limit: int | None) -> str:
     """Table 1's rows present in `rows` (accuracy with its 95% bootstrap interval), then the targets as paired
     differences over the examples both rows answered."""
     from ragkv.eval.summary import bootstrap_ci
@@ -84,7 +90,7 @@ def table(rows: dict[str, Path], limit: int | None) -> str:
     return "\n".join(lines)
 
 
-def curve(points: dict[str, dict[int, Path]], limit: int | None) -> dict[str, dict[int, float]]:
+def curve(points: dict[str, dict[int, Path | list[Path]]], limit: int | None) -> dict[str, dict[int, float]]:
     """{"model/mode": {step: accuracy}} over the checkpoints' results files."""
     out: dict[str, dict[int, float]] = {}
     for model, by_step in points.items():

@@ -70,7 +70,8 @@ def register(sub) -> None:
 
     r = sub.add_parser("finetune-report", help="Block-Attention table 1 and the accuracy-vs-steps curve from "
                                                "`ragkv eval` results of base and fine-tuned models")
-    r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft, block-local-ft)")
+    r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft, block-local-ft); "
+                   "several comma-separated files are the shards of one run")
     r.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
     r.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
     r.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
@@ -147,13 +148,14 @@ def run_finetune(args) -> int:
     return 0
 
 
-def _pairs(items: list[str], flag: str) -> list[tuple[str, Path]]:
+def _pairs(items: list[str], flag: str) -> list[tuple[str, list[Path]]]:
+    """KEY=FILE[,FILE...] items: several files are the shards of one run."""
     out = []
     for item in items:
-        key, sep, path = item.partition("=")
-        if not sep:
-            raise RagkvError(f"{flag} wants KEY=FILE, got {item!r}")
-        out.append((key, Path(path)))
+        key, sep, paths = item.partition("=")
+        if not sep or not paths:
+            raise RagkvError(f"{flag} wants KEY=FILE (or KEY=FILE,FILE,... for the shards of one run), got {item!r}")
+        out.append((key, [Path(p) for p in paths.split(",") if p]))
     return out
 
 
@@ -166,7 +168,7 @@ def run_finetune_report(args) -> int:
     if rows:
         print(table(rows, args.limit))
     if args.curve:
-        points: dict[str, dict[int, Path]] = {}
+        points: dict[str, dict[int, list[Path]]] = {}
         for key, path in _pairs(args.curve, "--curve"):
             model, _, step = key.partition(":")
             if not step.isdigit():
