@@ -392,6 +392,41 @@ def test_cli_stopped_run_says_how_to_go_on(tiny_loaded, tiny_dirs, tmp_path, mon
     assert [s for s, _ in list_checkpoints(out)] == [1]
 
 
+def test_until_step_stops_with_a_checkpoint_and_keeps_the_schedule(tiny_loaded, tiny_dirs, tmp_path, monkeypatch,
+                                                                    capsys):
+    """`--until-step N` ends the run after step N with a checkpoint (exit 0), the learning-rate schedule still that of
+    --steps: resuming from it reproduces the straight run's weights."""
+    from types import SimpleNamespace
+
+    from ragkv.cli import main
+    from ragkv.models import loader
+    from ragkv.train import data as train_data
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: SimpleNamespace(
+        model=fresh_model(tiny_loaded, "qwen2"), tokenizer=WordTokenizer(), path=tiny_dirs["qwen2"]))
+    monkeypatch.setattr(train_data, "load_training_examples", lambda *a, **k: [hotpot_like(i) for i in range(3)])
+    flags = ["finetune", "--data", "unused.jsonl", "--steps", "4", "--lr", "1e-3", "--warmup-steps", "1",
+             "--no-bf16", "--no-progress"]
+    assert main([*flags, "--output", str(tmp_path / "straight")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "halves"
+    assert main([*flags, "--output", str(out), "--until-step", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "reached --until-step 3 of 4" in err and "--resume" in err and "model saved" not in err
+    assert [s for s, _ in list_checkpoints(out)] == [3] and (list_checkpoints(out)[0][1] / STATE_FILE).exists()
+    assert main([*flags, "--output", str(out), "--resume", "--until-step", "2"]) == 2
+    assert "already at step 3" in capsys.readouterr().err
+    assert main(["finetune", "--data", "unused.jsonl", "--output", str(out), "--resume", "--no-progress"]) == 0
+    logs = [[json.loads(line)["lr"] for line in (d / "train_log.jsonl").read_text().splitlines()]
+            for d in (tmp_path / "straight", out)]
+    assert logs[0] == logs[1] and len(logs[0]) == 4
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeypatch):
     from ragkv.models import loader
 

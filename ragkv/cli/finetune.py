@@ -64,6 +64,9 @@ def register(sub) -> None:
                     help="checkpoints keeping their optimizer state for --resume (default 1; weights are always kept)")
     ck.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint; "
                     "options not given are taken from that run")
+    ck.add_argument("--until-step", type=int, default=None, metavar="N",
+                    help="stop after step N with a checkpoint, the schedule still that of --steps (to stop runs at "
+                         "equal steps; --resume goes on)")
     ck.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_finetune)
@@ -101,6 +104,8 @@ def run_finetune(args) -> int:
         if args.threads < 1:
             raise RagkvError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.until_step is not None and args.until_step < 1:
+        raise RagkvError(f"--until-step must be >= 1, got {args.until_step}")
     device = resolve_device(args.device)
     output = Path(args.output).expanduser()
     check_output(output, args.resume, args.overwrite)
@@ -135,9 +140,16 @@ def run_finetune(args) -> int:
         print(f"ragkv: resuming from {resume_from} (step {trainer.step} of {cfg.steps})", file=sys.stderr)
     print(f"ragkv: {cfg.method} fine-tuning of {args.model}: {cfg.steps} steps x {cfg.examples_per_step} "
           f"examples, lr {cfg.lr}, {'bf16 autocast' if cfg.bf16 else 'fp32'} on {device}", file=sys.stderr)
-    loss = trainer.run(progress=not args.no_progress)
+    if args.until_step is not None and args.until_step <= trainer.step:
+        raise RagkvError(f"--until-step {args.until_step}: the run in {output} is already at step {trainer.step}")
+    loss = trainer.run(progress=not args.no_progress, until=args.until_step)
     minutes = (time.perf_counter() - t_start) / 60
     last = f"last loss {loss if loss is None else round(loss, 4)}"
+    if trainer.step == args.until_step and trainer.step < cfg.steps:
+        print(f"ragkv: reached --until-step {trainer.step} of {cfg.steps} in {minutes:.1f} min, {last}; checkpoint "
+              f"saved in {output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output "
+              f"{output} --resume", file=sys.stderr)
+        return 0
     if trainer.step < cfg.steps:  # stopped by SIGINT/SIGTERM: a checkpoint, not the final model
         print(f"ragkv: stopped at step {trainer.step} of {cfg.steps} after {minutes:.1f} min, {last}; checkpoint "
               f"saved in {output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output "

@@ -133,11 +133,13 @@ class Trainer:
         return loss_sum / total
 
     # -- the run ----------------------------------------------------------------------------------------
-    def run(self, progress: bool = True, stop_after: int | None = None) -> float | None:
-        """Train until `cfg.steps` (or `stop_after` more steps, for tests); saves checkpoints and the final model."""
+    def run(self, progress: bool = True, stop_after: int | None = None, until: int | None = None) -> float | None:
+        """Train until `cfg.steps`; saves checkpoints and the final model. `until` stops earlier, after that step,
+        with a checkpoint of it (the schedule stays that of `cfg.steps`); `stop_after` N more steps (tests)."""
         from tqdm import tqdm
 
         end = self.cfg.steps if stop_after is None else min(self.cfg.steps, self.step + stop_after)
+        end = end if until is None else min(end, until)
         restore = self._stop_on_signals()
         bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, desc=f"finetune {self.cfg.method}",
                    unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -153,7 +155,8 @@ class Trainer:
                 self._log({"step": self.step, "loss": round(loss, 6), "lr": lr, "seconds": round(seconds, 3)})
                 if self.cfg.save_every and self.step % self.cfg.save_every == 0 and self.step < self.cfg.steps:
                     self.save_checkpoint()
-                elif self.stop_requested.is_set() and self.step < self.cfg.steps and self.output is not None:
+                elif ((self.stop_requested.is_set() or self.step == until) and self.step < self.cfg.steps
+                      and self.output is not None):
                     self.save_checkpoint()  # stopped between checkpoints: keep the steps done (--resume goes on)
                 if self.stop_requested.is_set():
                     break
