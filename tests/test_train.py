@@ -461,6 +461,7 @@ def test_finetune_report_rows_intervals_and_paired_targets(tmp_path):
     assert "| vanilla-ft / full | 75.0% [" in out and "| block-ft / reuse:pos=local | 0.0% [0.0, 0.0] |" in out
     assert "| block-ft / reuse - vanilla-ft / full | -25.0 [" in out  # paired over q0..q3
     assert "| block-ft / reuse - block-ft / reuse:pos=local | +50.0 [" in out
+    assert "| block-ft / reuse - vanilla-ft / reuse | +25.0 [" in out
     assert "block-local-ft" not in out and "base" not in out  # rows without a file are left out
     two = table(rows, limit=2)
     assert "| block-ft / reuse | 100.0% [100.0, 100.0] | 100.0 | 0.100 | 3.0 | 2 |" in two
