@@ -145,16 +145,13 @@ def run_finetune(args) -> int:
     loss = trainer.run(progress=not args.no_progress, until=args.until_step)
     minutes = (time.perf_counter() - t_start) / 60
     last = f"last loss {loss if loss is None else round(loss, 4)}"
-    if trainer.step == args.until_step and trainer.step < cfg.steps:
-        print(f"ragkv: reached --until-step {trainer.step} of {cfg.steps} in {minutes:.1f} min, {last}; checkpoint "
-              f"saved in {output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output "
-              f"{output} --resume", file=sys.stderr)
-        return 0
-    if trainer.step < cfg.steps:  # stopped by SIGINT/SIGTERM: a checkpoint, not the final model
-        print(f"ragkv: stopped at step {trainer.step} of {cfg.steps} after {minutes:.1f} min, {last}; checkpoint "
-              f"saved in {output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output "
-              f"{output} --resume", file=sys.stderr)
-        return 130
+    if trainer.step < cfg.steps:  # --until-step reached, or stopped by SIGINT/SIGTERM: a checkpoint, not the model
+        reached = trainer.step == args.until_step
+        what = f"reached --until-step {trainer.step}" if reached else f"stopped at step {trainer.step}"
+        print(f"ragkv: {what} of {cfg.steps} after {minutes:.1f} min, {last}; checkpoint saved in "
+              f"{output / 'checkpoints'}; go on with: ragkv finetune --method {cfg.method} --output {output} --resume",
+              file=sys.stderr)
+        return 0 if reached else 130
     print(f"ragkv: done in {minutes:.1f} min, {last}; model saved to {output} (use --model {output})",
           file=sys.stderr)
     return 0
@@ -165,9 +162,10 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, list[Path]]]:
     out = []
     for item in items:
         key, sep, paths = item.partition("=")
-        if not sep or not paths:
+        files = [Path(p) for p in paths.split(",") if p]
+        if not sep or not files:
             raise RagkvError(f"{flag} wants KEY=FILE (or KEY=FILE,FILE,... for the shards of one run), got {item!r}")
-        out.append((key, [Path(p) for p in paths.split(",") if p]))
+        out.append((key, files))
     return out
 
 
