@@ -491,3 +491,35 @@ def test_finetune_report_row_merges_the_shards_of_one_run(tmp_path):
     other = results("other", {"model": "other"}, range(3), accs[:3])
     with pytest.raises(RagkvError, match="2 different runs"):
         table({"base": [s1, other]}, limit=None)
+
+
+def test_finetune_report_pools_a_models_runs_on_several_data_sets(tmp_path):
+    """A model given once per data set is pooled (more examples, still paired by data set and example); each
+    data set is also shown alone; two runs of one model on the same data are refused."""
+    import pytest
+
+    from ragkv.bench.finetune_report import table
+    from ragkv.errors import RagkvError
+    from ragkv.eval.results import ResultsFile
+
+    def results(name, config, accs):
+        f = ResultsFile(tmp_path / f"{name}.jsonl", config)
+        for i, acc in enumerate(accs):  # the same example ids on both data sets: pairing must keep them apart
+            f.append({"example_id": f"q{i}", "mode_key": "reuse" if "block" in name else "full",
+                      "completion_tokens": 2, "scores": {"accuracy": acc, "f1": acc},
+                      "fidelity": {"first_token_kl": 0.0}})
+        return f.path
+
+    hot, nq = {"dataset": "hotpotqa"}, {"dataset": "nq-distractors", "gold_position": 4}
+    rows = [("vanilla-ft", results("vanilla-hot", {"model": "v", **hot}, [1, 1, 0, 0])),
+            ("block-ft", results("block-hot", {"model": "b", **hot}, [1, 0, 0, 0])),
+            ("vanilla-ft", results("vanilla-nq", {"model": "v", **nq}, [0, 0, 1, 1, 1, 1])),
+            ("block-ft", results("block-nq", {"model": "b", **nq}, [0, 0, 1, 1, 1, 1]))]
+    out = table(rows, limit=None)
+    assert "| vanilla-ft / full | 60.0% [" in out and "| 10 |" in out  # 6 of 10 pooled
+    assert "| block-ft / reuse - vanilla-ft / full | -10.0 [" in out  # paired over 10, not 6 shared ids
+    assert "| accuracy by data set (n) | hotpotqa | nq-distractors@gold4 |" in out
+    assert "| block-ft / reuse | 25.0% (4) | 66.7% (6) |" in out
+    assert "accuracy by data set" not in table(rows[:2], limit=None)
+    with pytest.raises(RagkvError, match="two runs on the same data"):
+        table(rows + [("block-ft", results("block-hot2", {"model": "b2", **hot}, [1]))], limit=None)

@@ -3,6 +3,8 @@
 
     ragkv finetune-report --row base=runs/base-s1.jsonl,runs/base-s2.jsonl --row vanilla-ft=runs/vanilla.jsonl \\
         --row block-ft=runs/block.jsonl --curve vanilla-ft:25=runs/v25.jsonl ... --plot docs/results/finetune_curve.png
+
+A model given once per data set (`--row block-ft=hotpot.jsonl --row block-ft=nq.jsonl`) is pooled over them.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ TARGETS = [(("block-ft", "reuse"), ("vanilla-ft", "full"), "within 1 point: the 
            (("block-ft", "reuse"), ("vanilla-ft", "reuse"), "above: > 0 (the block mask, not the format, helps reuse)")]
 
 
-def load_scores(paths: Path | list[Path], limit: int | None = None) -> dict[str, dict[str, dict]]:
-    """{mode_key: {example_id: record}} of one run's results file, or of the files of its shards
+def data_label(config: dict) -> str:
+    """Which examples a run answered: its data set (or file), and the gold position where the set places it."""
+    label = str(config.get("dataset") or config.get("data_file") or "data")
+    return label if config.get("gold_position") is None else f"{label}@gold{config['gold_position']}"
+
+
+def load_scores(paths: Path | list[Path], limit: int | None = None) -> tuple[str, dict[str, dict[str, dict]]]:
+    """(data label, {mode_key: {example_id: record}}) of one run's results file, or of the files of its shards
     (`ragkv eval --shard`), keeping its first `limit` examples."""
     from ragkv.eval.results import ResultsFileError, read_runs
 
@@ -32,7 +40,7 @@ def load_scores(paths: Path | list[Path], limit: int | None = None) -> dict[str,
     if len(runs) != 1:
         raise ResultsFileError(f"{', '.join(map(str, paths))} are {len(runs)} different runs, not the shards of one; "
                                "give one row one run's files")
-    records = runs[0][2]
+    _, config, records = runs[0]
     order: list[str] = []
     out: dict[str, dict[str, dict]] = {}
     for r in records:
@@ -40,7 +48,34 @@ def load_scores(paths: Path | list[Path], limit: int | None = None) -> dict[str,
             order.append(r["example_id"])
         out.setdefault(r["mode_key"], {})[r["example_id"]] = r
     keep = set(order[:limit]) if limit else set(order)
-    return {m: {i: r for i, r in recs.items() if i in keep} for m, recs in out.items()}
+    return data_label(config), {m: {i: r for i, r in recs.items() if i in keep} for m, recs in out.items()}
+
+
+def load_row(runs: list[Path | list[Path]], limit: int | None = None) -> dict[str, dict[str, dict]]:
+    """One model's runs on one or more data sets, pooled: {mode_key: {"label/example_id": record}}. Pooling
+    raises n (more power) and keeps the pairing: two rows are compared over the examples both answered."""
+    from ragkv.eval.results import ResultsFileError
+
+    out: dict[str, dict[str, dict]] = {}
+    seen: dict[str, Path | list[Path]] = {}
+    for paths in runs:
+        label, scores = load_scores(paths, limit)
+        if label in seen:
+            raise ResultsFileError(f"{paths} and {seen[label]} are two runs on the same data ({label}); "
+                                   "give a model one run per data set")
+        seen[label] = paths
+        for mode, recs in scores.items():
+            out.setdefault(mode, {}).update({f"{label}/{i}": r for i, r in recs.items()})
+    return out
+
+
+def _grouped(rows) -> dict[str, list]:
+    """{model: [run, ...]} from (model, run) pairs or a {model: run} dict; a run is a file or its shards."""
+    pairs = rows.items() if isinstance(rows, dict) else rows
+    out: dict[str, list] = {}
+    for model, paths in pairs:
+        out.setdefault(model, []).append(paths)
+    return out
 
 
 def mean(xs) -> float | None:
@@ -62,12 +97,13 @@ def _pct(ci) -> str:
     return f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
-def table(rows: dict[str, Path | list[Path]], limit: int | None) -> str:
+def table(rows, limit: int | None) -> str:
     """Table 1's rows present in `rows` (accuracy with its 95% bootstrap interval), then the targets as paired
-    differences over the examples both rows answered."""
+    differences over the examples both rows answered. `rows` is (model, run) pairs or a {model: run} dict; a
+    model given once per data set is pooled over them, with a table by data set after."""
     from ragkv.eval.summary import bootstrap_ci
 
-    scores = {model: load_scores(path, limit) for model, path in rows.items()}
+    scores = {model: load_row(runs, limit) for model, runs in _grouped(rows).items()}
     lines = ["| model / mode | accuracy [95% CI] | F1 | first-token KL to the same model's `full` | answer tokens | n |",
              "|---|---|---|---|---|---|"]
     for model, mode in ROWS:
@@ -89,15 +125,28 @@ def table(rows: dict[str, Path | list[Path]], limit: int | None) -> str:
                       f"{want} | {len(both)} |")
     if checks:
         lines += ["", "| paired difference (points) | mean [95% CI] | target | n |", "|---|---|---|---|", *checks]
+    labels = sorted({key.partition("/")[0] for model in scores.values() for recs in model.values() for key in recs})
+    if len(labels) > 1:
+        lines += ["", "| accuracy by data set (n) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for model, mode in ROWS:
+            recs = scores.get(model, {}).get(mode)
+            if recs:
+                lines.append(f"| {model} / {mode} | " + " | ".join(_by_label(recs, label) for label in labels) + " |")
     return "\n".join(lines)
 
 
-def curve(points: dict[str, dict[int, Path | list[Path]]], limit: int | None) -> dict[str, dict[int, float]]:
-    """{"model/mode": {step: accuracy}} over the checkpoints' results files."""
+def _by_label(recs: dict[str, dict], label: str) -> str:
+    accs = [r["scores"]["accuracy"] for key, r in recs.items() if key.partition("/")[0] == label]
+    return f"{100 * mean(accs):.1f}% ({len(accs)})" if accs else ""
+
+
+def curve(points: dict[str, dict[int, list[Path | list[Path]]]], limit: int | None) -> dict[str, dict[int, float]]:
+    """{"model/mode": {step: accuracy}} over the checkpoints' results files (each point: one run per data set,
+    pooled)."""
     out: dict[str, dict[int, float]] = {}
     for model, by_step in points.items():
-        for step, path in sorted(by_step.items()):
-            for mode, recs in load_scores(path, limit).items():
+        for step, runs in sorted(by_step.items()):
+            for mode, recs in load_row(runs, limit).items():
                 if mode in ("full", "reuse", LOCAL) and recs:
                     out.setdefault(f"{model} / {mode}", {})[step] = 100 * row_stats(recs)["accuracy"]
     return out

@@ -74,8 +74,10 @@ def register(sub) -> None:
     r = sub.add_parser("finetune-report", help="Block-Attention table 1 and the accuracy-vs-steps curve from "
                                                "`ragkv eval` results of base and fine-tuned models")
     r.add_argument("--row", action="append", default=[], help="MODEL=results.jsonl (base, vanilla-ft, block-ft, block-local-ft); "
-                   "several comma-separated files are the shards of one run")
-    r.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl")
+                   "several comma-separated files are the shards of one run; a MODEL given again with a run on "
+                   "another data set is pooled with it")
+    r.add_argument("--curve", action="append", default=[], help="MODEL:STEP=results.jsonl (shards and data sets "
+                   "as for --row)")
     r.add_argument("--limit", type=int, default=None, help="table: first N examples of each file")
     r.add_argument("--curve-limit", type=int, default=None, help="curve: first N examples of each file")
     r.add_argument("--plot", default=None, help="PNG path of the accuracy-vs-steps curve")
@@ -172,18 +174,18 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, list[Path]]]:
 def run_finetune_report(args) -> int:
     from ragkv.bench.finetune_report import curve, plot_curve, table
 
-    rows = dict(_pairs(args.row, "--row"))
+    rows = _pairs(args.row, "--row")
     if not rows and not args.curve:
         raise RagkvError("nothing to report: pass --row MODEL=FILE and/or --curve MODEL:STEP=FILE")
     if rows:
         print(table(rows, args.limit))
     if args.curve:
-        points: dict[str, dict[int, list[Path]]] = {}
+        points: dict[str, dict[int, list[list[Path]]]] = {}
         for key, path in _pairs(args.curve, "--curve"):
             model, _, step = key.partition(":")
             if not step.isdigit():
                 raise RagkvError(f"--curve wants MODEL:STEP=FILE with an integer STEP, got {key!r}")
-            points.setdefault(model, {})[int(step)] = path
+            points.setdefault(model, {}).setdefault(int(step), []).append(path)
         series = curve(points, args.curve_limit)
         print()
         steps = sorted({s for pts in series.values() for s in pts})
