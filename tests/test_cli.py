@@ -118,3 +118,24 @@ def test_a_broken_model_folder_is_one_line_before_anything_is_allocated(capsys, 
 def test_serve_flags_are_checked_before_the_model_loads(capsys, argv, needle):
     code, _, err = run(capsys, "serve", "--model", "/no/such/model", *argv)
     assert code == 2 and needle in err and "/no/such/model" not in err, err
+
+
+def test_a_reader_that_leaves_early_is_not_a_traceback(tmp_path):
+    """`ragkv finetune-report ... | head` with the reader gone: exit 141 as `cat` would, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from ragkv.eval.results import ResultsFile
+
+    f = ResultsFile(tmp_path / "r.jsonl", {"model": "m"})
+    f.append({"example_id": "q0", "mode_key": "full", "completion_tokens": 2, "scores": {"accuracy": 1, "f1": 1},
+              "fidelity": {"first_token_kl": 0.0}})
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe now fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "ragkv.cli", "finetune-report", "--row", f"base={f.path}"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 
 from ragkv.cli import ask, bench, eval as eval_cmds, finetune, generate, ingest, serve, store
@@ -80,13 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that left early shows here, in the handler below, not at exit
+        return code
     except RagkvError as e:
         print(f"ragkv: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ragkv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early (`ragkv ... | head`): stop quietly, as `cat` does
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # so the flush at exit cannot raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
