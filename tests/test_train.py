@@ -510,7 +510,7 @@ def test_finetune_report_pools_a_models_runs_on_several_data_sets(tmp_path):
                       "fidelity": {"first_token_kl": 0.0}})
         return f.path
 
-    hot, nq = {"dataset": "hotpotqa"}, {"dataset": "nq-distractors", "gold_position": 4}
+    hot, nq = {"dataset": "hotpotqa"}, {"data_file": "data/nq.jsonl", "gold_position": 4}  # a "/" in a label
     rows = [("vanilla-ft", results("vanilla-hot", {"model": "v", **hot}, [1, 1, 0, 0])),
             ("block-ft", results("block-hot", {"model": "b", **hot}, [1, 0, 0, 0])),
             ("vanilla-ft", results("vanilla-nq", {"model": "v", **nq}, [0, 0, 1, 1, 1, 1])),
@@ -518,8 +518,8 @@ def test_finetune_report_pools_a_models_runs_on_several_data_sets(tmp_path):
     out = table(rows, limit=None)
     assert "| vanilla-ft / full | 60.0% [" in out and "| 10 |" in out  # 6 of 10 pooled
     assert "| block-ft / reuse - vanilla-ft / full | -10.0 [" in out  # paired over 10, not 6 shared ids
-    assert "| accuracy by data set (n) | hotpotqa | nq-distractors@gold4 |" in out
-    assert "| block-ft / reuse | 25.0% (4) | 66.7% (6) |" in out
+    assert "| accuracy by data set (n) | data/nq.jsonl@gold4 | hotpotqa |" in out
+    assert "| block-ft / reuse | 66.7% (6) | 25.0% (4) |" in out
     assert "accuracy by data set" not in table(rows[:2], limit=None)
     with pytest.raises(RagkvError, match="two runs on the same data"):
         table(rows + [("block-ft", results("block-hot2", {"model": "b2", **hot}, [1]))], limit=None)

@@ -51,12 +51,12 @@ def load_scores(paths: Path | list[Path], limit: int | None = None) -> tuple[str
     return data_label(config), {m: {i: r for i, r in recs.items() if i in keep} for m, recs in out.items()}
 
 
-def load_row(runs: list[Path | list[Path]], limit: int | None = None) -> dict[str, dict[str, dict]]:
-    """One model's runs on one or more data sets, pooled: {mode_key: {"label/example_id": record}}. Pooling
+def load_row(runs: list[Path | list[Path]], limit: int | None = None) -> dict[str, dict[tuple[str, str], dict]]:
+    """One model's runs on one or more data sets, pooled: {mode_key: {(label, example_id): record}}. Pooling
     raises n (more power) and keeps the pairing: two rows are compared over the examples both answered."""
     from ragkv.eval.results import ResultsFileError
 
-    out: dict[str, dict[str, dict]] = {}
+    out: dict[str, dict[tuple[str, str], dict]] = {}
     seen: dict[str, Path | list[Path]] = {}
     for paths in runs:
         label, scores = load_scores(paths, limit)
@@ -65,7 +65,7 @@ def load_row(runs: list[Path | list[Path]], limit: int | None = None) -> dict[st
                                    "give a model one run per data set")
         seen[label] = paths
         for mode, recs in scores.items():
-            out.setdefault(mode, {}).update({f"{label}/{i}": r for i, r in recs.items()})
+            out.setdefault(mode, {}).update({(label, i): r for i, r in recs.items()})
     return out
 
 
@@ -125,7 +125,7 @@ def table(rows, limit: int | None) -> str:
                       f"{want} | {len(both)} |")
     if checks:
         lines += ["", "| paired difference (points) | mean [95% CI] | target | n |", "|---|---|---|---|", *checks]
-    labels = sorted({key.partition("/")[0] for model in scores.values() for recs in model.values() for key in recs})
+    labels = sorted({label for model in scores.values() for recs in model.values() for label, _ in recs})
     if len(labels) > 1:
         lines += ["", "| accuracy by data set (n) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
         for model, mode in ROWS:
@@ -135,8 +135,8 @@ def table(rows, limit: int | None) -> str:
     return "\n".join(lines)
 
 
-def _by_label(recs: dict[str, dict], label: str) -> str:
-    accs = [r["scores"]["accuracy"] for key, r in recs.items() if key.partition("/")[0] == label]
+def _by_label(recs: dict[tuple[str, str], dict], label: str) -> str:
+    accs = [r["scores"]["accuracy"] for (of, _), r in recs.items() if of == label]
     return f"{100 * mean(accs):.1f}% ({len(accs)})" if accs else ""
 
 
