@@ -236,7 +236,8 @@ def test_real_nq10_gold_positions_0_4_9():
     from ragkv.eval.metrics import normalize_answer
 
     oracle = load_dataset("nq", limit=200)
-    golds = {ex.passages[0] for ex in load_dataset("nq")}  # every question's gold passage
+    whole = load_dataset(data_file=data_dir() / DATASETS["nq"].path, fmt="nq")  # the file, past the eval records
+    golds = {ex.passages[0] for ex in whole}  # every question's gold passage
     sets = {g: load_dataset("nq-distractors", limit=200, gold_position=g) for g in (0, 4, 9)}
     assert load_dataset("nq-distractors", limit=200, gold_position=4) == sets[4]  # deterministic
     for g, examples in sets.items():
@@ -270,3 +271,28 @@ def test_nq_distractors_skip_a_duplicate_of_the_own_gold(tmp_path):
             for e in d:
                 others = e.passages[:pos] + e.passages[pos + 1:]
                 assert e.passages[pos] not in others and len(set(e.passages)) == 5
+
+
+@needs_data
+def test_real_nq_is_cut_into_evaluation_heldout_and_training_records():
+    from ragkv.eval.datasets import EVAL_DATASETS, NQ_EVAL, NQ_HELDOUT
+
+    path = data_dir() / DATASETS["nq"].path
+    whole = load_dataset(data_file=path, fmt="nq", num_passages=10, limit=NQ_HELDOUT)  # the file, as before the cut
+    evaluated = load_dataset("nq-distractors")
+    heldout = load_dataset("nq-distractors-heldout")
+    train = load_dataset("nq-train")
+    assert evaluated == whole[:NQ_EVAL]  # results files written before the cut stay valid
+    assert heldout == whole[NQ_EVAL:]  # built exactly like the evaluated questions
+    assert load_dataset("nq-distractors-heldout", limit=20, gold_position=4) == \
+        load_dataset(data_file=path, fmt="nq", num_passages=10, gold_position=4, limit=NQ_EVAL + 20)[NQ_EVAL:]
+    ids = [{ex.id for ex in part} for part in (evaluated, heldout, train)]
+    assert [len(i) for i in ids] == [NQ_EVAL, NQ_HELDOUT - NQ_EVAL, len(train)] and len(train) > 1900
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+    # training never reads a gold passage of an evaluated or held-out question, not even as a distractor
+    train_golds = {ex.passages[ex.meta["gold_index"]] for ex in train}
+    assert all(p in train_golds for ex in train for p in ex.passages)
+    assert [ex.meta["gold_index"] for ex in train[:12]] == [i % 10 for i in range(12)]
+    assert "nq-distractors" in EVAL_DATASETS and "nq-train" not in EVAL_DATASETS
+    with pytest.raises(RagkvError, match=f"limit {NQ_EVAL + 1} is larger.*records 0..{NQ_EVAL - 1}.*--limit {NQ_EVAL}"):
+        load_dataset("nq-distractors", limit=NQ_EVAL + 1)

@@ -243,6 +243,21 @@ def test_empty_and_evaluation_data_are_refused(tmp_path):
         load_training_examples(None, str(tmp_path / "arr.json"), "hotpotqa")
     with pytest.raises(TrainingDataError, match="evaluation"):
         load_training_examples("hotpotqa", None, None)
+    with pytest.raises(TrainingDataError, match="'nq-distractors-heldout' is held-out data.*train on hotpotqa-train"):
+        load_training_examples("hotpotqa-train,nq-distractors-heldout", None, None)
+    with pytest.raises(TrainingDataError, match="distinct names"):
+        load_training_examples("nq-train,nq-train", None, None)
+
+
+def test_several_training_sets_are_concatenated():
+    from ragkv.config import data_dir
+
+    if not (data_dir() / "MANIFEST.md").is_file():
+        pytest.skip("shared data not found; set RAGKV_DATA_DIR")
+    both = load_training_examples("hotpotqa-train,nq-train", None, None, limit=3)
+    assert [ex.id for ex in both] == [ex.id for ex in load_training_examples("hotpotqa-train", None, None, 3)] + \
+        [ex.id for ex in load_training_examples("nq-train", None, None, 3)]
+    assert [len(ex.passages) for ex in both] == [10] * 6
 
 
 def test_cli_refuses_empty_file_and_existing_output(tmp_path, capsys):

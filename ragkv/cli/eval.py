@@ -10,8 +10,6 @@ from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_fro
 from ragkv.errors import RagkvError
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
-# data sets that evaluation reports on: calibrating on them would tune APE on the test data
-EVAL_DATASETS = ("musique", "hotpotqa", "multi_news", "samsum", "nq", "nq-distractors", "kv-retrieval")
 
 
 def _floats(s: str) -> tuple[float, ...]:
@@ -310,6 +308,7 @@ def _print_sweep(s: dict) -> None:
 
 def run_calibrate_cmd(args) -> int:
     from ragkv.bench import sweeps
+    from ragkv.eval.datasets import EVAL_DATASETS  # reported on: calibrating there would tune APE on the test set
 
     if args.dataset in EVAL_DATASETS and not args.allow_eval_data:
         raise RagkvError(f"{args.dataset!r} is evaluation data: calibrating on it would tune APE on the test set; "

@@ -33,8 +33,9 @@ def register(sub) -> None:
     src = p.add_argument_group("data (default: --dataset hotpotqa-train)")
     src.add_argument("--data", default=None, metavar="FILE", help="a training file in an eval format (see --format)")
     src.add_argument("--format", default=None, help="format of --data: hotpotqa (default), cacheblend, nq, ...")
-    src.add_argument("--dataset", default=None, help="a named training set (hotpotqa-train)")
-    src.add_argument("--limit", type=int, default=None, help="use the first N examples only")
+    src.add_argument("--dataset", default=None, help="named training sets, comma-separated: hotpotqa-train (500 "
+                     "HotpotQA questions), nq-train (1,955 NQ-open questions with 9 distractors each)")
+    src.add_argument("--limit", type=int, default=None, help="use the first N examples of each data set only")
     src.add_argument("--max-length", type=int, default=None,
                      help="tokens per example (default 2048); longer ones lose whole passages (distractors first)")
     src.add_argument("--max-passages", type=int, default=None,

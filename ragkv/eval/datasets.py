@@ -52,21 +52,37 @@ class DatasetInfo:
     fmt: str
     description: str
     num_passages: int | None = None  # nq only: > 1 builds "NQ with distractors"
+    role: str = "eval"          # "eval": reported on, never trained or tuned on | "heldout": choose checkpoints and
+    #                             calibrations | "train": fine-tuning only
+    records: tuple[int, int | None] = (0, None)  # the file's records [start, stop) that make up this data set
+    own_distractors: bool = False  # nq with distractors: draw them only from these records (not the whole file)
 
+
+# NQ-open (Lost in the Middle's oracle file, 2,655 questions) is cut in three: the first NQ_EVAL questions are
+# evaluated, the next ones up to NQ_HELDOUT choose checkpoints and calibrations, the rest may be trained on.
+_NQ = "lost_in_the_middle/nq-open-oracle.jsonl.gz"
+NQ_EVAL, NQ_HELDOUT = 500, 700
 
 DATASETS = {
     "musique": DatasetInfo("cacheblend/musique_s.json", "cacheblend", "MuSiQue as CacheBlend ships it (token F1)"),
     "hotpotqa": DatasetInfo("hotpotqa/hotpot_dev_distractor_first100.json", "hotpotqa", "HotpotQA distractor dev"),
     "hotpotqa-train": DatasetInfo("hotpotqa/hotpot_train_distractor_first500.jsonl", "hotpotqa",
-                                  "HotpotQA train: calibration / fine-tuning only, never evaluation"),
+                                  "HotpotQA train: calibration / fine-tuning only, never evaluation", role="train"),
     "multi_news": DatasetInfo("longbench/multi_news.jsonl", "longbench", "LongBench multi_news (Rouge-L)"),
     "samsum": DatasetInfo("samsum/uniprompt_samsum.jsonl", "samsum", "SAMSum dialogue summaries (Rouge-L)"),
-    "nq": DatasetInfo("lost_in_the_middle/nq-open-oracle.jsonl.gz", "nq", "NQ-open, gold passage only"),
-    "nq-distractors": DatasetInfo("lost_in_the_middle/nq-open-oracle.jsonl.gz", "nq",
-                                  "NQ gold passage + 9 gold passages of other questions", num_passages=10),
+    "nq": DatasetInfo(_NQ, "nq", "NQ-open, gold passage only", records=(0, NQ_EVAL)),
+    "nq-distractors": DatasetInfo(_NQ, "nq", "NQ gold passage + 9 gold passages of other questions",
+                                  num_passages=10, records=(0, NQ_EVAL)),
+    "nq-distractors-heldout": DatasetInfo(_NQ, "nq", "NQ-10 built as nq-distractors from questions no evaluation "
+                                          "or training uses: for choosing checkpoints and calibrations",
+                                          num_passages=10, role="heldout", records=(NQ_EVAL, NQ_HELDOUT)),
+    "nq-train": DatasetInfo(_NQ, "nq", "NQ-10 from the remaining questions, distractors drawn among them only: "
+                            "fine-tuning only", num_passages=10, role="train", records=(NQ_HELDOUT, None),
+                            own_distractors=True),
     "kv-retrieval": DatasetInfo("lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz", "kv",
                                 "synthetic key-value retrieval, 75 pairs"),
 }
+EVAL_DATASETS = tuple(name for name, info in DATASETS.items() if info.role == "eval")
 
 SUMMARY_INSTRUCTION = {  # the question of summary tasks (LongBench / CacheBlend prompt wording)
     "longbench": "Write a one-page summary of all the news.",
@@ -105,19 +121,30 @@ def load_dataset(name: str | None = None, data_file: str | Path | None = None, f
         raise DataFileNotFoundError(f"data file {path} not found; {hint}")
 
     distract = fmt == "nq" and num_passages is not None and num_passages > 1
-    stop = None if distract else limit  # distractors are drawn from the whole file, whatever the limit
+    start, stop = info.records
+    if not distract and limit is not None:  # distractors are drawn from the whole pool, whatever the limit
+        stop = start + limit if stop is None else min(stop, start + limit)
     if fmt == "samsum":
         examples = _parse_samsum(path, split or "test", stop)
     else:
         examples = []
         for rec in _records(path):
             examples.append(_PARSERS[fmt](rec))
-            if stop is not None and len(examples) == stop:
+            if stop is not None and len(examples) == stop and not (distract and not info.own_distractors):
                 break
-    if distract:
-        examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed, limit=limit)
+    if distract and info.own_distractors:  # the pool is this data set's records only
+        examples = nq_with_distractors(examples[start:stop], num_passages, gold_position=gold_position, seed=seed,
+                                       limit=limit)
+    elif distract:  # the pool is the whole file; each question keeps the distractors of its index in the file
+        end = stop if limit is None else min(stop or len(examples), start + limit)
+        examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed,
+                                       limit=end)[start:]
+    else:
+        examples = examples[start:stop]
     if limit is not None and len(examples) < limit:
-        raise DatasetError(f"limit {limit} is larger than the data: {path} holds {len(examples)} examples"
+        where = (f"{path} holds" if info.records == (0, None)
+                 else f"{name} is records {start}..{start + len(examples) - 1} of {path}:")
+        raise DatasetError(f"limit {limit} is larger than the data: {where} {len(examples)} examples"
                            + (f" in split {split or 'test'!r}" if fmt == "samsum" else "")
                            + f"; pass --limit {len(examples)} or less")
     return examples[:limit] if limit is not None else examples

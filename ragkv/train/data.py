@@ -140,30 +140,42 @@ def build_examples(examples, tokenizer, max_length: int, fmt: PromptFormat = Pro
     return out, report
 
 
-EVAL_DATASETS = ("hotpotqa", "musique", "multi_news", "samsum", "nq", "nq-distractors", "kv-retrieval")
+_ROLE = {"eval": "evaluation", "heldout": "held-out", "train": "training"}
 
 
 def load_training_examples(dataset: str | None, data_file: str | None, fmt: str | None, limit: int | None = None):
-    """Eval-format Examples to train on; refuses evaluation sets (by name or by path) and empty files."""
+    """Eval-format Examples to train on; refuses evaluation and held-out sets (by name or by path) and empty files.
+
+    `dataset` may name several training sets, comma-separated ("hotpotqa-train,nq-train"): their examples are
+    concatenated (`limit` applies to each) and the trainer shuffles them together.
+    """
     from ragkv.config import data_dir
-    from ragkv.eval.datasets import DATASETS, load_dataset
+    from ragkv.eval.datasets import DATASETS, EVAL_DATASETS, load_dataset
 
     if dataset is not None and (data_file is not None or fmt is not None):
         raise TrainingDataError("pass --dataset NAME alone, or --data FILE with its --format")
-    if dataset in EVAL_DATASETS:
-        raise TrainingDataError(f"{dataset!r} is evaluation data; train on hotpotqa-train or your own file")
-    if data_file is not None:
-        path = Path(data_file).expanduser().resolve()
-        for name in EVAL_DATASETS:
-            if name in DATASETS and (data_dir() / DATASETS[name].path).resolve() == path:
-                raise TrainingDataError(f"{data_file} is the evaluation set {name!r}; never train on it")
-        if path.is_file() and not path.read_bytes().strip():
-            raise TrainingDataError(f"training file {data_file} is empty; pass a file with examples")
-        if fmt is None and dataset is None:
-            fmt = "hotpotqa"
-    examples = load_dataset(name=dataset, data_file=data_file, fmt=None if dataset else fmt, limit=limit)
+    if dataset is not None:
+        names = [n.strip() for n in dataset.split(",") if n.strip()]
+        if not names or len(set(names)) < len(names):
+            raise TrainingDataError(f"--dataset wants distinct names separated by commas, got {dataset!r}")
+        for name in names:
+            if name in DATASETS and DATASETS[name].role != "train":
+                train = ", ".join(n for n, i in DATASETS.items() if i.role == "train")
+                raise TrainingDataError(f"{name!r} is {_ROLE[DATASETS[name].role]} data, never trained on; train on "
+                                        f"{train} or your own file")
+        examples = [ex for name in names for ex in load_dataset(name=name, limit=limit)]
+        if len({ex.id for ex in examples}) < len(examples):
+            raise TrainingDataError(f"{dataset}: two examples share an id; the data sets overlap")
+        return examples
+    path = Path(data_file).expanduser().resolve()
+    for name in EVAL_DATASETS:
+        if (data_dir() / DATASETS[name].path).resolve() == path:
+            raise TrainingDataError(f"{data_file} is the evaluation set {name!r}; never train on it")
+    if path.is_file() and not path.read_bytes().strip():
+        raise TrainingDataError(f"training file {data_file} is empty; pass a file with examples")
+    examples = load_dataset(data_file=data_file, fmt=fmt or "hotpotqa", limit=limit)
     if not examples:
-        raise TrainingDataError(f"no examples in {data_file or dataset}; pass a file with examples")
+        raise TrainingDataError(f"no examples in {data_file}; pass a file with examples")
     return examples
 
 
