@@ -536,5 +536,5 @@ def test_finetune_report_pools_a_models_runs_on_several_data_sets(tmp_path):
     assert "| accuracy by data set (n) | data/nq.jsonl@gold4 | hotpotqa |" in out
     assert "| block-ft / reuse | 66.7% (6) | 25.0% (4) |" in out
     assert "accuracy by data set" not in table(rows[:2], limit=None)
-    with pytest.raises(RagkvError, match="two runs on the same data"):
+    with pytest.raises(RagkvError, match=r"block-hot2\.jsonl and \S*block-hot\.jsonl are two runs on the same data"):
         table(rows + [("block-ft", results("block-hot2", {"model": "b2", **hot}, [1]))], limit=None)

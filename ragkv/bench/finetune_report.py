@@ -56,13 +56,14 @@ def load_row(runs: list[Path | list[Path]], limit: int | None = None) -> dict[st
     from ragkv.eval.results import ResultsFileError
 
     out: dict[str, dict[tuple[str, str], dict]] = {}
-    seen: dict[str, Path | list[Path]] = {}
+    seen: dict[str, str] = {}
     for paths in runs:
         label, scores = load_scores(paths, limit)
+        names = ",".join(str(p) for p in (paths if isinstance(paths, list) else [paths]))  # as given to --row
         if label in seen:
-            raise ResultsFileError(f"{paths} and {seen[label]} are two runs on the same data ({label}); "
+            raise ResultsFileError(f"{names} and {seen[label]} are two runs on the same data ({label}); "
                                    "give a model one run per data set")
-        seen[label] = paths
+        seen[label] = names
         for mode, recs in scores.items():
             out.setdefault(mode, {}).update({(label, i): r for i, r in recs.items()})
     return out
