@@ -245,6 +245,8 @@ def test_empty_and_evaluation_data_are_refused(tmp_path):
         load_training_examples("hotpotqa", None, None)
     with pytest.raises(TrainingDataError, match="'nq-distractors-heldout' is held-out data.*train on hotpotqa-train"):
         load_training_examples("hotpotqa-train,nq-distractors-heldout", None, None)
+    with pytest.raises(TrainingDataError, match="no training data"):
+        load_training_examples(None, None, None)
     with pytest.raises(TrainingDataError, match="distinct names"):
         load_training_examples("nq-train,nq-train", None, None)
 

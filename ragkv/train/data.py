@@ -154,6 +154,8 @@ def load_training_examples(dataset: str | None, data_file: str | None, fmt: str 
 
     if dataset is not None and (data_file is not None or fmt is not None):
         raise TrainingDataError("pass --dataset NAME alone, or --data FILE with its --format")
+    if dataset is None and data_file is None:
+        raise TrainingDataError("no training data: pass --dataset NAME[,NAME...] or --data FILE")
     if dataset is not None:
         names = [n.strip() for n in dataset.split(",") if n.strip()]
         if not names or len(set(names)) < len(names):
