@@ -160,7 +160,8 @@ def plot_curve(series: dict[str, dict[int, float]], path: Path, title: str) -> P
         steps = sorted(pts)
         style = "-" if name.endswith("reuse") else "--"
         ax.plot(steps, [pts[s] for s in steps], style, marker="o", label=name)
-    ax.set_xlabel("training steps (0 = base model)")
+    base = any(0 in pts for pts in series.values())
+    ax.set_xlabel("training steps" + (" (0 = base model)" if base else ""))
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
