@@ -97,8 +97,8 @@ def register(sub) -> None:
     c = sub.add_parser("calibrate", help="choose APE's T and S by task score (or first-token KL to full) on "
                                          "held-out data",
                        description="Grid search of APE's temperature T and scale S on a calibration split that is "
-                       "not evaluation data (default hotpotqa-train): the best task score of greedy answers, as "
-                       "the APE paper tunes them (ties: the lower KL), or with --objective kl the lowest mean KL "
+                       "not evaluation data (default hotpotqa-train; nq-distractors-heldout holds NQ questions "
+                       "no evaluation uses): the best task score of greedy answers, as the APE paper tunes them (ties: the lower KL), or with --objective kl the lowest mean KL "
                        "of the first-token distribution to `full` (no answers generated: much faster). The result "
                        "is stored per model fingerprint and task: `ragkv eval` uses the entry of its data set's "
                        "task, everything else the latest calibration.")
