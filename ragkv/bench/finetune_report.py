@@ -148,7 +148,8 @@ def curve(points: dict[str, dict[int, list[Path | list[Path]]]], limit: int | No
         for step, runs in sorted(by_step.items()):
             for mode, recs in load_row(runs, limit).items():
                 if mode in ("full", "reuse", LOCAL) and recs:
-                    out.setdefault(f"{model} / {mode}", {})[step] = 100 * mean(r["scores"]["accuracy"] for r in recs.values())  # no bootstrap
+                    accuracy = mean(r["scores"]["accuracy"] for r in recs.values())  # a point: no bootstrap
+                    out.setdefault(f"{model} / {mode}", {})[step] = 100 * accuracy
     return out
 
 

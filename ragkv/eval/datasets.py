@@ -121,26 +121,28 @@ def load_dataset(name: str | None = None, data_file: str | Path | None = None, f
         raise DataFileNotFoundError(f"data file {path} not found; {hint}")
 
     distract = fmt == "nq" and num_passages is not None and num_passages > 1
+    whole_file_pool = distract and not info.own_distractors  # distractors may come from any record of the file
     start, stop = info.records
-    if not distract and limit is not None:  # distractors are drawn from the whole pool, whatever the limit
+    if not distract and limit is not None:  # with distractors, the pool is read whatever the limit
         stop = start + limit if stop is None else min(stop, start + limit)
+    read_to = None if whole_file_pool else stop
     if fmt == "samsum":
-        examples = _parse_samsum(path, split or "test", stop)
+        examples = _parse_samsum(path, split or "test", read_to)
     else:
         examples = []
         for rec in _records(path):
             examples.append(_PARSERS[fmt](rec))
-            if stop is not None and len(examples) == stop and not (distract and not info.own_distractors):
+            if len(examples) == read_to:
                 break
-    if distract and info.own_distractors:  # the pool is this data set's records only
-        examples = nq_with_distractors(examples[start:stop], num_passages, gold_position=gold_position, seed=seed,
-                                       limit=limit)
-    elif distract:  # the pool is the whole file; each question keeps the distractors of its index in the file
+    if whole_file_pool:  # each question keeps the distractors of its index in the file
         end = stop if limit is None else min(stop or len(examples), start + limit)
         examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed,
                                        limit=end)[start:]
     else:
         examples = examples[start:stop]
+        if distract:  # the pool is this data set's records only
+            examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed,
+                                           limit=limit)
     if limit is not None and len(examples) < limit:
         where = (f"{path} holds" if info.records == (0, None)
                  else f"{name} is records {start}..{start + len(examples) - 1} of {path}:")
