@@ -87,3 +87,25 @@ def test_bad_settings_file_is_one_line_exit_2(fresh_env, capsys, text, needle):
     assert main(["models"]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_half_precision_follows_the_cpu_and_warns_where_it_is_emulated(monkeypatch, caplog, fast):
+    """`auto` picks bf16 only on a CPU with AMX / AVX512-BF16; asking for bf16 elsewhere works but says it is slow
+    (an AVX2-only EPYC ran Qwen 0.5B's prefill 5-6x slower in bf16 than in fp32). Fine-tuning's autocast alike."""
+    import torch
+
+    from ragkv import config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: fast)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="ragkv"):
+        assert config.resolve_dtype("auto", cpu) == (torch.bfloat16 if fast else torch.float32)
+        assert config.resolve_autocast(None, cpu) is fast
+        assert not caplog.records
+        assert config.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+        assert config.resolve_autocast(True, cpu) is True
+        assert config.resolve_dtype("float32", cpu) == torch.float32
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == (0 if fast else 2)
+    assert all("emulated" in w and "(float32 here)" in w or "(fp32 here)" in w for w in warned)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from dataclasses import replace
 from pathlib import Path
 
-from ragkv.cli.common import (add_fusion_args, add_model_args, engine_from_args, fusion_from_args, ints,
-                              print_json, say)
+from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, engine_from_args, fusion_from_args,
+                              ints, print_json, say)
 from ragkv.engine.options import MODES
 from ragkv.errors import InvalidRequestError, RagkvError
+from ragkv.settings import DEFAULT_MODEL
 
 
 def _output_args(p) -> None:
@@ -36,12 +38,12 @@ def register(sub) -> None:
     e.add_argument("--lengths", default="512,1024,2048,4096")
     e.add_argument("--dtypes", default="float32,bfloat16")
     e.add_argument("--repeats", type=int, default=3)
-    e.add_argument("--model", default="smollm2")
+    e.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     _output_args(e)
     e.set_defaults(func=run_engine)
 
     d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
-    d.add_argument("--model", default="smollm2")
+    d.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     d.add_argument("--configs", default="float32:exact,bfloat16:exact,float32:int8,float32:int4,bfloat16:int4",
                    help="comma-separated dtype:decode-weights pairs")
     d.add_argument("--batch-sizes", default="1,4,16")
@@ -53,11 +55,13 @@ def register(sub) -> None:
 
     f = bsub.add_parser("train-step", help="one fine-tuning example's forward + backward: causal vs Block-Attention "
                                            "mask (dense, and block by block)")
-    f.add_argument("--model", default="smollm2")
+    f.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     f.add_argument("--examples", type=int, default=4, help="HotpotQA train examples (10 passages each)")
     f.add_argument("--rounds", type=int, default=3, help="passes over the examples, the variants' order rotating")
     f.add_argument("--max-length", type=int, default=2048)
-    f.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    f.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast with fp32 weights, as `ragkv finetune` (default: where the hardware runs bf16 "
+                        "fast)")
     f.add_argument("--device", default="cpu")
     f.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; finetune runs used 1)")
     _output_args(f)
@@ -215,12 +219,17 @@ def run_train_step(args) -> int:
 
     if args.examples < 1 or args.rounds < 1 or (args.threads is not None and args.threads < 1):
         raise InvalidRequestError("--examples, --rounds and --threads must be >= 1")
-    if args.threads:
-        import torch
+    import torch
 
+    if args.threads:
         torch.set_num_threads(args.threads)
+
+    from ragkv.config import resolve_autocast, resolve_device
+
+    device = resolve_device(args.device)
+    bf16 = resolve_autocast(args.bf16, device)
     cfg = TrainStepBenchConfig(model=args.model, examples=args.examples, rounds=args.rounds,
-                               max_length=args.max_length, bf16=not args.fp32, device=args.device)
+                               max_length=args.max_length, bf16=bf16, device=str(device))
     return _finish(args, run_train_step_bench(cfg, Path(args.output_dir), say), "train_step.md")
 
 

@@ -13,11 +13,13 @@ from ragkv.settings import (DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_NAMESPACE, def
 from ragkv.store.spec import SYNTAX
 
 
+MODEL_HELP = ("known name (see `ragkv models`), a local Hugging Face folder, or a .gguf file of a Llama, Mistral or "
+              "Qwen2 model (converted once per file content into the models folder)")
+
+
 def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="known name (see `ragkv models`), a local Hugging Face folder, or a .gguf file of a Llama, "
-                        "Mistral or Qwen2 model (converted once per file content into the models folder)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     g.add_argument("--dtype", default=DEFAULT_DTYPE, help="auto | float32 | bfloat16 (auto: bf16 where fast)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     if decode_weights:

@@ -89,7 +89,7 @@ def register(sub) -> None:
 def run_finetune(args) -> int:
     import torch
 
-    from ragkv.config import resolve_device, resolve_dtype
+    from ragkv.config import resolve_autocast, resolve_device
     from ragkv.models.loader import load_model
     from ragkv.train.checkpoint import MARKER, check_output, prepare_output
     from ragkv.train.config import TrainConfig
@@ -116,8 +116,7 @@ def run_finetune(args) -> int:
     if args.resume and (output / MARKER).is_file():  # options not given again come from the run being resumed
         saved = json.loads((output / MARKER).read_text()).get("config", {})
         given = {**{k: v for k, v in saved.items() if k in CONFIG_FLAGS}, **given}
-    if given.get("bf16") is None:
-        given["bf16"] = resolve_dtype("auto", device) == torch.bfloat16
+    given["bf16"] = resolve_autocast(given.get("bf16"), device)
     cfg = TrainConfig(method=args.method, **given)
 
     raw = load_training_examples(args.dataset, args.data, args.format, args.limit)
