@@ -86,8 +86,8 @@ def resolve_autocast(bf16: bool | None, device: "torch.device") -> bool:
 
 
 def warn_slow_half(what: str, instead: str) -> None:
-    """Say so when half precision is asked for on a CPU that emulates it (measured: Qwen 0.5B prefill 5-6x fp32's
-    time on an AVX2-only EPYC): the run still works, only slowly."""
+    """Say so when half precision is asked for on a CPU that emulates it (an AVX2-only EPYC took 99-121 s in bf16
+    for Qwen 0.5B's 1.5K-token prefill, 20 s in fp32): the run still works, only slowly."""
     logging.getLogger("ragkv").warning(
         "%s on a CPU without AMX or AVX512-BF16 is emulated and several times slower than float32; %s unless you "
         "need %s's numerics", what, instead, what)

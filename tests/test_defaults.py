@@ -92,7 +92,7 @@ def test_bad_settings_file_is_one_line_exit_2(fresh_env, capsys, text, needle):
 @pytest.mark.parametrize("fast", [True, False])
 def test_half_precision_follows_the_cpu_and_warns_where_it_is_emulated(monkeypatch, caplog, fast):
     """`auto` picks bf16 only on a CPU with AMX / AVX512-BF16; asking for bf16 elsewhere works but says it is slow
-    (an AVX2-only EPYC ran Qwen 0.5B's prefill 5-6x slower in bf16 than in fp32). Fine-tuning's autocast alike."""
+    (an AVX2-only EPYC took 5x fp32's time for Qwen 0.5B's prefill in bf16). Fine-tuning's autocast alike."""
     import torch
 
     from ragkv import config
