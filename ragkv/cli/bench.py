@@ -216,16 +216,14 @@ def run_decode(args) -> int:
 
 def run_train_step(args) -> int:
     from ragkv.bench.train_step import TrainStepBenchConfig, run_train_step_bench
+    from ragkv.config import resolve_autocast, resolve_device
 
     if args.examples < 1 or args.rounds < 1 or (args.threads is not None and args.threads < 1):
         raise InvalidRequestError("--examples, --rounds and --threads must be >= 1")
-    import torch
-
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
-
-    from ragkv.config import resolve_autocast, resolve_device
-
     device = resolve_device(args.device)
     bf16 = resolve_autocast(args.bf16, device)
     cfg = TrainStepBenchConfig(model=args.model, examples=args.examples, rounds=args.rounds,
