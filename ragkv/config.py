@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import platform
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -38,6 +40,33 @@ def data_dir() -> Path:
     """Shared benchmark data (RAGKV_DATA_DIR, default ../shared/data beside the checkout)."""
     default = Path(__file__).resolve().parents[1].parent / "shared" / "data"
     return Path(os.environ.get("RAGKV_DATA_DIR", default)).expanduser()
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name and its widest vector extension: VMs often report only "AMD EPYC", and the extension
+    is what separates these machines' speeds (bf16 is fast only with AMX or AVX512-BF16)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
+                                          ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
+    return f"{name} ({isa})" if isa else name
+
+
+def machine() -> dict:
+    """What a timing depends on, saved with every benchmark and evaluation record: the CPU differs between these
+    machines (AMX on one, AVX-512 BF16 on another, AVX2 only on a third)."""
+    import torch
+
+    out = {"cpu": cpu_name(), "cpus": os.cpu_count(), "fast_bf16": cpu_has_fast_bf16()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from ragkv.cli import main
+from ragkv.config import cpu_name
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Passage
 from ragkv.errors import RagkvError
@@ -223,6 +224,17 @@ def test_sweeps_calibration_and_report(engine, tmp_path):
     assert "## Sweep: CacheBlend recompute ratio" in page and "## APE calibration" in page
     assert (tmp_path / "out" / "quality-kl.png").is_file()
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["datasets"]["tiny"]["n_examples"] == 2
+    # every figure says which CPU made it: each record, and the table's caption
+    assert {r["cpu"] for r in rf.records()} == {cpu_name()}
+    assert f"on cpu ({cpu_name()}, " in page
+
+
+def test_every_benchmark_json_names_its_machine(tmp_path):
+    from ragkv.bench.common import save_json
+
+    saved = json.loads(save_json(tmp_path / "b.json", {"rows": [], "machine": {"loadavg_at_end": [0.1]}}).read_text())
+    assert saved["machine"]["cpu"] == cpu_name() and saved["machine"]["cpus"] >= 1
+    assert saved["machine"]["loadavg_at_end"] == [0.1]  # a benchmark's own machine facts are kept
 
 
 def _hotpot_file(path, n=2):

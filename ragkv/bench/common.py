@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragkv.config import machine
+
 
 def median_ms(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
     for _ in range(warmup):
@@ -35,6 +37,9 @@ def real_passages(limit: int = 400):
 
 
 def save_json(path: Path, obj) -> Path:
+    """Write a benchmark's result, with the machine it ran on (`ragkv.config.machine`) under "machine"."""
+    if isinstance(obj, dict):
+        obj = {**obj, "machine": {**machine(), **obj.get("machine", {})}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2))
     return path

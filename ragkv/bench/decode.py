@@ -11,7 +11,6 @@ Each request is a MuSiQue question over 4 of its passages (~1.3K tokens), prefil
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ragkv.bench.common import markdown_table, save_json
+from ragkv.config import cpu_name
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,6 @@ class DecodeBenchConfig:
     rounds: int = 3
     fidelity_examples: int = 8
     passages: int = 4
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _requests(engine, n: int, k: int):

@@ -48,8 +48,9 @@ def load_eval(paths: list[Path]) -> list[dict]:
             continue
         summary = summarize(records)
         n = len({r["example_id"] for r in records})
+        cpus = sorted({r["cpu"] for r in records if r.get("cpu")})  # none in records written before they said
         out.append({"path": ", ".join(map(str, files)), "label": _label(config), "config": config,
-                    "n_examples": n, "summary": summary})
+                    "n_examples": n, "summary": summary, "cpus": cpus})
     labels = [e["label"] for e in out]
     for e in out:  # same data set from several models / dtypes: tell them apart
         if labels.count(e["label"]) > 1:
@@ -63,9 +64,10 @@ def eval_tables(evals: list[dict], level: str = "###") -> list[str]:
     lines = []
     for e in evals:
         c = e["config"]
+        cpus = "".join(f"{cpu}, " for cpu in e.get("cpus", []))
         lines += [f"{level} {e['label']}", "",
                   f"{e['n_examples']} examples, {c['model']} {c['dtype']} on {c['device']} "
-                  f"({c.get('threads', '?')} threads), greedy, "
+                  f"({cpus}{c.get('threads', '?')} threads), greedy, "
                   f"{c['max_new_tokens']} new tokens max. Results: `{e['path']}`.", "",
                   markdown_table(*table_rows(e["summary"])), ""]
         params = _params_line(e["summary"])
@@ -280,7 +282,7 @@ def render_report(eval_paths: list[Path], bench: Path | None, out_dir: Path) -> 
     lines += _sweep_section(out_dir)
     lines += _bench_section(bench, out_dir)
     (out_dir / "summary.json").write_text(json.dumps(
-        {"datasets": {e["label"]: {k: e[k] for k in ("path", "config", "n_examples", "summary")} for e in evals},
+        {"datasets": {e["label"]: {k: e[k] for k in ("path", "config", "n_examples", "summary", "cpus")} for e in evals},
          "bench": str(bench) if bench is not None and bench.is_file() else None}, indent=1) + "\n")
     path = out_dir / "README.md"
     path.write_text("\n".join(lines).rstrip() + "\n")

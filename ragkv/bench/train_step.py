@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ragkv.bench.common import markdown_table, save_json
-from ragkv.bench.decode import cpu_name
+from ragkv.config import cpu_name
 from ragkv.train.loop import answer_loss_sum
 
 VARIANTS = ("vanilla", "block-dense", "block")

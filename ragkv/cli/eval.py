@@ -184,6 +184,9 @@ def _say(msg: str) -> None:
 # -- handlers ---------------------------------------------------------------------------------------------
 
 def run_eval_cmd(args) -> int:
+    import torch
+
+    from ragkv.config import cpu_name
     from ragkv.eval.harness import results_config, run_eval
     from ragkv.eval.modes import parse_mode_key, resolve_modes, split_mode_list
     from ragkv.eval.results import ResultsFile
@@ -225,7 +228,7 @@ def run_eval_cmd(args) -> int:
                     "skipped": run["skipped"], "results_file": str(output)})
     else:
         print(f"{label}: {len(examples) - len(run['skipped'])} examples, {engine.model_name} {engine.dtype_name} "
-              f"on {engine.device.type}; records in {output}\n")
+              f"on {engine.device.type} ({cpu_name()}, {torch.get_num_threads()} threads); records in {output}\n")
         print(text_table(summary))
     return 0
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict
 from typing import Iterable
 
+from ragkv.config import cpu_name
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
@@ -103,7 +104,8 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "recomputed_token_layers": s.recomputed_token_layers, "full_token_layers": s.full_token_layers,
            "recompute_vs_full": s.to_dict()["recompute_vs_full"],
            "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
-           "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra}
+           "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra,
+           "cpu": cpu_name()}  # per record: a resumed run may go on on another machine
     if ex.task != "summary":
         rec["answers"] = ex.answers
     return rec
