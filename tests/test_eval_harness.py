@@ -232,7 +232,9 @@ def test_sweeps_calibration_and_report(engine, tmp_path):
 def test_every_benchmark_json_names_its_machine(tmp_path):
     from ragkv.bench.common import save_json
 
-    saved = json.loads(save_json(tmp_path / "b.json", {"rows": [], "machine": {"loadavg_at_end": [0.1]}}).read_text())
+    result = {"rows": [], "machine": {"loadavg_at_end": [0.1]}}
+    saved = json.loads(save_json(tmp_path / "b.json", result).read_text())
+    assert saved == result  # the returned result names its machine too
     assert saved["machine"]["cpu"] == cpu_name() and saved["machine"]["cpus"] >= 1
     assert saved["machine"]["loadavg_at_end"] == [0.1]  # a benchmark's own machine facts are kept
 

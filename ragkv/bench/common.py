@@ -37,9 +37,10 @@ def real_passages(limit: int = 400):
 
 
 def save_json(path: Path, obj) -> Path:
-    """Write a benchmark's result, with the machine it ran on (`ragkv.config.machine`) under "machine"."""
+    """Write a benchmark's result with the machine it ran on (`ragkv.config.machine`), added under "machine" to the
+    result itself, so what the benchmark returns and prints names it too."""
     if isinstance(obj, dict):
-        obj = {**obj, "machine": {**machine(), **obj.get("machine", {})}}
+        obj["machine"] = {**machine(), **obj.get("machine", {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2))
     return path
