@@ -110,7 +110,7 @@ def resolve_autocast(bf16: bool | None, device: "torch.device") -> bool:
     if bf16 is None:
         return resolve_dtype("auto", device) == torch.bfloat16
     if bf16 and device.type == "cpu" and not cpu_has_fast_bf16():
-        warn_slow_half("bf16 autocast", "leave --bf16 out (fp32 here)")
+        warn_slow_half("bf16 autocast", "pass --no-bf16 (fp32 here)")
     return bf16
 
 
