@@ -43,16 +43,22 @@ def data_dir() -> Path:
 
 
 @functools.cache
+def _cpuinfo() -> tuple[str | None, frozenset[str]]:
+    """The first CPU's model name and flags from /proc/cpuinfo, read once per process ((None, {}) elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None, frozenset()
+    # reversed, so the first processor's entry is the one kept
+    field = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in reversed(lines))}
+    return field.get("model name"), frozenset(field.get("flags", "").split())
+
+
 def cpu_name() -> str:
     """The CPU's model name and its widest vector extension: VMs often report only "AMD EPYC", and the extension
     is what separates these machines' speeds (bf16 is fast only with AMX or AVX512-BF16)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    name, flags = _cpuinfo()
+    name = name or platform.processor() or platform.machine()
     isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
                                           ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
     return f"{name} ({isa})" if isa else name
@@ -70,11 +76,12 @@ def machine() -> dict:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpuinfo()[1]
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _half_is_emulated(device: "torch.device") -> bool:
+    return device.type == "cpu" and not cpu_has_fast_bf16()
 
 
 def resolve_device(name: str = "auto") -> "torch.device":
@@ -98,7 +105,7 @@ def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     dtype = torch_dtype(name)
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_has_fast_bf16():
+    if dtype in (torch.bfloat16, torch.float16) and _half_is_emulated(device):
         warn_slow_half(dtype_name(dtype), "use --dtype auto (float32 here)")
     return dtype
 
@@ -109,7 +116,7 @@ def resolve_autocast(bf16: bool | None, device: "torch.device") -> bool:
 
     if bf16 is None:
         return resolve_dtype("auto", device) == torch.bfloat16
-    if bf16 and device.type == "cpu" and not cpu_has_fast_bf16():
+    if bf16 and _half_is_emulated(device):
         warn_slow_half("bf16 autocast", "pass --no-bf16 (fp32 here)")
     return bf16
 
