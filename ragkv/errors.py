@@ -24,3 +24,11 @@ class PromptTooLongError(RagkvError):
 
 class InvalidRequestError(RagkvError):
     pass
+
+
+class OptionError(InvalidRequestError):
+    """A declared option (FusionOptions, GenerationOptions) out of its bounds; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

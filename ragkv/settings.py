@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.config import cache_dir
@@ -25,6 +26,27 @@ from ragkv.errors import RagkvError
 DEFAULT_MODEL = "smollm2"
 DEFAULT_DTYPE = "auto"     # bf16 where the hardware runs it fast, else fp32 (ragkv.config.resolve_dtype)
 DEFAULT_NAMESPACE = "default"
+DEFAULT_TENANT = "default"  # the tenant of every request to a server without API keys, and of `ingest`/`ask`
+DEFAULT_PASSAGE_ORDER = "best-last"  # retrieved passages in ascending relevance, the best next to the question
+
+
+@dataclass(frozen=True)
+class ServeDefaults:
+    """`ragkv serve`'s defaults, written here only: its flags, the Server, its Limits and the scheduler read them."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64                # --max-queue: waiting requests before answering 429
+    timeout_s: float = 300.0           # --timeout: seconds a request may wait and run
+    max_batch: int = 16                # --max-batch: sequences decoded together in one batched step
+    prefill_chunk: int = 512           # --prefill-chunk: tokens of a full/prefix prefill between two decode steps
+    max_body_bytes: int = 8 << 20      # --max-body: larger bodies get 413 before being read
+    max_documents: int = 64            # --max-documents: inline documents per request, or per POST /v1/documents
+    max_document_chars: int = 1_000_000  # --max-document-chars: characters of one document
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens: prompt tokens (None: the model's positions)
+    ingest_timeout_s: float = 1800.0   # --ingest-timeout: deadline of a document ingestion job
+
+
+SERVE = ServeDefaults()
 
 
 def default_store_spec() -> str:

@@ -4,9 +4,11 @@ import random
 
 import pytest
 
-from ragkv.bench.soak import (MARKERS, TENANTS, DocLedger, SoakConfig, compare_probes, corrupt_disk, document_id,
-                              leaked_marker, make_passage, make_probes, parse_metrics, render_markdown,
-                              summarize_requests)
+from ragkv.bench.soak import SoakConfig
+from ragkv.bench.soak.checks import DocLedger, compare_probes, leaked_marker, parse_metrics, summarize_requests
+from ragkv.bench.soak.injector import corrupt_disk
+from ragkv.bench.soak.report import render_markdown
+from ragkv.bench.soak.workload import MARKERS, TENANTS, document_id, make_passage, make_probes
 from ragkv.errors import InvalidRequestError
 
 

@@ -8,9 +8,11 @@ from ragkv.engine.blocks import encode_block
 from ragkv.engine.fusion import prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import make_layout
-from ragkv.engine.options import FusionOptions, RequestStats
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.stats import RequestStats
 from ragkv.engine.request import Segments
 from ragkv.engine.state import decode_step
+from ragkv.errors import InvalidRequestError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.memory import MemoryStore
 
@@ -110,6 +112,62 @@ def test_blend_extremes(tiny_engine, deviation, checks, gradual):
         assert maxdiff(zero.logits, reuse.logits) <= TOL
     assert s1.recomputed_tokens == segs.num_tokens - len(segs.prefix) and s0.recomputed_tokens == len(segs.query)
     assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("per_block", [False, True])
+def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block):
+    """Invariant 6 for ProphetKV's query-aware selection: r=1 recomputes every block token at every layer (== full),
+    r=0 leaves stage 1's answer (== reuse); in between, the chosen tokens are the most attended ones and the work
+    counted is stage 1's query rows plus stage 2's chosen rows and query, at every layer."""
+    eng = tiny_engine(family)
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    kw = dict(mode="blend", select="query", select_per_block=per_block)
+    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, s0 = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL
+    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+    assert maxdiff(zero.logits, reuse.logits) <= TOL
+    n_block, Tq, L = 75, len(segs.query), eng.num_layers
+    assert s1.recomputed_tokens == n_block + Tq and s0.recomputed_tokens == Tq
+    assert s1.recomputed_token_layers == (Tq + n_block + Tq) * L and s0.recomputed_token_layers == Tq * L
+    _, part = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
+    assert part.extra["selected"] == (15 if not per_block else 4 + 6 + 5)
+    assert part.extra["stage2_kl"][0] >= 0 and part.extra["escalations"] == 0
+
+
+def test_auto_escalates_to_full_exactly_when_its_signal_exceeds_the_budget(tiny_engine):
+    """The quality-bounded mode: a zero budget always escalates (== full, counted as both stage-2 runs); an
+    unbounded one keeps blend's query-aware answer at r; every reply states what was done."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    cheap, sc = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.2))
+    strict, ss = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_kl=0.0))
+    loose, sl = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_kl=100.0))
+    assert maxdiff(strict.logits, full.logits) <= TOL and maxdiff(loose.logits, cheap.logits) <= TOL
+    Tq, L = len(segs.query), eng.num_layers
+    assert ss.recomputed_token_layers == (Tq + (15 + Tq) + (75 + Tq)) * L
+    assert sl.recomputed_token_layers == sc.recomputed_token_layers
+    assert ss.fidelity["exact"] and ss.fidelity["escalations"] == 1 and ss.fidelity["signal"] is not None
+    assert not sl.fidelity["exact"] and sl.fidelity["escalations"] == 0
+    assert sl.fidelity["signal"] == sc.fidelity["signal"] == sc.extra["stage2_kl"][0]
+    assert eng.prefill(segs, FusionOptions(mode="full"))[1].fidelity == {"mode": "full", "exact": True}
+
+
+def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
+    """EPIC's static chunk links: sinks covering every block == full; each block's first k otherwise."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    every, _ = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=30))
+    assert maxdiff(every.logits, full.logits) <= TOL
+    _, st = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=4))
+    assert st.extra["selected_per_block"] == [4, 4, 4]
+    with pytest.raises(InvalidRequestError, match="sink_tokens"):
+        eng.prefill(segs, FusionOptions(mode="blend", select="sinks"))
 
 
 @pytest.mark.parametrize("check_rows,per_block", [("all", False), ("selected", True), ("all", True)])
@@ -252,15 +310,19 @@ def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
     assert maxdiff(out.float(), apply_rope(x, cos, sin).float()) <= tol
 
 
-@pytest.mark.parametrize("m", [2, 3, 5])
+@pytest.mark.parametrize("checks", [(1, 2), (1, 2, 3), (1, 4, 8, 12, 20), (1, 29)])
 @pytest.mark.parametrize("r", [0.0, 0.1, 0.15, 0.3, 0.9, 1.0])
-def test_gradual_filtering_schedule_narrows_and_averages_r(m, r):
-    """CacheBlend sec. 4.3: a little more than r first, narrowing at each check layer, r on average."""
+def test_gradual_filtering_schedule_narrows_and_averages_r_over_the_layers(checks, r):
+    """CacheBlend sec. 4.3: a little more than r first, narrowing at each check layer, r on average over the layers
+    each ratio applies to (from its check layer to the next, the last one's to the last layer): the work is r's."""
     from ragkv.engine.blend import check_ratios
 
-    ratios = check_ratios(FusionOptions(mode="blend", ratio=r, check_layers=tuple(range(1, m + 1)), gradual=True))
-    assert ratios == sorted(ratios, reverse=True) and len(ratios) == m
-    assert sum(ratios) / m == pytest.approx(r) and (r in (0, 1) or ratios[0] > r > ratios[-1])
+    L = 30
+    ratios = check_ratios(FusionOptions(mode="blend", ratio=r, check_layers=checks, gradual=True), L)
+    spans = [b - a for a, b in zip(checks, checks[1:] + (L,))]
+    assert ratios == sorted(ratios, reverse=True) and len(ratios) == len(checks)
+    assert sum(w * x for w, x in zip(spans, ratios)) / sum(spans) == pytest.approx(r)
+    assert r in (0, 1) or ratios[0] > r >= ratios[-1] - 1e-12
     assert all(0 <= x <= 1 for x in ratios)
 
 

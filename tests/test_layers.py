@@ -50,3 +50,61 @@ def test_the_check_catches_an_upward_import():
     assert not allowed("ragkv.store.disk", "ragkv.engine.engine")
     assert not allowed("ragkv.serve.app", "ragkv.train.loop")       # siblings on one layer
     assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion", "ragkv.engine.blend")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the ragkv modules it imports (function-level imports included: a circle through one is still a
+    circle in the design). `from ragkv.x import y` counts as importing ragkv.x.y when that is a module."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                deps |= subs or {node.module}
+        graph[name] = deps - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        x = stack.pop(); on.discard(x); comp.append(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+            elif w not in index:
+                index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                work.append((w, iter(sorted(graph.get(w, ())))))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return out
+
+
+def test_no_import_circles():
+    assert not _cycles(_module_graph()), "import circles:\n" + "\n".join(" <-> ".join(c) for c in
+                                                                          _cycles(_module_graph()))
+
+
+def test_the_circle_check_catches_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles({"a": {"b"}, "b": set()})

@@ -116,15 +116,30 @@ def test_two_writers_keep_each_others_documents_and_readers_see_them_at_once(tmp
     assert a.for_tenant("other").documents() == []
 
 
-def test_legacy_index_folder_is_imported_once(tmp_path):
-    from ragkv.rag.index import VectorIndex
+def _write_legacy_index(folder: Path, chunks, vectors, model: str) -> None:
+    """A folder as the file-based index of earlier versions left it (ragkv.rag.legacy_index)."""
+    import dataclasses
+    import json
 
-    old = VectorIndex.open(tmp_path, embedding_model=HashEmbedder.name)
+    np.save(folder / "vectors-g1.npy", np.asarray(vectors, dtype=np.float32))
+    (folder / "chunks-g1.jsonl").write_text("".join(json.dumps(dataclasses.asdict(c)) + "\n" for c in chunks))
+    (folder / "index.json").write_text(json.dumps({"format": 1, "generation": "g1", "count": len(chunks),
+                                                   "dim": int(np.shape(vectors)[1]), "embedding_model": model}))
+
+
+def test_legacy_index_folder_is_imported_once(tmp_path):
     chunks = chunk_document(doc(1), words)
-    old.add(chunks, HashEmbedder().encode([c.passage for c in chunks]))
-    old.save()
+    _write_legacy_index(tmp_path, chunks, HashEmbedder().encode([c.passage for c in chunks]), HashEmbedder.name)
     r = Retriever(tmp_path, embedder=HashEmbedder())
     assert [d.doc_id for d in r.documents()] == ["doc1"] and len(r.index) == len(chunks)
+
+
+def test_unreadable_legacy_index_leaves_the_library_empty(tmp_path):
+    chunks = chunk_document(doc(1), words)
+    _write_legacy_index(tmp_path, chunks[:-1] if len(chunks) > 1 else [], HashEmbedder().encode(
+        [c.passage for c in chunks]), HashEmbedder.name)  # fewer chunk records than vectors
+    r = Retriever(tmp_path, embedder=HashEmbedder())
+    assert r.documents() == [] and (tmp_path / "index.json").exists()  # the old files stay where they are
 
 
 def test_a_different_embedding_model_is_refused(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ragkv.bench.serve import ServerProcess
-from ragkv.bench.soak import parse_metrics
-from ragkv.engine.options import RequestStats
+from ragkv.bench.soak.checks import parse_metrics
+from ragkv.engine.stats import RequestStats
 from ragkv.serve.metrics import Metrics
 from tiny import default_model_available
 

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (ragkv.serve.scheduler) and prefill in units (Engine.start_steps)."""
+"""The continuous-batching scheduler (ragkv.engine.scheduler) and prefill in units (Engine.start_steps)."""
 
 import threading
 import time
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ragkv.engine.options import FusionOptions
+from ragkv.engine.scheduler import QueueFull, Scheduler
 from ragkv.engine.stepwise import drain
-from ragkv.serve.scheduler import QueueFull, Scheduler
 
 from tiny import make_segs
 
@@ -145,11 +145,20 @@ def test_cancelled_and_expired_jobs_leave_the_batch():
 def test_full_queue_refuses():
     sched = Scheduler(step=lambda seqs: None, max_queue=1)
     block = threading.Event()
-    sched.submit(lambda job: block.wait(5))
-    time.sleep(0.1)  # the worker is busy with the first job
-    sched.submit(lambda job: None)
+
+    def start(wait):
+        def gen():
+            if wait:
+                block.wait(5)
+            yield
+            return FakeSeq(1, "q"), None
+        return gen
+
+    sched.submit_generation(start(True))
+    time.sleep(0.1)  # the worker is busy with the first job's prefill
+    sched.submit_generation(start(False))
     with pytest.raises(QueueFull):
-        sched.submit(lambda job: None)
+        sched.submit_generation(start(False))
     block.set()
 
 

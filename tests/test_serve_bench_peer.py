@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 
 from ragkv.errors import InvalidRequestError, RagkvError
-from ragkv.bench import serve as bench
-from ragkv.bench.serve import (BenchRequest, LlamaCppServer, ServeBenchConfig, peer_payload, peer_ratios,
-                               ragkv_payload, render_markdown, summarize, system_prompt)
+from ragkv.bench.serve import LlamaCppServer, ServeBenchConfig
+from ragkv.bench.serve import peer as bench
+from ragkv.bench.serve.clients import summarize
+from ragkv.bench.serve.config import BenchRequest
+from ragkv.bench.serve.peer import peer_payload, peer_ratios
+from ragkv.bench.serve.report import render_markdown
+from ragkv.bench.serve.workload import ragkv_payload, system_prompt
 from tiny import default_model_available
 
 REQ = BenchRequest("Who built Lintwick Tower?", (
@@ -184,7 +188,7 @@ def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
             counted.append(text)
             return 100, len(text.split())
 
-        bench._run_peer(cfg, work, f"http://127.0.0.1:{httpd.server_address[1]}", lambda m: None, result, count)
+        bench.run_peer(cfg, work, f"http://127.0.0.1:{httpd.server_address[1]}", lambda m: None, result, count)
     finally:
         httpd.shutdown()
     assert result["peer"]["prompt_tokens_reported"] == 77 and result["peer"]["prompt_tokens_counted"] == 100

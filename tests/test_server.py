@@ -88,6 +88,30 @@ def test_documents_and_retrieval(server):
     assert httpx.delete(server.url + "/v1/documents/Alpaca%20Farm").status_code == 404
 
 
+def test_retrieved_passages_go_best_last_by_default_and_every_reply_states_its_fidelity(server):
+    """Block-Attention 3.2: ascending relevance, the best chunk next to the question; best-first on request."""
+    httpx.post(server.url + "/v1/documents", json={"documents": [{**d, "id": d["title"]} for d in DOCS]},
+               timeout=120).raise_for_status()
+
+    def ask(**retrieval):
+        return server.client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=2,
+            extra_body={"ragkv": {"mode": "blend", "select": "query", "retrieval": {"top_k": 2, **retrieval}}})
+
+    default, first = ask(), ask(order="best-first")
+    scores = [s["score"] for s in default.model_extra["ragkv"]["sources"]]
+    assert scores == sorted(scores) and scores[-1] > scores[0]
+    assert [s["doc_id"] for s in first.model_extra["ragkv"]["sources"]] == \
+        [s["doc_id"] for s in reversed(default.model_extra["ragkv"]["sources"])]
+    fidelity = default.usage.model_extra["fidelity"]
+    assert fidelity["mode"] == "blend" and fidelity["select"] == "query" and fidelity["exact"] is False
+    assert fidelity["signal"] is not None and fidelity["signal"] >= 0
+    full = server.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=2,
+        extra_body={"ragkv": {"mode": "full", "retrieval": {"top_k": 2}}})
+    assert full.usage.model_extra["fidelity"] == {"mode": "full", "exact": True}
+
+
 @pytest.mark.parametrize("body,status,code", [
     (b"{not json", 400, None),
     (b'{"model": "smollm2"}', 400, None),

@@ -8,16 +8,17 @@ import os
 import pytest
 import torch
 
+from ragkv.engine.loading import schedule_loads
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.state import decode_step
 from ragkv.eval.metrics import first_token_kl
 from ragkv.store import compress, serde, spec
 from ragkv.store.base import BlockKV
 from ragkv.store.compress import CODECS, codec_named
-from ragkv.store.controller import plan_blocks, tier_layer_nbytes
 from ragkv.store.disk import DiskStore
 from ragkv.store.errors import StoreSpecError
 from ragkv.store.memory import MemoryStore
+from ragkv.store.probe import tier_layer_nbytes
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.spec import DiskTierSpec, MemoryTierSpec, open_store, parse_spec
 from redis_fixture import redis_server, redis_url  # noqa: F401
@@ -205,14 +206,14 @@ def test_tier_layer_nbytes_is_what_the_tier_stores(tmp_path, codec):
     assert tier_layer_nbytes(disk, H, kv.num_tokens, kv.keys.shape[-1], kv.dtype) == h.layer_nbytes
 
 
-def test_plan_blocks_prices_each_holders_own_size():
+def test_schedule_loads_prices_each_holders_own_size():
     """Equal bandwidth: the compressed holder loads half the bytes, so it is chosen and the load time halves."""
     holders = {"disk": 1e9, "disk?kv=int8": 1e9}
-    plan = plan_blocks([(100, {"disk": 2e6, "disk?kv=int8": 1e6}, holders)], s_per_token_layer=1e-6)
+    plan = schedule_loads([(100, {"disk": 2e6, "disk?kv=int8": 1e6}, holders)], s_per_token_layer=1e-6)
     assert plan.tiers == ("disk?kv=int8",) and plan.load_ms_per_layer == pytest.approx(1.0)
-    slower = plan_blocks([(100, {"disk": 2e6, "disk?kv=int8": 1e6}, {"disk": 1e9, "disk?kv=int8": 0.4e9})], 1e-6)
+    slower = schedule_loads([(100, {"disk": 2e6, "disk?kv=int8": 1e6}, {"disk": 1e9, "disk?kv=int8": 0.4e9})], 1e-6)
     assert slower.tiers == ("disk",)
-    assert plan_blocks([(100, 2e6, holders)], 1e-6).load_ms_per_layer == pytest.approx(2.0)  # one size for all
+    assert schedule_loads([(100, 2e6, holders)], 1e-6).load_ms_per_layer == pytest.approx(2.0)  # one size for all
 
 
 # --- the engine -------------------------------------------------------------------------------------------

@@ -2,14 +2,13 @@ import json
 
 import pytest
 
-from ragkv.store.controller import (LoadPlan, TierProfile, choose_ratio, choose_tier, hidden_ratio, load_seconds,
-                                    measure_bandwidth, measure_tier, plan_blocks, plan_load, profile_tiers,
-                                    recompute_seconds)
+from ragkv.engine.loading import (StoreProfiles, choose_ratio, hidden_ratio, load_seconds, recompute_seconds,
+                                  schedule_loads)
 from ragkv.store.disk import DiskStore
 from ragkv.store.memory import MemoryStore
+from ragkv.store.probe import measure_tier
 
 MB = 1e6
-TIERS = [TierProfile("memory", 10_000 * MB), TierProfile("disk", 1_000 * MB), TierProfile("redis", 100 * MB)]
 
 
 def test_cost_model():
@@ -29,48 +28,17 @@ def test_ratio_is_max_of_r_min_and_what_loading_hides():
         choose_ratio(1e-3, 1000, 1e-5, r_min=1.5)
 
 
-def test_tier_is_the_cheapest_that_loading_hides():
-    # 2 MB per layer; recompute at r_min: 0.15 * 2000 tokens * 1e-5 s = 3 ms
-    #   memory 0.2 ms, disk 2 ms, redis 20 ms -> disk is the slowest tier that adds no latency
-    tier, hidden = choose_tier(TIERS, 2 * MB, 3e-3)
-    assert tier.name == "disk" and hidden
-    tier, hidden = choose_tier(TIERS, 2 * MB, 30e-3)
-    assert tier.name == "redis" and hidden
-    tier, hidden = choose_tier(TIERS, 2 * MB, 0.1e-3)
-    assert tier.name == "memory" and not hidden
-
-
-def test_plan_when_a_tier_hides_loading():
-    plan = plan_load(TIERS, 2 * MB, 2000, 1e-5, r_min=0.15)
-    assert isinstance(plan, LoadPlan)
-    assert plan.tier == "disk" and plan.ratio == 0.15
-    assert plan.load_ms_per_layer == pytest.approx(2.0) and plan.recompute_ms_per_layer == pytest.approx(3.0)
-    assert "cheapest" in plan.reason
-    assert json.loads(json.dumps(plan.as_dict()))["tier"] == "disk"
-
-
-def test_plan_raises_ratio_when_only_slow_tiers_hold_the_blocks():
-    plan = plan_load([TierProfile("redis", 100 * MB)], 2 * MB, 2000, 1e-5, r_min=0.15)
-    # loading takes 20 ms per layer: recomputing 100% (20 ms) is hidden by it
-    assert plan.tier == "redis" and plan.ratio == 1.0
-    assert plan.recompute_ms_per_layer == pytest.approx(20.0) and "raised" in plan.reason
-    plan = plan_load([TierProfile("redis", 100 * MB)], 1 * MB, 2000, 1e-5, r_min=0.15)
-    assert plan.ratio == pytest.approx(0.5)
-    plan = plan_load([TierProfile("redis", 10 * MB)], 2 * MB, 2000, 1e-5, r_min=0.15)
-    assert plan.ratio == 1.0 and "still adds" in plan.reason
-
-
 def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
     tiers = [MemoryStore(8 << 20), DiskStore(tmp_path / "kv", 64 << 20)]
-    bw = measure_bandwidth(tiers[1], nbytes=1 << 20)
+    bw = measure_tier(tiers[1], nbytes=1 << 20).bytes_per_s
     assert bw > 0 and tiers[1].stats()["entries"] == 0             # the probe entry is gone again
     path = tmp_path / "profile.json"
-    first = profile_tiers(tiers, path=path)
+    first = StoreProfiles.load(path).measure_tiers(tiers)
     assert [p.name for p in first] == ["memory", "disk"] and all(p.bytes_per_s > 0 for p in first)
     saved = json.loads(path.read_text())
     assert set(saved) == {"memory", f"disk:{tmp_path / 'kv'}"}
-    monkeypatch.setattr("ragkv.store.controller.measure_tier", lambda *a, **k: pytest.fail("re-measured"))
-    assert profile_tiers(tiers, path=path) == first                 # profiled once, then read from the file
+    monkeypatch.setattr("ragkv.engine.loading.measure_tier", lambda *a, **k: pytest.fail("re-measured"))
+    assert StoreProfiles.load(path).measure_tiers(tiers) == first  # profiled once, then read from the file
 
 
 @pytest.mark.parametrize("delay_ms,mbps", [(5.0, None), (0.0, 50.0)])
@@ -87,11 +55,11 @@ def test_profile_separates_per_read_latency_from_bandwidth(delay_ms, mbps):
         assert p.latency_s < 2e-3 and 0.5 * mbps * 1e6 < p.bytes_per_s <= 1.05 * mbps * 1e6
 
 
-def test_block_plan_pays_latency_per_read():
+def test_load_schedule_pays_latency_per_read():
     """Per block and layer, T_load = latency + bytes / bandwidth: a small block is read sooner from the
     low-latency tier, a big one from the high-bandwidth tier, and each read's latency adds up."""
     holders = {"near": (10 * MB, 0.0), "far": (1000 * MB, 2e-3)}
-    plan = plan_blocks([(10, 0.001 * MB, holders), (5000, 100 * MB, holders)], 1e-6, r_min=0.15)
+    plan = schedule_loads([(10, 0.001 * MB, holders), (5000, 100 * MB, holders)], 1e-6, r_min=0.15)
     assert plan.tiers == ("near", "far")
     assert plan.load_ms_per_layer == pytest.approx(0.1 + 2.0 + 100.0)
     assert load_seconds(1 * MB, 100 * MB, 0.004) == pytest.approx(0.014)
@@ -100,18 +68,19 @@ def test_block_plan_pays_latency_per_read():
 def test_unreadable_profile_file_is_measured_again(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text("{not json")
-    profiles = profile_tiers([MemoryStore(4 << 20)], path=path)
+    profiles = StoreProfiles.load(path).measure_tiers([MemoryStore(4 << 20)])
     assert profiles[0].bytes_per_s > 0 and "memory" in json.loads(path.read_text())
 
 
 def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
-    profile_tiers([MemoryStore(4 << 20)])
+    StoreProfiles.load().measure_tiers([MemoryStore(4 << 20)])
     assert (tmp_path / "store_bandwidth.json").exists()
 
 
-def test_engine_reads_each_block_from_the_tier_its_plan_names(tiny_engine, tmp_path):
-    """Issue 13: a block may be in several tiers; the plan names the one it is read from, and the engine obeys."""
+def test_engine_reads_each_block_from_the_tier_its_schedule_names(tiny_engine, tmp_path):
+    """Issue 13: a block may be in several tiers; the load schedule names the one it is read from, and the engine
+    obeys."""
     from ragkv.engine.options import FusionOptions
     from ragkv.store.spec import open_store
     from tiny import make_segs
@@ -133,8 +102,6 @@ def test_engine_reads_each_block_from_the_tier_its_plan_names(tiny_engine, tmp_p
 
 
 def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
-    from ragkv.engine.loading import StoreProfiles
-
     p = StoreProfiles(tmp_path / "p.json", {"recompute:x": {"points": [[128, 1.0], [512, 2.0], [2048, 4.0]],
                                                             "measured_at": 0}})
     assert p.recompute("recompute:x", 320) == pytest.approx(1.5) and p.recompute("recompute:x", 3584) == 6.0
@@ -147,7 +114,7 @@ def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_pa
     """Issue 13: with ?cost= in the spec, a new block is placed in the cheapest tier whose loading still hides
     behind the recompute at r = 0.15, else in the fastest."""
     from ragkv.engine.options import FusionOptions
-    from ragkv.store.controller import profile_id
+    from ragkv.store.probe import profile_id
     from ragkv.store.spec import open_store
     from tiny import make_segs
 
@@ -175,7 +142,7 @@ def test_costs_parse_and_are_checked():
 
 def test_profile_id_names_the_codec_not_the_capacity(tmp_path):
     """A compressed tier loads at another speed (decompression is part of a load): its own profile entry."""
-    from ragkv.store.controller import profile_id
+    from ragkv.store.probe import profile_id
 
     assert profile_id(MemoryStore(1 << 20)) == profile_id(MemoryStore(1 << 30)) == "memory"
     assert profile_id(MemoryStore(1 << 20, kv="int8")) == "memory?kv=int8"

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 LOCAL = "reuse:pos=local"  # no position re-encoding: the paper's w/o-pos rows
+CURVE_KEYS = ("full", "reuse", LOCAL)  # the mode keys the accuracy-against-steps curve draws
 ROWS = [("base", "full"), ("base", "reuse"), ("base", LOCAL), ("vanilla-ft", "full"), ("vanilla-ft", "reuse"),
         ("block-ft", "reuse"), ("block-ft", "full"), ("block-ft", LOCAL), ("block-local-ft", LOCAL)]
 # the paper's claims as paired differences on the same examples: (row, minus row, what the target asks)
@@ -146,10 +147,10 @@ def curve(points: dict[str, dict[int, list[Path | list[Path]]]], limit: int | No
     out: dict[str, dict[int, float]] = {}
     for model, by_step in points.items():
         for step, runs in sorted(by_step.items()):
-            for mode, recs in load_row(runs, limit).items():
-                if mode in ("full", "reuse", LOCAL) and recs:
+            for key, recs in load_row(runs, limit).items():
+                if key in CURVE_KEYS and recs:
                     accuracy = mean(r["scores"]["accuracy"] for r in recs.values())  # a point: no bootstrap
-                    out.setdefault(f"{model} / {mode}", {})[step] = 100 * accuracy
+                    out.setdefault(f"{model} / {key}", {})[step] = 100 * accuracy
     return out
 
 

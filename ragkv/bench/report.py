@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ragkv.eval.results import read_runs
 from ragkv.bench.common import markdown_table
+from ragkv.engine.modes import is_reference
 from ragkv.eval.summary import summarize, table_rows
 
 NOTES = "notes.md"  # hand-written analysis beside the page, included verbatim (the page itself is generated)
@@ -164,7 +165,7 @@ def _pooled_over_positions(records: list[dict], modes: list[str], metric: str) -
         xs = list(vals.values())
         s = {metric: round(sum(xs) / len(xs), 6), f"{metric}_ci": list(bootstrap_ci(xs))}
         diffs = [v - full[q] for q, v in vals.items() if q in full]
-        if m != "full" and diffs:
+        if not is_reference(m) and diffs:
             s[f"{metric}_vs_full"] = round(sum(diffs) / len(diffs), 6)
             s[f"{metric}_vs_full_ci"] = list(bootstrap_ci(diffs))
         out[m] = s
@@ -184,7 +185,7 @@ def _quality_section(evals: list[dict], out_dir: Path) -> list[str]:
               "cached (mean, and relative to `full` over the same examples); encode ms = one-time cost of encoding "
               "the example's blocks (not part of TTFT); reused / recomputed tokens at prefill.", ""]
     lines += eval_tables(evals)
-    modes = list(dict.fromkeys(m for e in evals for m in e["summary"] if m != "full"))
+    modes = list(dict.fromkeys(m for e in evals for m in e["summary"] if not is_reference(m)))
     groups = [e["label"] for e in evals]
     for key, ylabel, name in (("first_token_kl", "mean first-token KL to full", "quality-kl.png"),
                               ("greedy_agreement", "greedy output = full (32 tokens)", "quality-greedy.png")):

@@ -21,6 +21,7 @@ from typing import Callable
 
 from zlib_ng.zlib_ng import crc32
 
+from ragkv.engine.modes import MODES, get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.errors import InvalidRequestError
 from ragkv.store.spec import KV_CHOICES
@@ -45,8 +46,9 @@ class StoreBenchConfig:
     examples: int = 5                          # HotpotQA dev examples of the compare_kv run
 
     def __post_init__(self):
-        if not self.modes or any(m not in ("reuse", "ape", "blend") for m in self.modes):
-            raise InvalidRequestError(f"modes {self.modes!r}: choose among reuse, ape, blend (full is always "
+        readers = [m for m in MODES if get_mode(m).reads_blocks]
+        if not self.modes or any(m not in readers for m in self.modes):
+            raise InvalidRequestError(f"modes {self.modes!r}: choose among {', '.join(readers)} (full is always "
                                       "measured)")
         if self.repeats < 1 or self.context < 64:
             raise InvalidRequestError("repeats must be >= 1 and context >= 64")
@@ -85,9 +87,9 @@ def run_store_bench(cfg: StoreBenchConfig, out_dir: Path = Path("bench_out"), pr
     engine = Engine.load(cfg.model, dtype=cfg.dtype, device=cfg.device, store=mem, namespace=NAMESPACE)
     passages, questions = real_passages()
     segs = build_request(engine, passages, questions[0], cfg.context, cfg.query_tokens)
-    keys = engine.warm(segs).keys  # reuse and blend read the same blocks; ape's are added below
-    if "ape" in cfg.modes:
-        keys = list(dict.fromkeys(keys + engine.warm(segs, FusionOptions(mode="ape")).keys))
+    keys = []  # the blocks every mode under test reads (reuse and blend share theirs)
+    for mode in cfg.modes:
+        keys = list(dict.fromkeys(keys + engine.warm(segs, FusionOptions(mode=mode)).keys))
     kvs = [mem.get(k) for k in keys]
     nbytes = sum(kv.nbytes for kv in kvs)
     L = engine.num_layers
@@ -244,7 +246,7 @@ def render_markdown(res: dict) -> str:
 def _plot(path: Path, res: dict) -> None:
     from ragkv.figures import pyplot, save_figure
 
-    rows = [r for r in res["ttft"] if r["mode"] != "full"]
+    rows = [r for r in res["ttft"] if not get_mode(r["mode"]).is_reference]
     fig, ax = pyplot().subplots(figsize=(9, 4.5))
     labels = [f"{r['mode']}\n{r['tier']}\n{_pipe(r['pipelined'])}" for r in rows]
     ax.bar(range(len(rows)), [r["ttft_ms"] for r in rows], color=["C0" if r["tier"] == "memory" else "C1"
@@ -259,10 +261,7 @@ def _plot(path: Path, res: dict) -> None:
 def _forget_profiles(tiers) -> None:
     """Drop the bandwidth profiles the loading controller saved for this run's throwaway tiers (a temporary
     directory, a private Redis port), so they do not pile up in the profile file."""
-    from ragkv.config import cache_dir
-    from ragkv.store.controller import PROFILE_FILE, _read_json, _write_json, profile_id
+    from ragkv.engine.loading import StoreProfiles
+    from ragkv.store.probe import profile_id
 
-    path, ids = cache_dir() / PROFILE_FILE, {profile_id(t) for t in tiers}
-    saved = _read_json(path)
-    if ids & saved.keys():
-        _write_json(path, {k: v for k, v in saved.items() if k not in ids})
+    StoreProfiles.load().forget({profile_id(t) for t in tiers})

@@ -14,18 +14,17 @@ import torch
 
 from ragkv.bench.common import markdown_table, median_ms, real_passages, save_json
 from ragkv.bench.plots import plot_lines
-from ragkv.bench.flops import flops_to_first_token
 from ragkv.engine.kvcache import KVCache
-from ragkv.engine.options import MODES, FusionOptions
+from ragkv.engine.modes import MODES, get_mode
+from ragkv.engine.options import FusionOptions
 from ragkv.errors import InvalidRequestError
 from ragkv.engine.request import Segments
 
 
-def build_request(engine, passages, question: str, context_tokens: int, query_tokens: int,
-                  filler_passage: int = -1) -> Segments:
+def build_request(engine, passages, question: str, context_tokens: int, query_tokens: int) -> Segments:
     base = engine.segments(question, passages[:1])
     prefix, query = base.prefix, base.query
-    filler = engine.passage_ids(passages[filler_passage])
+    filler = engine.passage_ids(passages[-1])
     if len(query) < query_tokens:  # pad in front of the question with real text
         query = filler[: query_tokens - len(query)] + query
     query = query[-query_tokens:]
@@ -70,8 +69,8 @@ class TtftBenchConfig:
 
     @property
     def ordered_modes(self) -> list[str]:
-        """`full` first: the other modes' ratios are against it."""
-        return (["full"] if "full" in self.modes else []) + [m for m in self.modes if m != "full"]
+        """The reference (`full`) first: the other modes' ratios are against it."""
+        return sorted(self.modes, key=lambda m: not get_mode(m).is_reference)
 
 
 def run_ttft_bench(engine, cfg: TtftBenchConfig = TtftBenchConfig(), out_dir: Path = Path("bench_out"),
@@ -88,24 +87,20 @@ def run_ttft_bench(engine, cfg: TtftBenchConfig = TtftBenchConfig(), out_dir: Pa
             progress(f"  context {requested} + {query_tokens}-token query exceeds {engine.max_positions} positions; "
                      f"measuring {n} context tokens")
         segs = build_request(engine, passages, questions[0], n, query_tokens)
-        other = build_request(engine, passages, questions[1], n, query_tokens, filler_passage=-2)
         floor = query_floor_ms(engine, segs, repeats)
         full_ms = None
         for mode in modes:
             fusion = replace(cfg.fusion, mode=mode)
-            if mode == "prefix":
-                engine.prefill(other, fusion)  # an earlier question over the same passages
-            elif mode != "full":
-                engine.warm(segs, fusion)
+            engine.warm(segs, fusion)  # what an earlier question over the same passages leaves in the cache
             last = {}
 
             def run():
                 last["stats"] = engine.prefill(segs, fusion)[1]
             ms, runs = median_ms(run, repeats)
             ctx = len(segs.prefix) + sum(len(b) for b in segs.blocks)
-            flops = flops_to_first_token(a, mode, ctx, len(segs.query), ratio=ratio, prefix_len=len(segs.prefix),
-                                         cached_prefix=last["stats"].reused_tokens)
-            if mode == "full":
+            flops = get_mode(mode).first_token_flops(a, fusion, ctx, len(segs.query), prefix_len=len(segs.prefix),
+                                                     reused=last["stats"].reused_tokens)
+            if get_mode(mode).is_reference:
                 full_ms, full_flops = ms, flops
             row = {"mode": mode, "context_tokens": n, "requested_context": requested,
                    "query_tokens": len(segs.query), "ttft_ms": round(ms, 2),

@@ -8,6 +8,8 @@ from pathlib import Path
 from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
                               fusion_from_args, library_location, print_json)
 from ragkv.errors import RagkvError
+from ragkv.rag.order import PASSAGE_ORDERS, order_passages
+from ragkv.settings import DEFAULT_PASSAGE_ORDER
 
 DOC_SUFFIXES = (".txt", ".md")
 
@@ -19,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--doc", action="append", default=[], help="a passage file (repeatable)")
     p.add_argument("--docs-dir", default=None, help="use every .txt/.md file of this folder as a passage")
     p.add_argument("--top-k", type=int, default=5, help="without --doc/--docs-dir: chunks retrieved from the index")
+    p.add_argument("--passage-order", default=DEFAULT_PASSAGE_ORDER, choices=PASSAGE_ORDERS,
+                   help="retrieved chunks in the prompt: best-last (ascending relevance, the best next to the "
+                        "question; Block-Attention 3.2), best-first, or as-given (the index's ranking, best first); "
+                        "--doc/--docs-dir documents keep their order")
     add_index_arg(p)
     p.add_argument("--system", default=None, help="replace the default instruction")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -93,4 +99,5 @@ def retrieve_for(questions, args, engine):
     library = DocumentLibrary(engine, library_location(args))
     if not library.documents():
         raise RagkvError("no passages: pass --doc FILE or --docs-dir DIR, or run `ragkv ingest DIR` first")
-    return [[(r.passage, r.score, r.chunk_id) for r in library.retrieve(q, args.top_k)] for q in questions]
+    return [order_passages([(r.passage, r.score, r.chunk_id) for r in library.retrieve(q, args.top_k)],
+                           args.passage_order) for q in questions]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, engine_from_args, fusion_from_args,
                               ints, print_json, say)
-from ragkv.engine.options import MODES
+from ragkv.engine.modes import MODES
 from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.settings import DEFAULT_MODEL
 

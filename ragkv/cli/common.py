@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ragkv.engine.options import MODES, FusionOptions
+from ragkv.engine.options import FusionOptions, fusion_option_specs
 from ragkv.errors import InvalidRequestError
 from ragkv.settings import (DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_NAMESPACE, default_index_dir,
                             default_store_spec)
@@ -63,43 +63,53 @@ def library_location(args):
     return args.library
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reuse", title: str = "fusion") -> None:
-    """The fusion mode (unless `default_mode` is None) and every parameter of FusionOptions, for ask, eval,
-    serve and the benchmarks alike."""
+    """The fusion mode (unless `default_mode` is None) and every other field of FusionOptions, each flag derived
+    from the field's declaration (ragkv/engine/options.py), for ask, eval, serve and the benchmarks alike."""
     g = p.add_argument_group(title)
-    if default_mode is not None:
-        g.add_argument("--mode", default=default_mode, choices=MODES)
-    d = FusionOptions()
-    g.add_argument("--ratio", default=str(d.ratio),
-                   help="blend: recompute ratio r in [0, 1], or 'auto' (loading controller, r >= 0.15)")
-    g.add_argument("--check-layers", default=",".join(map(str, d.check_layers)),
-                   help="blend: comma-separated check layers")
-    g.add_argument("--deviation", default=d.deviation, choices=("v", "k"), help="blend: deviation on V or K")
-    g.add_argument("--gradual", action="store_true", help="blend: gradual filtering over the check layers")
-    g.add_argument("--sink-tokens", type=int, default=d.sink_tokens,
-                   help="blend: always recompute each block's first N")
-    g.add_argument("--check-rows", default=d.check_rows, choices=("selected", "all"),
-                   help="blend: rows the check layer itself recomputes (all: every row, as CacheBlend's code)")
-    g.add_argument("--select-per-block", action="store_true", help="blend: keep the top r of each block")
-    g.add_argument("--ape-temperature", type=float, default=None, help="ape: T (default: calibrated or 0.9)")
-    g.add_argument("--ape-scale", type=float, default=None, help="ape: S (default: calibrated or 0.9)")
+    for spec in fusion_option_specs():
+        if spec.name == "mode":
+            if default_mode is not None:
+                g.add_argument("--mode", default=default_mode, choices=spec.choices, help=spec.help)
+            continue
+        shown = ",".join(map(str, spec.default)) if spec.type is tuple else spec.default
+        help_ = spec.help + (f" (default: {shown})" if spec.default is not None and spec.default is not False else "")
+        if spec.type is bool:
+            g.add_argument(_flag(spec.name), action="store_true", help=help_)
+        elif spec.type is tuple or spec.word:  # parsed and checked by fusion_from_args, naming the flag
+            extra = f"; or '{spec.word[0]}' ({spec.word[1]})" if spec.word else ""
+            g.add_argument(_flag(spec.name), default=str(shown), help=help_ + extra +
+                           ("; comma-separated" if spec.type is tuple else ""))
+        else:
+            g.add_argument(_flag(spec.name), type=spec.type, default=spec.default, choices=spec.choices,
+                           help=help_)
 
 
 def fusion_from_args(args, mode: str | None = None) -> FusionOptions:
-    try:
-        checks = tuple(int(c) for c in str(args.check_layers).split(",") if c.strip())
-    except ValueError:
-        raise InvalidRequestError(f"--check-layers wants comma-separated integers, got {args.check_layers!r}")
-    auto = str(args.ratio) == "auto"
-    try:
-        ratio = FusionOptions.ratio if auto else float(args.ratio)
-    except ValueError:
-        raise InvalidRequestError(f"--ratio wants a number in [0, 1] or 'auto', got {args.ratio!r}")
-    return FusionOptions(mode=mode or getattr(args, "mode", None) or "full", ratio=ratio, auto_ratio=auto,
-                         check_layers=checks, deviation=args.deviation, gradual=args.gradual,
-                         sink_tokens=args.sink_tokens, check_rows=args.check_rows,
-                         select_per_block=args.select_per_block, ape_temperature=args.ape_temperature,
-                         ape_scale=args.ape_scale)
+    """FusionOptions from the flags `add_fusion_args` declared; FusionOptions checks every value."""
+    values = {"mode": mode or getattr(args, "mode", None) or "full"}
+    for spec in fusion_option_specs()[1:]:
+        raw = getattr(args, spec.name)
+        if spec.word and str(raw) == spec.word[0]:
+            values[spec.word[1]] = True
+            continue
+        if spec.type is tuple:
+            values[spec.name] = ints(str(raw), _flag(spec.name))
+        elif spec.word:
+            try:
+                values[spec.name] = spec.type(raw)
+            except ValueError:
+                raise InvalidRequestError(f"{_flag(spec.name)} wants a number or '{spec.word[0]}', got {raw!r}") \
+                    from None
+        elif spec.type is bool:
+            values[spec.name] = values.get(spec.name, False) or bool(raw)
+        else:
+            values[spec.name] = raw
+    return FusionOptions(**values)
 
 
 def make_store(spec: str | None):

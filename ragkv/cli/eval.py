@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_from_args, ints, print_json
+from ragkv.engine.modes import MODES, get_mode
 from ragkv.errors import RagkvError
+from ragkv.rag.order import PASSAGE_ORDERS, order_passages
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
 
@@ -32,6 +34,10 @@ def _data_args(p, default: str | None, limit: int | None) -> None:
                    help="nq with distractors (nq-distractors or --num-passages > 1): 0-based index of the gold "
                    "passage (default: cycles over every position)")
     g.add_argument("--split", default=None, help="samsum: test (default) | train | validation | all")
+    g.add_argument("--passage-order", default="as-given", choices=PASSAGE_ORDERS,
+                   help="as-given (the data set's layout, e.g. --gold-position) or each example's passages ranked "
+                        "by a real retriever (MiniLM cosine to the question) and put best-last (as ask and serve "
+                        "do) or best-first")
     p.set_defaults(default_dataset=default)
 
 
@@ -64,9 +70,11 @@ def _shard(text: str) -> tuple[int, int]:
 
 def register(sub) -> None:
     e = sub.add_parser("eval", help="quality of each fusion mode on a benchmark: task metric, fidelity to full, TTFT",
-                       description="Greedy evaluation of fusion modes on a data set. Mode keys: full, prefix, reuse, "
-                       "ape, blend, with parameters like ape:T=0.8,S=0.9 or blend:r=0.3,dev=k,check=1+4,gradual=1,"
-                       "sink=4. `full` always runs first per example (the fidelity reference). Records are "
+                       description="Greedy evaluation of fusion modes on a data set. Mode keys: "
+                       f"{', '.join(MODES)}, with parameters like ape:T=0.8,S=0.9, blend:r=0.3,dev=k,check=1+4,"
+                       "gradual=1,sink=4, blend:sel=query,r=0.15 or blend:sel=sinks,sink=8 (each key parameter is "
+                       "a FusionOptions field's short name). `full` always runs first per example (the fidelity "
+                       "reference). Records are "
                        "appended to a JSONL file; rerunning the same command resumes it.")
     _data_args(e, "required", None)
     e.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated mode keys (default {DEFAULT_MODES})")
@@ -155,9 +163,35 @@ def _dataset(args, name: str | None) -> tuple[str, dict, dict]:
             "format": args.format, "num_passages": args.num_passages, "split": args.split}
     if gold is not None:  # only when set: results files written before the flag existed still resume
         desc["gold_position"] = gold
+    order = getattr(args, "passage_order", "as-given")
+    if order != "as-given":
+        desc["passage_order"] = order
+        label += f"-{order}"
     kw = {"name": name, "data_file": args.data_file, "fmt": args.format, "num_passages": args.num_passages,
           "split": args.split, "gold_position": gold}
     return label, desc, kw
+
+
+def rank_passages(examples, order: str):
+    """Each example's passages ranked by a real retriever (the MiniLM embedder ingest uses: cosine of question and
+    passage) and put in `order`; `meta["gold_index"]`, where there is one, follows the gold passage."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from ragkv.rag.embedding import Embedder
+
+    embedder, out = Embedder(), []
+    for ex in examples:
+        vecs = embedder.encode([ex.question] + [f"{p.title}\n{p.text}" if p.title else p.text for p in ex.passages])
+        ranked = [int(i) for i in np.argsort(-(vecs[1:] @ vecs[0]), kind="stable")]  # best first
+        placed = order_passages(ranked, order)
+        meta = dict(ex.meta)
+        if "gold_index" in meta:
+            meta["retrieved_gold_rank"] = ranked.index(meta["gold_index"])  # 0: the retriever's best
+            meta["gold_index"] = placed.index(meta["gold_index"])
+        out.append(replace(ex, passages=[ex.passages[i] for i in placed], meta=meta))
+    return out
 
 
 def _load(kw: dict, limit):
@@ -198,6 +232,8 @@ def run_eval_cmd(args) -> int:
         parse_mode_key(k, base)
     label, desc, kw = _dataset(args, None)
     examples = _load(kw, args.limit)
+    if args.passage_order != "as-given":
+        examples = rank_passages(examples, args.passage_order)
     if args.shard:
         k, n = args.shard
         examples = examples[k - 1::n]  # interleaved, so each shard gets the same mix of long and short examples
@@ -211,7 +247,7 @@ def run_eval_cmd(args) -> int:
     T, S, source = load_ape_params(engine.fingerprint, examples[0].task) if examples else (
         engine.ape_temperature, engine.ape_scale, engine.ape_source)
     modes = resolve_modes(keys, base, T, S)
-    if any(m.mode == "ape" and m.key == "ape" for m in modes):
+    if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         _say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
     results = ResultsFile(output, results_config(engine, desc, max_new), args.overwrite)

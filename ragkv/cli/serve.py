@@ -8,23 +8,24 @@ import math
 from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
                               fusion_from_args, library_location)
 from ragkv.errors import InvalidRequestError
+from ragkv.settings import SERVE
 
 log = logging.getLogger("ragkv.serve")
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, documents, metrics)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=SERVE.host)
+    p.add_argument("--port", type=int, default=SERVE.port)
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="a name clients may send as `model` (repeatable: e.g. gpt-3.5-turbo for clients that "
                         "default to it); /v1/models lists them all and responses echo the first. Default: --model")
     add_index_arg(p)
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run")
-    p.add_argument("--max-batch", type=int, default=16,
+    p.add_argument("--max-queue", type=int, default=SERVE.max_queue, help="waiting requests before answering 429")
+    p.add_argument("--timeout", type=float, default=SERVE.timeout_s, help="seconds a request may wait and run")
+    p.add_argument("--max-batch", type=int, default=SERVE.max_batch,
                    help="generations decoded together in one batched step (continuous batching)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk,
                    help="while other answers decode, a full/prefix prefill runs this many tokens between two "
                         "decode steps (bounds the pause a new request imposes on them)")
     a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")
@@ -35,11 +36,14 @@ def register(sub) -> None:
                    help="a file of `KEY TENANT` lines (# comments)")
     a.add_argument("--metrics-need-key", action="store_true", help="/metrics needs a key too (default: open)")
     lim = p.add_argument_group("limits (each refusal names its limit)")
-    lim.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes (413 above)")
-    lim.add_argument("--max-documents", type=int, default=64, help="documents per request")
-    lim.add_argument("--max-document-chars", type=int, default=1_000_000, help="characters per document")
-    lim.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt tokens (default: the model's)")
-    lim.add_argument("--ingest-timeout", type=float, default=1800.0, help="seconds a document ingestion job may run")
+    lim.add_argument("--max-body", type=int, default=SERVE.max_body_bytes, help="request body bytes (413 above)")
+    lim.add_argument("--max-documents", type=int, default=SERVE.max_documents, help="documents per request")
+    lim.add_argument("--max-document-chars", type=int, default=SERVE.max_document_chars,
+                     help="characters per document")
+    lim.add_argument("--max-prompt-tokens", type=int, default=SERVE.max_prompt_tokens,
+                     help="prompt tokens (default: the model's)")
+    lim.add_argument("--ingest-timeout", type=float, default=SERVE.ingest_timeout_s,
+                     help="seconds a document ingestion job may run")
     add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
@@ -76,8 +80,9 @@ def run_serve(args) -> int:
 
     import uvicorn
 
-    from ragkv.serve.app import Limits, Server, create_app
+    from ragkv.serve.app import create_app
     from ragkv.serve.auth import ApiKeys
+    from ragkv.serve.server import Limits, Server
 
     check_flags(args)
     fusion = fusion_from_args(args)

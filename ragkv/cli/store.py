@@ -10,11 +10,12 @@ import sys
 
 from ragkv.cli.ask import read_passages
 from ragkv.cli.common import add_model_args, add_store_args, engine_from_args, make_store
+from ragkv.engine.modes import MODES, get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.errors import RagkvError
 from ragkv.store.sizes import human_size
 
-WARM_MODES = ("reuse", "ape", "blend")  # the modes that read cached blocks (prefix caches chunks per request)
+WARM_MODES = tuple(m for m in MODES if get_mode(m).reads_blocks)  # prefix caches chunks per request
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

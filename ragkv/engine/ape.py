@@ -1,8 +1,9 @@
-"""APE attention (Yang, Chen, Chen 2025, "Adaptive Parallel Encoding", eq. 11-12 and appendix C.4).
+"""APE attention (Yang, Chen, Chen 2025, "Adaptive Parallel Encoding"): the joint merge of appendix C.4.
 
 Context tokens (the parallel-encoded blocks) get a temperature T inside their softmax and a scaling
-factor S on their log-sum-exp; prefix and query/generated tokens attend normally. Implemented as one
-attention per part merged through the parts' log-sum-exps:
+factor S on their log-sum-exp; prefix and query/generated tokens attend normally. What runs is appendix C.4's
+merge of one attention per part through the parts' log-sum-exps (it differs from eq. 11-12's written form when
+S != 1):
     lse_ctx' = S * T * LSE(q.k / (sqrt(d) T)),   out = sum_p softmax_p(lse_p) * out_p
 With T = S = 1 this is exactly attention over the concatenation.
 """

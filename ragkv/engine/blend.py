@@ -21,12 +21,14 @@ import torch
 from ragkv.engine.fusion import load_context_layer
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
-from ragkv.engine.options import FusionOptions, RequestStats
+from ragkv.engine.stats import RequestStats
 from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa
 from ragkv.ops.rope import half_tables
+
+# `opts` below is a FusionOptions, named but not imported: the options import the modes that run this module
 
 
 def keep_count(ratio: float, n_block: int) -> int:
@@ -36,19 +38,25 @@ def keep_count(ratio: float, n_block: int) -> int:
 GRADUAL_SPREAD = 0.5  # gradual filtering starts at r + 0.5 min(r, 1 - r) and ends at r - 0.5 min(r, 1 - r)
 
 
-def check_ratios(opts: FusionOptions) -> list[float]:
+def check_ratios(opts: FusionOptions, num_layers: int) -> list[float]:
     """Kept fraction after each check layer.
 
     Gradual filtering (CacheBlend, Yao et al. 2025, sec. 4.3): select slightly more than r at the first check
     layer and narrow it at each later one, each layer choosing among the previous layer's selection, so that the
-    selection averages r over the check layers: r_j = r + d (m - 1 - 2j) / (m - 1), j = 0..m-1, with
-    d = GRADUAL_SPREAD * min(r, 1 - r) (linear, mean exactly r, inside [0, 1]; r = 0 and r = 1 stay exact, so
-    invariant 6 holds). Without gradual filtering, the one selection at the last check layer keeps r."""
-    m, r = len(opts.check_layers), opts.ratio
-    if opts.gradual and m > 1:
-        d = GRADUAL_SPREAD * min(r, 1.0 - r)
-        return [r + d * (m - 1 - 2 * j) / (m - 1) for j in range(m)]
-    return [r] * m
+    selection averages r over the layers it applies to (check layer j's ratio holds until the next check layer, the
+    last one's until the last layer): r_j = r + d (c_j - c̄), c_j = (m - 1 - 2j) / (m - 1), c̄ the layer-weighted
+    mean of c, d = GRADUAL_SPREAD * min(r, 1 - r). Narrowing, inside [0, 1] (|c_j - c̄| <= 2), and the work equals
+    the stated r; r = 0 and r = 1 stay exact (invariant 6). Averaging over the check layers only, as this code did
+    before, left every later layer at r - d. Without gradual filtering the one selection keeps r."""
+    checks, r = list(opts.check_layers), opts.ratio
+    m = len(checks)
+    if not (opts.gradual and m > 1):
+        return [r] * m
+    spans = [b - a for a, b in zip(checks, checks[1:] + [num_layers])]  # layers each ratio applies to
+    c = [(m - 1 - 2 * j) / (m - 1) for j in range(m)]
+    mean_c = sum(w * x for w, x in zip(spans, c)) / sum(spans)
+    d = GRADUAL_SPREAD * min(r, 1.0 - r)
+    return [min(1.0, max(0.0, r + d * (x - mean_c))) for x in c]
 
 
 def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
@@ -91,7 +99,7 @@ class BlendPlan:
         self.blocks = list(zip(layout.block_offsets(), layout.block_lens))
         for off, n in self.blocks:
             self.within[off:off + n] = torch.arange(n, device=dev)
-        self.ratios = dict(zip(opts.check_layers, check_ratios(opts)))
+        self.ratios = dict(zip(opts.check_layers, check_ratios(opts, model.args.num_layers)))
         self.first_check, self.last_check = min(opts.check_layers), opts.check_layers[-1]
         self.unread = 0  # cached layers passed over: every row is recomputed before the first check layer
         self.sel = self.all_positions  # cache indices of the rows in x, ascending
@@ -102,7 +110,7 @@ class BlendPlan:
         self.token_layers = 0     # rows through attention + MLP, summed over layers
         self.projected_rows = 0   # candidate rows whose V (or K) was projected at check layers, to compare
 
-    def begin(self, layer, block, x):
+    def begin(self, layer, decoder_layer, x):
         if self.pending is not None:
             keep, self.pending = self.pending, None
             self.sel = self.positions = self.sel[keep]
@@ -120,20 +128,20 @@ class BlendPlan:
                 self.stats.fetch_ms += (time.perf_counter() - t0) * 1000
             load_context_layer(self, layer)
         if layer in self.ratios and self.n_block:
-            x = self._select(layer, block, x)
+            x = self._select(layer, decoder_layer, x)
         self.token_layers += x.shape[1]
         return x
 
-    def _select(self, layer, block, x):
+    def _select(self, layer, decoder_layer, x):
         opts, sel, N, P = self.opts, self.sel, self.N, self.P
         is_cand = (sel >= P) & (sel < N)
         rows = is_cand.nonzero().squeeze(1)
         idx = sel[rows]
         self.projected_rows += len(rows)
         if opts.deviation == "v":
-            fresh, cached = block.project_v(x[:, rows]), self.cache.values[layer][:, :, idx]
+            fresh, cached = decoder_layer.project_v(x[:, rows]), self.cache.values[layer][:, :, idx]
         else:  # post-RoPE K deviation equals raw-K deviation (RoPE is a rotation); compare rotated
-            _, k, _ = block.project_qkv(x[:, rows], need_q=False)
+            _, k, _ = decoder_layer.project_qkv(x[:, rows], need_q=False)
             fresh, cached = self.model.rope(k, self.all_positions[idx]), self.cache.keys[layer][:, :, idx]
         self.deviation[idx] += (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
         if not (opts.gradual or layer == self.last_check):

@@ -36,7 +36,7 @@ class EncodePlan:
         self.mask = prefill_mask(T, P + T, model.args.sliding_window, dev)
         self.keys, self.values = [], []
 
-    def begin(self, layer, block, x):
+    def begin(self, layer, decoder_layer, x):
         return x
 
     def store(self, layer, raw_k, k, v):

@@ -11,31 +11,28 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
-from ragkv.engine.ape import ApeAttention
-from ragkv.engine.blend import prefill_blend
-from ragkv.engine.blocks import NO_CONDITIONING, BlockCache, prefix_conditioning
+from ragkv.engine.blocks import BlockCache
 from ragkv.engine.calibration import load_ape_params
-from ragkv.engine.fusion import prefill_full, prefill_over_context
 from ragkv.engine.generate import Delta, Sequence, step_sequences
-from ragkv.engine.layout import make_layout
 from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
 from ragkv.engine.loading import LoadingPlanner, StoreProfiles
-from ragkv.engine.options import FusionOptions, GenerationOptions, RequestStats
-from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.modes import get_mode, mode_names
+from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments, tokenize
 from ragkv.engine.state import DecodeState
+from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
-from ragkv.errors import InvalidRequestError, PromptTooLongError
+from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
-from ragkv.models.registry import DEFAULT_MODEL
+from ragkv.settings import DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
 from ragkv.store.errors import MissingBlockError, StoreUnavailableError
 from ragkv.store.memory import MemoryStore
@@ -186,24 +183,17 @@ class Engine:
 
     def cache_keys(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                    namespace: str | None = None) -> list[CacheKey]:
-        """The store entries `fusion.mode` reads for `segs`: block KV (reuse, ape, blend; the prefix as a block
-        too) or the hash-chained prefix chunks (prefix); none for full."""
-        ns = namespace or self.namespace
-        if fusion.mode == "prefix":
-            return chunk_keys(segs.all_ids(), fusion.prefix_chunk, self.fingerprint, ns)
-        if fusion.mode == "full":
-            return []
-        pre = [self._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
-        cond = prefix_conditioning(segs.prefix) if fusion.mode == "ape" else NO_CONDITIONING
-        return pre + [self._blocks.key(ids, cond, ns) for ids in segs.blocks]
+        """The store entries `fusion.mode` reads for `segs` (block KV, the prefix as a block too; or hash-chained
+        prefix chunks; none for full)."""
+        return get_mode(fusion.mode).cache_keys(self, segs, fusion, namespace or self.namespace)
 
     def forget(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32) -> int:
         """Delete what any mode stored for `segs`, keeping its shared prefix (system prompt); returns the count."""
-        keys = []
-        for mode in ("reuse", "ape"):
-            keys += self.cache_keys(segs, FusionOptions(mode=mode), namespace)[1 if segs.prefix else 0:]
-        chunks = self.cache_keys(segs, FusionOptions(mode="prefix", prefix_chunk=prefix_chunk), namespace)
-        keys += chunks[len(segs.prefix) // prefix_chunk:]
+        keys = {}
+        for name in mode_names():
+            fusion = FusionOptions(mode=name, prefix_chunk=prefix_chunk)
+            own = self.cache_keys(segs, fusion, namespace)[get_mode(name).shared_key_count(segs, fusion):]
+            keys.update(dict.fromkeys(own))
         return sum(bool(self._store.delete(k)) for k in keys)
 
     def profile_store(self, refresh: bool = False) -> dict:
@@ -260,11 +250,9 @@ class Engine:
         return build_segments(self.tokenizer, None, passages, self.prompt_format, system)
 
     def warm(self, segs: Segments, fusion: FusionOptions = FusionOptions(), namespace: str | None = None):
-        """Precompute and store the blocks of `segs` for `fusion.mode` without answering."""
-        if fusion.mode == "ape":
-            self._blocks.ensure([segs.prefix] if segs.prefix else [], NO_CONDITIONING, namespace=namespace)
-            return self._blocks.ensure(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, namespace)
-        return self._blocks.ensure(([segs.prefix] if segs.prefix else []) + segs.blocks, namespace=namespace)
+        """Precompute and store what `fusion.mode` would reuse for `segs` (its blocks, or its prefix chunks)
+        without answering; returns the keys and what was encoded."""
+        return get_mode(fusion.mode).warm(self, segs, fusion, namespace or self.namespace)
 
     # -- prefill ----------------------------------------------------------------------------------------
     def _check_length(self, positions: int, what: str = "fused prompt") -> None:
@@ -299,69 +287,16 @@ class Engine:
                        chunk, blocks: BlockCache) -> Steps:
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
-        mode = fusion.mode
-        if mode == "blend" and fusion.check_layers[-1] >= self.num_layers:
-            raise InvalidRequestError(f"check layer {fusion.check_layers[-1]} does not exist: this model's check "
-                                      f"layers are 1..{self.num_layers - 1} (check_layers)")
+        mode = get_mode(fusion.mode)
+        mode.check(self, fusion)
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
-        store = blocks.store
-        ns = namespace or self.namespace
-        if mode in ("full", "prefix"):
-            self._check_length(segs.num_tokens, "prompt")
-            capacity = segs.num_tokens + max_new_tokens
-            if mode == "full":
-                state = yield from prefill_full(self.model, segs.all_ids(), capacity, stats, chunk)
-            else:
-                state = yield from prefill_prefix(self.model, store, self.fingerprint, ns, segs.all_ids(),
-                                                  fusion.prefix_chunk, capacity, stats, chunk)
-        else:
-            layout_kind = "shared" if mode == "ape" else "local" if fusion.positions == "local" else "sequential"
-            prefix_blocks = [segs.prefix] if segs.prefix else []
-            layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], layout_kind)
-            self._check_length(layout.query_start + len(segs.query))
-            capacity = segs.num_tokens + max_new_tokens
-            if mode == "ape":
-                pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
-                blk = yield from blocks.ensure_steps(segs.blocks, prefix_conditioning(segs.prefix), segs.prefix, ns)
-                keys, uncached = pre.keys + blk.keys, {**pre.uncached, **blk.uncached}
-                stats.cache_hits, stats.cache_misses = pre.hits + blk.hits, pre.misses + blk.misses
-                stats.cached_tokens = pre.hit_tokens + blk.hit_tokens
-                stats.encode_ms = pre.encode_ms + blk.encode_ms
-            else:
-                res = yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns)
-                keys, uncached = res.keys, res.uncached
-                stats.cache_hits, stats.cache_misses, stats.encode_ms = res.hits, res.misses, res.encode_ms
-                stats.cached_tokens = res.hit_tokens
-            if uncached:
-                stats.extra["uncached_blocks"] = len(uncached)  # computed and used, but the store did not keep them
-            plan = self._planner.plan(keys, fusion.ratio) if mode == "blend" and not uncached else None
-            if isinstance(plan, str):
-                stats.extra["loading_plan"], plan = {"none": plan}, None
-            elif plan is not None:  # the engine reads each block from the tier the plan names
-                stats.extra["loading_plan"] = plan.as_dict()
-                if fusion.auto_ratio:
-                    fusion = replace(fusion, ratio=plan.ratio)
-            layer_iter = self._layer_stream(keys, uncached, store, plan.tiers if plan is not None else None)
-            if mode == "blend":
-                context_ids = segs.prefix + [t for b in segs.blocks for t in b]
-                state = prefill_blend(self.model, layer_iter, layout, context_ids, segs.query, fusion,
-                                      capacity, stats)
-            else:
-                attention = None
-                if mode == "ape":
-                    T = fusion.ape_temperature if fusion.ape_temperature is not None else self.ape_temperature
-                    S = fusion.ape_scale if fusion.ape_scale is not None else self.ape_scale
-                    attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
-                    stats.extra.update(ape_temperature=T, ape_scale=S)
-                state = prefill_over_context(self.model, layer_iter, layout, segs.query, capacity, stats,
-                                             attention)
-        stats.full_token_layers = (len(segs.prefix) + sum(map(len, segs.blocks)) + len(segs.query)) * self.num_layers
-        if mode != "blend":  # every recomputed token went through every layer
-            stats.recomputed_token_layers = stats.recomputed_tokens * self.num_layers
+        state = yield from mode.prefill(self, segs, fusion, segs.num_tokens + max_new_tokens, stats,
+                                        namespace or self.namespace, chunk, blocks)
+        stats.full_token_layers = segs.num_tokens * self.num_layers
+        stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
+        stats.fidelity = mode.fidelity(fusion, stats)
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
-        if hasattr(layer_iter := locals().get("layer_iter"), "wait_ms"):
-            stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state, stats
 
     def _layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):

@@ -13,7 +13,7 @@ import torch
 
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
-from ragkv.engine.options import RequestStats
+from ragkv.engine.stats import RequestStats
 from ragkv.engine.state import AttentionPolicy, DecodeState
 from ragkv.engine.stepwise import Steps
 from ragkv.errors import InvalidRequestError
@@ -84,7 +84,7 @@ class ContextPlan:
         # sequential layout: cache index == position, so the window applies to cache indices
         self.mask = prefill_mask(query_len, self.N + query_len, window, dev)
 
-    def begin(self, layer, block, x):
+    def begin(self, layer, decoder_layer, x):
         load_context_layer(self, layer)
         return x
 

@@ -1,125 +1,150 @@
-"""Per-request options (fusion mode and its parameters, decoding) and per-request statistics."""
+"""Per-request options: the fusion mode and its parameters, and decoding. Each field is declared once (`option`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, replace
 
-from ragkv.errors import InvalidRequestError
+from ragkv.engine.modes import get_mode, mode_names
+from ragkv.engine.modes.blend import SELECTIONS
+from ragkv.errors import InvalidRequestError, OptionError
 
-MODES = ("full", "prefix", "reuse", "ape", "blend")
+
+
+def option(default, help: str, *, choices: tuple | None = None, ge=None, le=None, gt=None, key: str | None = None,
+           max_items: int | None = None, word: tuple[str, str] | None = None):
+    """A field declared once: its default, help, and bounds or choices. The CLI flags, the HTTP schema and the eval
+    mode keys are derived from these declarations (`option_specs`), and `__post_init__` checks them for all three.
+    `key`: its short name in an eval mode key (blend:r=0.3); `word`: a word the CLI takes in place of a value,
+    setting a boolean field instead (--ratio auto)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "le": le, "gt": gt,
+                                            "key": key, "max_items": max_items, "word": word})
 
 
 @dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    type: type             # int, float, str, bool, or tuple (of ints)
+    optional: bool         # None allowed (means: the engine's calibrated or configured value)
+    default: object
+    help: str
+    choices: tuple | None
+    ge: float | None
+    le: float | None
+    gt: float | None
+    key: str | None
+    max_items: int | None
+    word: tuple[str, str] | None
+
+
+def option_specs(cls) -> list[OptionSpec]:
+    """Every declared field of an options dataclass, with its type read from the annotation."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = type(None) in typing.get_args(hint)
+        base = typing.get_origin(hint) or hint
+        if optional:
+            base = typing.get_origin(args[0]) or args[0]
+        out.append(OptionSpec(f.name, base, optional, f.default, f.metadata.get("help", ""),
+                              *(f.metadata.get(k) for k in ("choices", "ge", "le", "gt", "key", "max_items",
+                                                            "word"))))
+    return out
+
+
+def check_option(spec: OptionSpec, value) -> None:
+    """The one check of a declared field's value, whatever it came from (flag, HTTP body, eval key)."""
+    name = spec.name
+    if value is None:
+        if not spec.optional:
+            raise OptionError(name, f"{name} must be set")
+        return
+    items = value if spec.type is tuple else (value,)
+    if spec.max_items is not None and len(items) > spec.max_items:
+        raise OptionError(name, f"{name} takes at most {spec.max_items} values, got {len(items)}")
+    for v in items:
+        if spec.choices is not None and v not in spec.choices:
+            raise OptionError(name, f"{name} must be one of {', '.join(map(repr, spec.choices))}, got {v!r}")
+        if spec.gt is not None and not v > spec.gt:
+            raise OptionError(name, f"{name} must be > {spec.gt}, got {v}")
+        if spec.ge is not None and not v >= spec.ge:
+            raise OptionError(name, f"{name} must be >= {spec.ge}, got {v}")
+        if spec.le is not None and not v <= spec.le:
+            raise OptionError(name, f"{name} must be <= {spec.le}, got {v}")
+
+@dataclass(frozen=True)
 class FusionOptions:
-    """How cached blocks become the KV the query attends to (README "How a request flows")."""
-    mode: str = "reuse"
-    ratio: float = 0.15                   # blend: fraction of block tokens recomputed (r_min when auto_ratio)
-    auto_ratio: bool = False              # blend: the loading controller raises r to what loading hides
-    check_layers: tuple[int, ...] = (1,)  # blend: layers where deviation selects tokens (gradual filtering if >1)
-    deviation: str = "v"                  # blend: "v" (CacheBlend code) or "k" (post-RoPE K, LMCache)
-    gradual: bool = False                 # blend: shrink the selection at each check layer (CacheBlend 4.3)
-    sink_tokens: int = 0                  # blend: always recompute each block's first tokens
-    check_rows: str = "selected"          # blend: "all" recomputes every row through the check layer itself and
-    #                                       writes all its fresh KV there (the original code), "selected" only the kept
-    select_per_block: bool = False        # blend: keep the top r of each block, not the top r of all blocks
-    ape_temperature: float | None = None  # ape: None -> calibrated value or 0.9
-    ape_scale: float | None = None
-    prefix_chunk: int = 32                # prefix: tokens per hash-chained chunk
-    positions: str = "reencoded"          # reuse: "reencoded" (each block re-rotated to its place in the prompt)
-    #                                       or "local" (no re-encoding: each block keeps positions 0..n-1, an ablation)
+    """How cached blocks become the KV the query attends to (ragkv/engine/modes: one module per mode)."""
+    mode: str = option("reuse", "fusion mode (ragkv/engine/modes)")
+    ratio: float = option(0.15, "blend: fraction of block tokens recomputed, in [0, 1] (r_min with auto_ratio)",
+                          ge=0.0, le=1.0, key="r", word=("auto", "auto_ratio"))
+    auto_ratio: bool = option(False, "blend: the loading controller raises r to what loading hides")
+    select: str = option("deviation", "blend: how the recomputed tokens are chosen: deviation (CacheBlend), query "
+                         "(ProphetKV: the query's attention over the reused cache), sinks (EPIC: each block's first "
+                         "sink_tokens only)", choices=SELECTIONS, key="sel")
+    max_kl: float = option(0.05, "auto: the most a recompute of r of the tokens may move the first-token "
+                           "distribution (KL, nats) before auto recomputes everything (calibrated on held-out data)",
+                           ge=0.0, le=100.0, key="kl")
+    check_layers: tuple[int, ...] = option((1,), "blend: increasing layers where deviation selects tokens "
+                                           "(gradual filtering if several)", ge=1, key="check", max_items=64)
+    deviation: str = option("v", "blend: deviation on V (CacheBlend's code) or post-RoPE K (LMCache)",
+                            choices=("v", "k"), key="dev")
+    gradual: bool = option(False, "blend: shrink the selection at each check layer (CacheBlend 4.3)", key="gradual")
+    sink_tokens: int = option(0, "blend: always recompute each block's first N tokens", ge=0, le=1 << 20,
+                              key="sink")
+    check_rows: str = option("selected", "blend: rows the check layer itself recomputes (all: every row, as "
+                             "CacheBlend's code)", choices=("selected", "all"), key="rows")
+    select_per_block: bool = option(False, "blend: keep the top r of each block, not of all blocks",
+                                    key="perblock")
+    ape_temperature: float | None = option(None, "ape: temperature T (default: calibrated or 0.9)", gt=0, le=100,
+                                           key="T")
+    ape_scale: float | None = option(None, "ape: scale S (default: calibrated or 0.9)", gt=0, le=100, key="S")
+    prefix_chunk: int = option(32, "prefix: tokens per hash-chained chunk", ge=1, le=1 << 16, key="chunk")
+    positions: str = option("reencoded", "reuse: reencoded (each block re-rotated to its place) or local (each "
+                            "block keeps positions 0..n-1, an ablation)", choices=("reencoded", "local"), key="pos")
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise InvalidRequestError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise InvalidRequestError(f"blend ratio must be in [0, 1], got {self.ratio}")
-        if self.check_rows not in ("selected", "all"):
-            raise InvalidRequestError(f"blend check_rows must be 'selected' or 'all', got {self.check_rows!r}")
-        if self.deviation not in ("k", "v"):
-            raise InvalidRequestError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
+        get_mode(self.mode)  # unknown names: an error listing the registered modes
+        for spec in option_specs(FusionOptions)[1:]:
+            check_option(spec, getattr(self, spec.name))
         # layer 0 has nothing to compare yet (every deviation is zero there): the first check layer is 1
-        if not self.check_layers or any(c < 1 for c in self.check_layers) or list(self.check_layers) != sorted(
-                set(self.check_layers)):
-            raise InvalidRequestError(f"check_layers must be increasing layer numbers >= 1, got {self.check_layers}")
-        for name in ("ape_temperature", "ape_scale"):
-            val = getattr(self, name)
-            if val is not None and val <= 0:
-                raise InvalidRequestError(f"{name} must be > 0, got {val}")
-        if self.positions not in ("reencoded", "local"):
-            raise InvalidRequestError(f"positions must be 'reencoded' or 'local', got {self.positions!r}")
-        if self.positions == "local" and self.mode != "reuse":
-            raise InvalidRequestError(f"positions='local' applies to mode 'reuse' only, not {self.mode!r}")
-        if self.prefix_chunk < 1:
-            raise InvalidRequestError("prefix_chunk must be >= 1")
+        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
+                              f"{self.check_layers}")
+        if self.positions != "reencoded" and "positions" not in get_mode(self.mode).option_fields:
+            users = [m for m in mode_names() if "positions" in get_mode(m).option_fields]
+            raise OptionError("positions", f"positions={self.positions!r} applies to mode "
+                              f"{' or '.join(map(repr, users))} only, not {self.mode!r}")
+
+
+def fusion_option_specs() -> list[OptionSpec]:
+    """FusionOptions' declared fields, `mode` with the registered names as its choices."""
+    specs = option_specs(FusionOptions)
+    return [replace(specs[0], choices=mode_names())] + specs[1:]
+
 
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    top_k: int = 0                  # <= 0: off
-    min_p: float = 0.0              # 0: off
-    presence_penalty: float = 0.0   # OpenAI's, on generated tokens
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # CTRL's, on prompt and generated tokens; 1: off
-    logprobs: int | None = None     # None: none; k: each chosen token's log-probability and the k most likely
+    max_new_tokens: int = option(128, "tokens to generate at most", ge=0)
+    temperature: float = option(0.0, "sampling temperature; 0: greedy", ge=0)
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this probability", gt=0, le=1)
+    seed: int | None = option(None, "sampling seed (None: a fresh one)")
+    stop: tuple[str, ...] = option((), "strings that end the answer (not included)")
+    top_k: int = option(0, "keep the k most likely tokens; <= 0: off")
+    min_p: float = option(0.0, "drop tokens below min_p times the most likely one's probability; 0: off", ge=0, le=1)
+    presence_penalty: float = option(0.0, "OpenAI's, on generated tokens")
+    frequency_penalty: float = option(0.0, "OpenAI's, on generated tokens")
+    repetition_penalty: float = option(1.0, "CTRL's, on prompt and generated tokens; 1: off", gt=0)
+    logprobs: int | None = option(None, "None: none; k: each chosen token's log-probability and the k most likely",
+                                  ge=0)
 
     def __post_init__(self):
-        if self.max_new_tokens < 0:
-            raise InvalidRequestError("max_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError("top_p must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise InvalidRequestError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty must be > 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise InvalidRequestError("logprobs must be >= 0")
+        for spec in option_specs(GenerationOptions):
+            check_option(spec, getattr(self, spec.name))
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-
-@dataclass
-class RequestStats:
-    mode: str
-    prompt_tokens: int = 0
-    reused_tokens: int = 0         # prompt tokens whose KV came from the cache (at the last layer, for blend)
-    recomputed_tokens: int = 0     # prompt tokens whose KV this request computed at the last layer
-    # the work behind them: rows through each layer's attention and MLP, summed over layers, and the same for a
-    # `full` prefill of this prompt (blend also runs every token through the layers up to its first check layer)
-    recomputed_token_layers: int = 0
-    full_token_layers: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    cached_tokens: int = 0         # prompt tokens of the blocks (or prefix chunks) found in the store: what the
-    #                                cache saved this request (reused_tokens also counts blocks it encoded itself)
-    ttft_ms: float = 0.0
-    encode_ms: float = 0.0         # encoding missed blocks (not reuse: first-time cost)
-    fetch_ms: float = 0.0
-    rerotate_ms: float = 0.0
-    recompute_ms: float = 0.0
-    query_prefill_ms: float = 0.0
-    completion_tokens: int = 0
-    decode_ms: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return 1000.0 * self.completion_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["tokens_per_s"] = round(self.tokens_per_s, 2)
-        d["recompute_vs_full"] = round(self.recomputed_token_layers / self.full_token_layers, 4) \
-            if self.full_token_layers else None
-        for k, v in d.items():
-            if isinstance(v, float):
-                d[k] = round(v, 3)
-        return d

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ragkv.engine.kvcache import KVCache
-from ragkv.engine.options import RequestStats
+from ragkv.engine.stats import RequestStats
 from ragkv.engine.fusion import prefill_chunks
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stepwise import Steps

@@ -44,7 +44,7 @@ class DecodePlan:
         self.states, self.window = states, window
         self.positions = torch.tensor([[s.next_position] for s in states], device=device)
 
-    def begin(self, layer, block, x):
+    def begin(self, layer, decoder_layer, x):
         return x
 
     def store(self, layer, raw_k, k, v):

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Iterable
 
 from ragkv.config import cpu_name
+from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
@@ -83,8 +84,9 @@ def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int):
     return Answer("", [], "length", stats, state.logits)
 
 
-def _warm_group(mode: str) -> str | None:
-    return {"reuse": "plain", "blend": "plain", "ape": "ape"}.get(mode)
+def _warm_group(engine, segs, fusion) -> tuple | None:
+    """Modes that read the same blocks (reuse and blend) share one encoding: its cost is counted once."""
+    return tuple(engine.cache_keys(segs, fusion)) if get_mode(fusion.mode).reads_blocks else None
 
 
 def forget_example(engine, segs, chunk: int = FusionOptions().prefix_chunk) -> None:
@@ -105,7 +107,11 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "recompute_vs_full": s.to_dict()["recompute_vs_full"],
            "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
            "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra,
+           "mode_fidelity": s.fidelity,  # how the mode says it computed the answer (exact or not, signal)
            "cpu": cpu_name()}  # per record: a resumed run may go on on another machine
+    for k in ("gold_index", "retrieved_gold_rank"):  # where the gold passage sat, and the retriever's rank of it
+        if k in ex.meta:
+            rec[k] = ex.meta[k]
     if ex.task != "summary":
         rec["answers"] = ex.answers
     return rec
@@ -141,18 +147,18 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
             continue
         bar.set_postfix_str(f"{ex.id[:12]} full")
         ref = _answer(engine, segs, FULL, max_new_tokens)
-        rerun += any((ex.id, m.key) in done for m in modes if m.mode == "full")
+        rerun += any((ex.id, m.key) in done for m in modes if get_mode(m.mode).is_reference)
         encode: dict[str, float] = {}
         for spec in pending:
             bar.set_postfix_str(f"{ex.id[:12]} {spec.key}")
-            if spec.mode == "full":
+            if get_mode(spec.mode).is_reference:
                 ans = ref  # the reference run is the `full` row: fidelity exactly zero by construction
             else:
-                group = _warm_group(spec.mode)
+                group = _warm_group(engine, segs, spec.fusion)
                 if group and group not in encode:
                     encode[group] = engine.warm(segs, spec.fusion).encode_ms
                 ans = _answer(engine, segs, spec.fusion, max_new_tokens)
-            rec = make_record(ex, spec, ans, ref, segs, encode.get(_warm_group(spec.mode), 0.0), n_fid)
+            rec = make_record(ex, spec, ans, ref, segs, encode.get(_warm_group(engine, segs, spec.fusion), 0.0), n_fid)
             if results is not None:
                 results.append(rec)
             new.append(rec)

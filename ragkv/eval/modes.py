@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ragkv.engine.options import MODES, FusionOptions
+from ragkv.engine.modes import MODES, get_mode
+from ragkv.engine.options import FusionOptions, OptionSpec, fusion_option_specs
 from ragkv.errors import InvalidRequestError, RagkvError
 
 
@@ -14,7 +15,6 @@ class ModeKeyError(RagkvError):
     """A mode key cannot be parsed; the message lists what is accepted."""
 
 
-# parameter name in a key -> (FusionOptions field, parser); per mode
 def _bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "on"):
         return True
@@ -27,22 +27,19 @@ def _layers(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.replace("/", "+").split("+") if x)
 
 
-PARAMS = {
-    "prefix": {"chunk": ("prefix_chunk", int)},
-    "reuse": {"pos": ("positions", str)},
-    "ape": {"T": ("ape_temperature", float), "S": ("ape_scale", float)},
-    "blend": {"r": ("ratio", float), "dev": ("deviation", str), "check": ("check_layers", _layers),
-              "gradual": ("gradual", _bool), "sink": ("sink_tokens", int), "rows": ("check_rows", str),
-              "perblock": ("select_per_block", _bool)},
-}
+def _parser(spec: OptionSpec):
+    return {bool: _bool, tuple: _layers}.get(spec.type, spec.type)
 
-# the FusionOptions fields each mode depends on: what a record stores and what must match on resume
-MODE_FIELDS = {
-    "full": (), "reuse": ("positions",), "prefix": ("prefix_chunk",), "ape": ("ape_temperature", "ape_scale"),
-    "blend": ("ratio", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows", "select_per_block"),
-}
+
+_SPECS = {spec.name: spec for spec in fusion_option_specs()}
+# per mode: the FusionOptions fields it depends on (what a record stores and what must match on resume), and the
+# short key parameter of each (blend:r=0.3), both from the mode object and the options' declarations
+MODE_FIELDS = {name: get_mode(name).option_fields for name in MODES}
+PARAMS = {name: {_SPECS[f].key: (f, _parser(_SPECS[f])) for f in fields if _SPECS[f].key}
+          for name, fields in MODE_FIELDS.items()}
 # fields added later: stored only when not at their default, so results files written before them still resume
-LATER_FIELDS = {"check_rows": "selected", "select_per_block": False, "positions": "reencoded"}
+LATER_FIELDS = {"check_rows": "selected", "select_per_block": False, "positions": "reencoded",
+                "select": "deviation"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ def resolve_modes(keys: list[str], base: FusionOptions, ape_temperature: float, 
     out = []
     for key in keys:
         f = parse_mode_key(key, base)
-        if f.mode == "ape":
+        if "ape_temperature" in MODE_FIELDS[f.mode]:  # the engine's defaults, written into the record
             f = replace(f, ape_temperature=f.ape_temperature if f.ape_temperature is not None else ape_temperature,
                         ape_scale=f.ape_scale if f.ape_scale is not None else ape_scale)
         out.append(ModeSpec(key, f))

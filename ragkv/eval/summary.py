@@ -11,11 +11,18 @@ from __future__ import annotations
 import statistics
 from typing import Iterable, Sequence
 
+from ragkv.engine.modes import is_reference
+
 TASK_KEYS = ("accuracy", "f1", "exact_match", "rouge_l")
 MEAN_KEYS = ("ttft_ms", "encode_ms", "reused_tokens", "recomputed_tokens", "prompt_tokens", "completion_tokens")
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
+
+
+def _is_reference(key: str) -> bool:
+    """Whether a mode key (e.g. `full`, `blend:r=0.3`) names the reference mode, which has no row to compare with."""
+    return is_reference(key.partition(":")[0])
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -91,7 +98,7 @@ def summarize(records: Iterable[dict], modes: list[str] | None = None) -> dict[s
             out[m]["ttft_vs_full"] = round(sum(t for t, _ in pairs) / sum(f for _, f in pairs), 4)
     full_scores = {r["example_id"]: r.get("scores", {}) for r in groups.get("full", [])}
     for m in order:
-        if m == "full":
+        if is_reference(m):
             continue
         for k in TASK_KEYS:  # paired: mode - full on the examples both ran
             diffs = [r["scores"][k] - full_scores[r["example_id"]][k] for r in groups[m]
@@ -132,7 +139,8 @@ def table_rows(summary: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for mode, s in summary.items():
         rows.append([mode, str(s["n"])] + [_with_ci(s, k) if k == "accuracy" else _fmt(s.get(k)) for k in tasks]
-                    + ([_with_ci(s, "accuracy_vs_full", signed=True) if mode != "full" else "-"] if delta else []) + [
+                    + ([_with_ci(s, "accuracy_vs_full", signed=True) if not _is_reference(mode) else "-"]
+                       if delta else []) + [
             _fmt(s["first_token_kl"], 4), _fmt(s["first_token_kl_median"], 4), _fmt(s["top1_agreement"], 2),
             _fmt(s.get("greedy_agreement"), 2), _fmt(s.get("prefix_agreement"), 1), _fmt(s["ttft_ms"], 0),
             f"{100 * s['ttft_vs_full']:.1f}%" if "ttft_vs_full" in s else "-", _fmt(s["encode_ms"], 0),

@@ -24,6 +24,8 @@ try:
     from pydantic import Field, SecretStr
 
     from ragkv.integrations.client import RagkvClient, Reply, document  # needs httpx
+    from ragkv.rag.order import check_order, order_passages
+    from ragkv.settings import DEFAULT_PASSAGE_ORDER
 except ImportError as e:
     raise ImportError(f"ragkv.integrations.langchain needs langchain-core and httpx ({e}): "
                       "pip install 'ragkv[langchain]'") from e
@@ -130,11 +132,12 @@ class ChatRagkv(BaseChatModel):
 
 
 def create_blocks_chain(llm: ChatRagkv, prompt: BasePromptTemplate | None = None,
-                        documents_key: str = "context") -> Runnable:
+                        documents_key: str = "context", passage_order: str = DEFAULT_PASSAGE_ORDER) -> Runnable:
     """The ragkv counterpart of a "stuff documents" chain: input `{documents_key: [Document], **prompt variables}`,
     output the AIMessage. The documents go as blocks, so the prompt must not contain them (default prompt: one
     user message `{question}`). Put a retriever in front: `{"context": retriever, "question": RunnablePassthrough()}`.
     """
+    check_order(passage_order)
     prompt = prompt if prompt is not None else ChatPromptTemplate.from_messages([("human", "{question}")])
     if documents_key in prompt.input_variables:
         raise ValueError(f"the prompt contains {{{documents_key}}}: ragkv sends the documents as blocks, not as "
@@ -143,7 +146,8 @@ def create_blocks_chain(llm: ChatRagkv, prompt: BasePromptTemplate | None = None
     def with_documents(inputs: dict) -> Runnable:  # a returned Runnable is invoked (or streamed) on the same input
         if documents_key not in inputs:
             raise KeyError(f"the chain's input has no {documents_key!r} key (the documents); it has {sorted(inputs)}")
-        return prompt | llm.bind(documents=list(inputs[documents_key]))
+        # a retriever's documents come best first; `passage_order` puts them in the prompt (default: best last)
+        return prompt | llm.bind(documents=order_passages(list(inputs[documents_key]), passage_order))
 
     return RunnableLambda(with_documents, name="ragkv_blocks")
 

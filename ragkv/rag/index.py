@@ -1,37 +1,23 @@
-"""A persisted vector index: exact cosine search over a numpy matrix, chunk metadata beside it as JSONL.
+"""The in-memory vector index a tenant's retrieval searches: exact cosine search over a numpy matrix.
 
 Why not faiss or hnswlib: at this scale (thousands to tens of thousands of chunks of dim 384) an exact search
 is one matrix-vector product, ~20K x 384 floats = 30 MB, ~1-3 ms on one CPU core, with perfect recall and no
 extra dependency or index build/tuning. An approximate index only pays from millions of vectors.
 
-On disk (in the index folder):
-    index.json                 manifest: format, generation, count, dim, embedding model
-    vectors-<generation>.npy   float32 [count, dim] unit vectors, row i belongs to line i of the chunks file
-    chunks-<generation>.jsonl  one Chunk per line
-A save writes a new generation's files, then atomically replaces the manifest (the commit point), then deletes
-the old generation, so a reader or a crash never sees vectors and metadata from different saves. Saves from
-several processes are serialized by a lock file, but each writes its own in-memory view: the last save wins.
+Nothing here is saved: the document library (ragkv.rag.catalog, ragkv.rag.redis_catalog) is the truth and
+builds each tenant's index from its rows (`VectorIndex.from_rows`) when they changed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
-import json
-import os
 import threading
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ragkv.errors import RagkvError
 from ragkv.rag.chunking import Chunk
-
-FORMAT = 1
-MANIFEST = "index.json"
 
 
 class VectorIndexError(RagkvError):
@@ -46,82 +32,24 @@ class DocumentInfo:
     chunks: int
 
 
-def _corrupt(path: Path, reason: str) -> VectorIndexError:
-    return VectorIndexError(f"vector index at {path} is unusable ({reason}); delete that folder and ingest "
-                            "your documents again")
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class VectorIndex:
-    """Chunks and their unit vectors; thread-safe; `save()` persists, nothing is written before."""
+    """Chunks and their unit vectors; thread-safe."""
 
-    def __init__(self, path: str | Path, embedding_model: str | None = None):
-        self.path = Path(path).expanduser()
-        self.embedding_model = embedding_model
+    def __init__(self):
         self._lock = threading.RLock()
         self._vecs = np.zeros((0, 0), dtype=np.float32)  # [capacity, dim]; rows >= len(self) unused
         self._chunks: list[Chunk] = []
         self._row: dict[str, int] = {}
-        self._dirty = False
 
     @classmethod
-    def open(cls, path: str | Path, embedding_model: str | None = None) -> VectorIndex:
-        """Open the index in `path` (empty if the folder or its manifest does not exist yet).
-
-        Raises:
-            VectorIndexError: files are corrupt or inconsistent, or were built with another embedding model.
-        """
-        index = cls(path, embedding_model)
-        if not (index.path / MANIFEST).exists():
-            return index
-        for attempt in range(3):  # a concurrent save may delete the generation between manifest and data reads
-            generation, dim, count, model = index._read_manifest()
-            try:
-                vecs = np.load(index.path / f"vectors-{generation}.npy", allow_pickle=False)
-                with open(index.path / f"chunks-{generation}.jsonl", encoding="utf-8") as f:
-                    chunks = [Chunk(**json.loads(line)) for line in f if line.strip()]
-                break
-            except FileNotFoundError as e:
-                if attempt == 2 or index._read_manifest()[0] == generation:
-                    raise _corrupt(index.path, f"missing {Path(e.filename).name}") from None
-            except (OSError, ValueError, TypeError) as e:
-                raise _corrupt(index.path, f"{type(e).__name__}: {e}") from None
-        if vecs.ndim != 2 or vecs.dtype != np.float32 or vecs.shape[1] != dim:
-            raise _corrupt(index.path, f"vectors are {vecs.dtype} {vecs.shape}, expected float32 [N, {dim}]")
-        if not (len(vecs) == len(chunks) == count):
-            raise _corrupt(index.path, f"{len(vecs)} vectors but {len(chunks)} chunk records "
-                                       f"(manifest says {count})")
-        row = {c.chunk_id: i for i, c in enumerate(chunks)}
-        if len(row) != len(chunks):
-            raise _corrupt(index.path, "duplicate chunk ids")
-        index._vecs, index._chunks, index._row = vecs, chunks, row
-        index.embedding_model = embedding_model or model
+    def from_rows(cls, rows: Sequence[tuple]) -> "VectorIndex":
+        """An index of a library's rows: (chunk_id, doc_id, title, text, idx, source, float32 vector bytes), in
+        the order search breaks ties."""
+        index = cls()
+        if rows:
+            vectors = np.stack([np.frombuffer(r[6], dtype=np.float32) for r in rows])
+            index.add([Chunk(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows], vectors)
         return index
-
-    def _read_manifest(self) -> tuple[str, int, int, str | None]:
-        try:
-            manifest = json.loads((self.path / MANIFEST).read_text())
-            generation, dim, count = str(manifest["generation"]), int(manifest["dim"]), int(manifest["count"])
-            model, fmt = manifest.get("embedding_model"), manifest.get("format")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise _corrupt(self.path, f"bad {MANIFEST}: {e}") from None
-        if fmt != FORMAT:
-            raise _corrupt(self.path, f"format {fmt!r}, this version reads {FORMAT}")
-        if self.embedding_model and model and model != self.embedding_model:
-            raise VectorIndexError(f"vector index at {self.path} was built with embedding model {model!r}, not "
-                                   f"{self.embedding_model!r}; use another index folder or delete it and ingest again")
-        return generation, dim, count, model
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -178,7 +106,6 @@ class VectorIndex:
             for j, c in enumerate(added):
                 self._row[c.chunk_id] = n + j
             self._chunks.extend(added)
-            self._dirty = True
             return added
 
     def remove(self, doc_id: str) -> int:
@@ -195,7 +122,6 @@ class VectorIndex:
                 self._vecs = self._vecs[keep]
                 self._chunks = [self._chunks[i] for i in keep]
                 self._row = {c.chunk_id: i for i, c in enumerate(self._chunks)}
-                self._dirty = True
             return removed
 
     def search(self, vector: np.ndarray, top_k: int = 5,
@@ -227,27 +153,3 @@ class VectorIndex:
             for c in self._chunks:
                 docs.setdefault(c.doc_id, [c.title, c.source, 0])[2] += 1
             return [DocumentInfo(d, t, s, n) for d, (t, s, n) in docs.items()]
-
-    def save(self) -> None:
-        """Persist atomically (new generation files, then the manifest swap); a no-op when nothing changed."""
-        with self._lock:
-            if not self._dirty and (self.path / MANIFEST).exists():
-                return
-            self.path.mkdir(parents=True, exist_ok=True)
-            with open(self.path / ".lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-                self._save_locked()
-
-    def _save_locked(self) -> None:
-        gen = uuid.uuid4().hex[:12]
-        n, dim = len(self), self.dim or 0
-        vecs = np.ascontiguousarray(self._vecs[:n]) if n else np.zeros((0, dim), dtype=np.float32)
-        _write_atomic(self.path / f"vectors-{gen}.npy", lambda f: np.save(f, vecs, allow_pickle=False))
-        lines = "".join(json.dumps(dataclasses.asdict(c), ensure_ascii=False) + "\n" for c in self._chunks)
-        _write_atomic(self.path / f"chunks-{gen}.jsonl", lambda f: f.write(lines.encode("utf-8")))
-        manifest = {"format": FORMAT, "generation": gen, "count": n, "dim": dim,
-                    "embedding_model": self.embedding_model}
-        _write_atomic(self.path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        for old in [*self.path.glob("vectors-*.npy"), *self.path.glob("chunks-*.jsonl")]:
-            if old.name not in (f"vectors-{gen}.npy", f"chunks-{gen}.jsonl"):
-                old.unlink(missing_ok=True)

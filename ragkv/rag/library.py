@@ -13,7 +13,8 @@ from ragkv.engine.options import FusionOptions
 from ragkv.engine.request import Passage
 from ragkv.rag.catalog import open_catalog
 from ragkv.rag.embedding import get_embedder
-from ragkv.rag.pipeline import DEFAULT_TENANT, Retriever
+from ragkv.rag.pipeline import Retriever
+from ragkv.settings import DEFAULT_TENANT
 
 
 @dataclass

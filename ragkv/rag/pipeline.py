@@ -21,9 +21,9 @@ from ragkv.rag.documents import Document, DocumentError, find_document_files, re
 from ragkv.rag.catalog import Catalog
 from ragkv.rag.embedding import Embedder, get_embedder
 from ragkv.rag.index import DocumentInfo, VectorIndex
+from ragkv.settings import DEFAULT_TENANT
 
 EMBED_BATCH = 8   # chunks embedded per unit: a unit must stay short when a server interleaves it with answers
-DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Retriever:
             except StopIteration as done:
                 return done.value
 
-    def plan(self, docs: Sequence[Document], count_tokens: CountTokens):
+    def _changed_documents(self, docs: Sequence[Document], count_tokens: CountTokens):
         """[(document, its chunks, the ids already indexed)] of the documents that changed, and a report of the
         unchanged ones."""
         report = IngestReport(documents=len(docs))
@@ -113,7 +113,7 @@ class Retriever:
         """`ingest_documents` as a generator: yields after each unit (one embedding batch, one document's commit,
         one `on_chunk` call); returns the IngestReport. `status`, when given, is kept up to date (chunks_total,
         chunks_done, documents_done) for progress reports."""
-        todo, report = self.plan(docs, count_tokens)
+        todo, report = self._changed_documents(docs, count_tokens)
         status = status if status is not None else {}
         status.update(chunks_total=sum(len(c) - len(old & {x.chunk_id for x in c}) for _, c, old in todo),
                       chunks_done=0, documents_done=report.unchanged, documents_total=report.documents)
@@ -160,9 +160,6 @@ class Retriever:
         if len(index) == 0:
             return []
         return index.search(self.embedder.encode([question])[0], top_k, doc_ids)
-
-    def reload(self) -> None:
-        """Nothing to do: every read sees what any process committed (kept for callers of earlier versions)."""
 
     def remove(self, doc_id: str) -> int:
         """Drop a document's chunks; returns how many chunks were removed."""

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import redis
 
-from ragkv.rag.catalog import FORMAT, CatalogError, check_meta, search_index
+from ragkv.rag.catalog_meta import FORMAT, CatalogError, check_meta
 from ragkv.rag.chunking import Chunk
 from ragkv.rag.index import DocumentInfo, VectorIndex
 from ragkv.store.errors import StoreSpecError
@@ -153,7 +153,7 @@ class RedisCatalog:
                 except (TypeError, ValueError, KeyError) as e:
                     raise CatalogError(f"document library {self.where}: chunk {cid} of {doc_id!r} is missing or "
                                        f"corrupt ({e}); remove that document and add it again") from None
-        index = search_index(rows, self.folder, self.embedding_model)
+        index = VectorIndex.from_rows(rows)
         with self._lock:
             self._search[tenant] = (int(version or 0), index)
         return index

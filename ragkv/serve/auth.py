@@ -10,9 +10,9 @@ import hmac
 from pathlib import Path
 
 from ragkv.errors import InvalidRequestError
+from ragkv.settings import DEFAULT_TENANT
 from ragkv.store.base import check_namespace
 
-DEFAULT_TENANT = "default"
 MIN_KEY_CHARS = 8
 
 

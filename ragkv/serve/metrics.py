@@ -44,6 +44,8 @@ class Metrics:
                                 registry=r)
         self.store_faults = Counter("ragkv_store_fault_requests",
                                     "Requests answered without the cache after a store fault.", registry=r)
+        self.escalations = Counter("ragkv_quality_escalations", "Recomputes a quality-bounded answer added because "
+                                   "its fidelity signal exceeded the budget (mode auto).", ["mode"], registry=r)
         self.live = LiveStats()
         r.register(self.live)
 
@@ -64,6 +66,7 @@ class Metrics:
         self.recomputed.inc(stats.recomputed_tokens)
         self.completion.inc(stats.completion_tokens if completion_tokens is None else completion_tokens)
         self.uncached.inc(stats.extra.get("uncached_blocks", 0))
+        self.escalations.labels(stats.mode).inc(stats.fidelity.get("escalations", 0))
         if "store_fault" in stats.extra:
             self.store_faults.inc()
 

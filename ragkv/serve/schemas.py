@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from ragkv.engine.options import OptionSpec, fusion_option_specs
 from ragkv.errors import InvalidRequestError
+from ragkv.rag.order import PASSAGE_ORDERS
+from ragkv.settings import DEFAULT_PASSAGE_ORDER
 
 
 MAX_TOKENS = 1 << 20     # any larger max_tokens is refused before the model's own limit is even looked at
@@ -22,11 +25,12 @@ UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_
 
 
 class FieldError(InvalidRequestError):
-    """A request field that is well-formed but cannot be served; `param` names it in the 400."""
+    """A request field that is well-formed but cannot be served; `param` names it in the 400, `code` (if any) says
+    why in OpenAI's terms (`context_length_exceeded`, `too_many_documents`, ...)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class _Loose(BaseModel):
@@ -45,27 +49,34 @@ class DocumentIn(_Strict):
 
 class Retrieval(_Strict):
     top_k: int = Field(5, ge=1, le=50)
+    # the retrieved chunks in the prompt: best-last (ascending relevance, Block-Attention 3.2), best-first, as-given
+    order: Literal[PASSAGE_ORDERS] = DEFAULT_PASSAGE_ORDER  # type: ignore[valid-type]
 
 
-class RagkvExtras(_Strict):
-    # FusionOptions' fields (ragkv.engine.options): unset ones take the server's defaults
-    mode: str | None = None
-    ratio: float | None = None
-    auto_ratio: bool | None = None
-    check_layers: list[int] | None = Field(None, min_length=1, max_length=64)
-    deviation: str | None = None
-    gradual: bool | None = None
-    sink_tokens: int | None = Field(None, ge=0, le=1 << 20)
-    ape_temperature: float | None = Field(None, gt=0, le=100)
-    ape_scale: float | None = Field(None, gt=0, le=100)
+def _fusion_field(spec: OptionSpec):
+    """A FusionOptions field as an optional request field (None: the server's default), bounds from its declaration
+    (choices and cross-field rules are checked by FusionOptions itself, naming the field)."""
+    kind = list[int] if spec.type is tuple else spec.type
+    bounds = {k: getattr(spec, k) for k in ("ge", "le", "gt") if getattr(spec, k) is not None}
+    if spec.type is tuple:  # bounds apply to each item
+        kind = list[Annotated[int, Field(**bounds)]]
+        bounds = {"min_length": 1, **({"max_length": spec.max_items} if spec.max_items else {})}
+    return (kind | None, Field(None, description=spec.help, **bounds))
+
+
+# FusionOptions' fields (ragkv.engine.options), each derived from its one declaration
+_FusionFields = create_model("_FusionFields", __base__=_Strict,
+                             **{spec.name: _fusion_field(spec) for spec in fusion_option_specs()})
+
+
+class RagkvExtras(_FusionFields):
+    """ragkv's per-request extras: FusionOptions' fields (unset ones take the server's defaults) and the context."""
     documents: list[Union[str, DocumentIn]] | None = None  # inline passages, used as they are
     retrieval: Retrieval | None = None  # retrieve top_k chunks from the ingested documents
     namespace: str | None = None
 
     def fusion_fields(self) -> dict:
-        fields = ("mode", "ratio", "auto_ratio", "check_layers", "deviation", "gradual", "sink_tokens",
-                  "ape_temperature", "ape_scale")
-        out = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        out = {f: getattr(self, f) for f in _FusionFields.model_fields if getattr(self, f) is not None}
         if "check_layers" in out:
             out["check_layers"] = tuple(out["check_layers"])
         return out

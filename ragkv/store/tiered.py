@@ -185,8 +185,8 @@ class TieredStore(KVStore):
         """Per layer, every key's (K [Hkv, T, D], V), in order. Readers open now (a missing block raises
         MissingBlockError at once); with `pipelined`, loading starts at once in a background thread.
         `tier` forces reading every block from that tier (benchmarks), `tiers` names one per block (the loading
-        controller's plan); otherwise each block comes from its fastest tier. With `device`, each layer is copied
-        there ahead of its use (ragkv.store.staging: pinned memory and a side stream on CUDA)."""
+        controller's load schedule); otherwise each block comes from its fastest tier. With `device`, each layer is
+        copied there ahead of its use (ragkv.store.staging: pinned memory and a side stream on CUDA)."""
         for key in keys:
             check_namespace(key.namespace)
         if tiers is not None:

@@ -3,9 +3,10 @@
 Every running generation advances one token per step in one batched forward (Engine.step). Between two steps
 the worker does one unit of other work: one unit of the current newcomer's prefill (a missed block encoded, or
 `chunk` tokens of a full/prefix prefill, or a query's prefill over cached blocks: Engine.start_steps), or one
-queued one-off job (adding documents). So a running answer pauses for at most one unit per token: the stall a
+unit of a background job (adding documents). So a running answer pauses for at most one unit per token: the stall a
 newcomer imposes on the others, recorded as `prefill_stall_ms_max`. Finished, cancelled (client gone) and
-timed-out generations leave the batch at once.
+timed-out generations leave the batch at once. A generation arrives prepared (retrieved, tokenized, its segments
+built by the caller's thread): the worker only runs the model.
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
@@ -22,6 +23,8 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable
+
+from ragkv.settings import SERVE
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,13 @@ class ShuttingDown(Exception):
 
 
 class Job:
-    """A one-off job (`fn(job)` gives the result) or a generation (`start()` gives a generator that prefills in
-    units and returns (sequence, info), or (sequences, info) for several choices of one prompt; then the worker
-    decodes them in the batch; `emit(kind, payload)` streams "start" and "delta" events, a delta's payload being
-    (choice index, Delta))."""
+    """A background job (`start()` gives a generator doing the work in units and returning the result) or a
+    generation (`start()` gives a generator that prefills in units and returns (sequence, info), or (sequences,
+    info) for several choices of one prompt; then the worker decodes them in the batch; `emit(kind, payload)`
+    streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
-    def __init__(self, timeout_s: float, fn: Callable | None = None, start: Callable | None = None,
-                 emit: Callable | None = None):
-        self.fn, self.start, self.emit = fn, start, emit
+    def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None):
+        self.start, self.emit = start, emit
         self.future: Future = Future()
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
@@ -83,8 +85,8 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, step: Callable[[list], None], max_queue: int = 64, timeout_s: float = 300.0,
-                 max_batch: int = 16, on_finish: Callable | None = None, lock=None, thread: bool = True):
+    def __init__(self, step: Callable[[list], None], max_queue: int = SERVE.max_queue,
+                 timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch, on_finish: Callable | None = None, lock=None, thread: bool = True):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
         OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step)."""
         if max_batch < 1:
@@ -117,10 +119,6 @@ class Scheduler:
         except queue.Full:
             raise QueueFull(f"the server queue is full ({self.jobs.maxsize} requests waiting); retry later")
         return job
-
-    def submit(self, fn: Callable[[Job], object]) -> Job:
-        """A one-off job run on the worker between decode steps; its future holds fn's result."""
-        return self._put(Job(self.timeout_s, fn=fn))
 
     def submit_background(self, start: Callable, timeout_s: float, idle_only: bool = False) -> Job:
         """`start()` gives a generator doing the work in short units and returning the result. `idle_only`: its
@@ -175,9 +173,7 @@ class Scheduler:
                 return
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
-            if job.fn is not None:
-                job.future.set_result(job.fn(job))
-            elif job.should_stop():
+            if job.should_stop():
                 self.prefilling = None
                 if job.steps is not None:
                     job.steps.close()

@@ -1,0 +1,194 @@
+"""The comparison peer, llama.cpp's OpenAI server (`--peer llama-cpp`): finding and starting it, the same
+prompt as ragkv's in plain chat messages, its cells, and ragkv's ratios to it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ragkv.bench.serve.clients import connect, describe_cell, measure_cell
+from ragkv.bench.serve.config import BenchRequest, ServeBenchConfig
+from ragkv.bench.serve.servers import ServerSubprocess
+from ragkv.errors import InvalidRequestError, RagkvError
+from ragkv.net import free_port
+
+PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
+DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
+PEER_INSTALL_HINT = (f"install it with `bash scripts/install_peer.sh` (builds {PEER_PACKAGE} from source into "
+                     ".venv-peer; 10+ minutes on 2 cores), or pass --peer-python PATH to a python that has it")
+# llama-cpp-python's server samples with repeat_penalty 1.1 unless told otherwise: that changes greedy answers.
+PEER_SAMPLING = {"repeat_penalty": 1.0}
+
+
+def peer_user_text(req: BenchRequest) -> str:
+    """Passages and question as one user message: the text ragkv puts between the chat template's head and tail
+    (its blocks, then its query), so the peer's rendered chat prompt is ragkv's prompt, character for character."""
+    from ragkv.engine.request import Passage, PromptFormat, render_passage
+
+    fmt = PromptFormat()
+    blocks = [render_passage(Passage(d["text"], d.get("title") or ""), fmt) for d in req.documents
+              if d.get("text", "").strip()]  # ragkv skips empty passages too
+    return "".join(blocks) + fmt.query_template.format(question=req.question)
+
+
+def peer_payload(req: BenchRequest, system: str) -> tuple[list[dict], dict]:
+    return ([{"role": "system", "content": system}, {"role": "user", "content": peer_user_text(req)}],
+            dict(PEER_SAMPLING))
+
+
+PEER_RATIO_KEYS = {  # ratio name -> (cell key, lower is better)
+    "ttft_p50": ("ttft_p50_ms", True), "latency_p50": ("latency_p50_ms", True),
+    "latency_mean": ("latency_mean_ms", True), "requests_per_s": ("requests_per_s", False),
+    "decode_tokens_per_s": ("decode_tokens_per_s", False), "output_tokens_per_s": ("output_tokens_per_s", False)}
+
+
+def peer_ratios(cells: list[dict], peer: str) -> dict:
+    """Each ragkv mode over the peer at the same concurrency: {mode: {concurrency: {ratio name: mine / peer's}}}.
+    Below 1 is better for times (TTFT, latency), above 1 for rates (req/s, tokens/s)."""
+    theirs = {c["concurrency"]: c for c in cells if c.get("system") == peer}
+    out = {}
+    for c in cells:
+        p = theirs.get(c["concurrency"])
+        if c.get("system", "ragkv") != "ragkv" or p is None:
+            continue
+        out.setdefault(c["mode"], {})[str(c["concurrency"])] = {
+            name: round(c[key] / p[key], 3) if c.get(key) is not None and p.get(key) else None
+            for name, (key, _) in PEER_RATIO_KEYS.items()}
+    return out
+
+
+def model_gguf(model: str) -> Path:
+    """The GGUF a known model is converted from (the file the registry converts on first use)."""
+    from ragkv.models.registry import KNOWN_MODELS, gguf_path
+
+    known = KNOWN_MODELS.get(model)
+    if known is None:
+        raise InvalidRequestError(f"--peer needs the model's GGUF: {model!r} is not a known model "
+                                  f"({', '.join(KNOWN_MODELS)}); pass --peer-gguf PATH")
+    return gguf_path(known)
+
+
+def find_peer_python(path: str | None = None) -> Path:
+    """The python that has llama-cpp-python[server]: `path`, else .venv-peer in the working directory or beside
+    the ragkv checkout. Raises with the install instructions when there is none."""
+    import shutil
+
+    if path:
+        candidates = [Path(path).expanduser()]
+    else:
+        candidates = [Path(DEFAULT_PEER_PYTHON), Path(__file__).resolve().parents[3] / DEFAULT_PEER_PYTHON]
+    for c in candidates:
+        found = c if c.exists() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
+        if found is None:
+            continue
+        check = subprocess.run([str(found), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
+                               capture_output=True, text=True, timeout=120)
+        if check.returncode == 0:
+            return found
+        raise RagkvError(f"{found} cannot import llama_cpp.server ({check.stderr.strip().splitlines()[-1:]}); "
+                         + PEER_INSTALL_HINT)
+    raise RagkvError(f"the llama-cpp peer is not installed (no {' or '.join(map(str, candidates))}); "
+                     + PEER_INSTALL_HINT)
+
+
+def default_threads() -> int:
+    """The thread count `ragkv serve` computes with by default (torch's intra-op threads)."""
+    try:
+        import torch
+        return torch.get_num_threads()
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+class LlamaCppServer(ServerSubprocess):
+    """llama.cpp's OpenAI server (`python -m llama_cpp.server` of llama-cpp-python) on the same model's GGUF, on a
+    free 127.0.0.1 port; a context manager.
+
+    Flags that differ from its defaults, and why: `--interrupt_requests False` (by default a new request cancels
+    the one streaming), `--logits_all False` (by default it keeps logits for every prompt token, which only
+    logprobs need), `--n_ctx 4096` (default 2048 is shorter than a 4-passage prompt plus answer), and
+    `--n_threads`/`--n_threads_batch` = ragkv's thread count (default: half the cores / all the cores).
+    """
+
+    name = "llama.cpp server"
+    ready_path = "/v1/models"  # it loads the model before it listens
+
+    def __init__(self, model: str = "smollm2", python: str | None = None, gguf: str | Path | None = None,
+                 threads: int | None = None, n_ctx: int = 4096, startup_s: float = 300.0,
+                 extra: tuple[str, ...] = ()):
+        self.model = model
+        self.gguf = Path(gguf) if gguf else model_gguf(model)
+        if not self.gguf.exists():
+            raise InvalidRequestError(f"--peer-gguf {self.gguf} does not exist")
+        self.python = find_peer_python(python)
+        self.threads = threads or default_threads()
+        self.cmd = [str(self.python), "-m", "llama_cpp.server", "--model", str(self.gguf), "--model_alias", model,
+                    "--host", "127.0.0.1", "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
+                    "--n_ctx", str(n_ctx), "--interrupt_requests", "False", "--logits_all", "False", *extra]
+        self.startup_s = startup_s
+
+    def version(self) -> str | None:
+        out = subprocess.run([str(self.python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or None
+
+    def __enter__(self) -> "LlamaCppServer":
+        self.tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-peer-", ignore_cleanup_errors=True)
+        self.port = free_port()
+        self.log_path = Path(self.tmp.name) / f"llama-cpp-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.tmp.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        self.tmp.cleanup()
+
+
+def token_counter(model: str):
+    """count(messages, answer) -> (prompt tokens of the rendered chat prompt, answer tokens), with the model's
+    own tokenizer (the converted folder of a known model, or the model folder itself)."""
+    from transformers import AutoTokenizer
+
+    from ragkv.models.registry import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(model)))
+
+    def count(messages: list[dict], answer: str) -> tuple[int, int]:
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return (len(tok(prompt, add_special_tokens=False)["input_ids"]),
+                len(tok(answer, add_special_tokens=False)["input_ids"]) if answer else 0)
+
+    return count
+
+
+def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict, count,
+              server_cpu=lambda: None) -> None:
+    base, client, model = connect(url, cfg)
+    peer = cfg.peer
+    # Warm-up: one request, not streamed (its usage is reported): loads the weights into the page cache and
+    # checks that the peer tokenizes the prompt to as many tokens as the client-side count says.
+    messages, extra = peer_payload(work["peer_warmup"], work["system"])
+    t0 = time.perf_counter()
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
+                                           extra_body=extra)
+    result["peer"] = {"name": peer, "url": base, "model": model, "sampling": dict(PEER_SAMPLING),
+                      "warmup_s": round(time.perf_counter() - t0, 2),
+                      "prompt_tokens_reported": reply.usage.prompt_tokens if reply.usage else None,
+                      "prompt_tokens_counted": count(messages, "")[0]}
+    progress(f"[serve bench] {peer}: warm-up request in {result['peer']['warmup_s']} s; prompt tokens "
+             f"{result['peer']['prompt_tokens_reported']} (server) vs {result['peer']['prompt_tokens_counted']} "
+             f"(tokenizer)")
+    for c, reqs in zip(cfg.concurrency, work["plans"]):
+        payloads = [peer_payload(r, work["system"]) for r in reqs]
+        cell = measure_cell(result["cells"], client, model, payloads, peer, peer, c, cfg, server_cpu, count)
+        progress(f"[serve bench] {peer} c={c}: {describe_cell(cell)}")

@@ -1,0 +1,98 @@
+"""`run_serve_bench`: every (mode, concurrency) cell against one or several ragkv servers, then the peer's."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ragkv.bench.serve.clients import batching_stats, connect, describe_cell, measure_cell, slo_ratios
+from ragkv.bench.serve.config import ServeBenchConfig
+from ragkv.bench.serve.peer import LlamaCppServer, peer_ratios, run_peer, token_counter
+from ragkv.bench.serve.report import plot_serve_bench, render_markdown
+from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, wait_written
+from ragkv.bench.serve.workload import build_workload, ragkv_payload, warmup_requests
+from ragkv.engine.modes import is_reference
+from ragkv.errors import InvalidRequestError
+
+
+def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, out_dir: Path = Path("bench_out"),
+                    progress=print, server: ServerProcess | None = None, peer: LlamaCppServer | None = None,
+                    peer_url: str | None = None, model: str = "smollm2", count=None) -> dict:
+    """Run every (mode, concurrency) cell against `url`, or against a server started here (and stopped after);
+    several URLs (servers sharing a store) take the requests round-robin, and only the first is warmed up, so
+    the others' hits come from the shared tiers;
+    then, with `cfg.peer`, the same cells' requests against `peer_url` or a peer started here. Writes
+    serve_bench.json, .png and .md under `out_dir`; returns the JSON object. `count` counts the peer's tokens
+    (default: `token_counter` of the model)."""
+    from ragkv.bench.common import save_json
+
+    work = build_workload(cfg)
+    result = {"benchmark": "serve", "config": asdict(cfg), "url": None, "server": {},
+              "machine": {"cpus": os.cpu_count()}, "warmup": {}, "cells": []}
+    if cfg.modes:
+        if url is None:
+            group = server if isinstance(server, list) else [server or ServerProcess(model)]
+            with contextlib.ExitStack() as stack:
+                started = [stack.enter_context(s) for s in group]
+                run_ragkv(cfg, work, started[0].url if len(started) == 1 else [s.url for s in started], progress,
+                     result, lambda: cpu_seconds_of(started))
+                result["server"]["started_here"] = [" ".join(s.cmd) for s in started]
+                result["server"]["threads"] = [s.threads for s in started]  # None: torch's default (every core)
+        else:
+            run_ragkv(cfg, work, url, progress, result)
+    if cfg.peer:
+        count = count or token_counter(getattr(peer, "model", None) or getattr(server, "model", None) or model)
+        if peer_url is None:
+            with peer or LlamaCppServer(model) as p:
+                run_peer(cfg, work, p.url, progress, result, count, p.cpu_seconds)
+                result["peer"].update(started_here=" ".join(p.cmd), version=p.version(), threads=p.threads,
+                                      gguf=str(p.gguf))
+        else:
+            run_peer(cfg, work, peer_url, progress, result, count)
+        result["ratios_vs_peer"] = peer_ratios(result["cells"], cfg.peer)
+    ragkv_cells = [c for c in result["cells"] if c["system"] == "ragkv"]
+    result["ratios_vs_full"] = slo_ratios(ragkv_cells) if any(map(is_reference, cfg.modes)) else {}
+    result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    save_json(out_dir / "serve_bench.json", result)
+    plot_serve_bench(result["cells"], out_dir / "serve_bench.png")
+    (out_dir / "serve_bench.md").write_text(render_markdown(result) + "\n")
+    return result
+
+
+def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress, result: dict,
+         server_cpu=lambda: None) -> None:
+    import httpx
+
+    servers = [connect(u, cfg) for u in ([url] if isinstance(url, str) else url)]
+    models = {m for _, _, m in servers}
+    if len(models) > 1:
+        raise InvalidRequestError(f"the servers serve different models ({', '.join(sorted(models))}); a shared "
+                                  "store's benchmark wants one model behind every URL")
+    base, client, model = servers[0]
+    health = httpx.get(base + "/health", timeout=10).json()
+    result["url"] = base if len(servers) == 1 else [b for b, _, _ in servers]
+    result["server"].update(model=model, dtype=health.get("dtype"))
+    clients = [c for _, c, _ in servers]  # run_cell round-robins over them (one: every request to it)
+    for mode in cfg.modes:
+        if cfg.warmup:
+            t0 = time.perf_counter()
+            for req in warmup_requests(work["pool"], work["questions"], work["owned"]):
+                messages, extra = ragkv_payload(req, mode, work["system"])
+                client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
+                                               extra_body=extra)
+            result["warmup"][mode] = {"requests": len(work["pool"]), "seconds": round(time.perf_counter() - t0, 2)}
+            if len(servers) > 1:  # the others should find the warm-up's blocks in the shared tiers, written by now
+                wait_written(base)
+            progress(f"[serve bench] {mode}: warm-up, {len(work['pool'])} single-passage requests in "
+                     f"{result['warmup'][mode]['seconds']} s")
+        for c, reqs in zip(cfg.concurrency, work["plans"]):
+            payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
+            h0 = httpx.get(base + "/health", timeout=10).json()
+            cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
+            if len(servers) == 1:  # one server's batching counters; with several, its share would mislead
+                cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()))
+            progress(f"[serve bench] {mode} c={c}: {describe_cell(cell)}; reused {cell['reused_tokens']} / "
+                     f"{cell['prompt_tokens']} prompt tokens")

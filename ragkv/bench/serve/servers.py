@@ -1,0 +1,123 @@
+"""`ragkv serve` as a subprocess on a free 127.0.0.1 port (also what the server tests start), and what the
+benchmark reads from it besides the answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ragkv.net import free_port
+
+
+class ServerSubprocess:
+    """A server subprocess on a free 127.0.0.1 port, its output in a log file, ready once `ready_path` answers
+    200; a context manager that stops it on exit. Subclasses set `cmd`, `startup_s`, `name` and `_spawn`."""
+
+    name = "server"
+    ready_path = "/health"
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._stop()
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self._log_tail()}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self._stop()
+        raise RuntimeError(f"{self.name} did not answer {self.ready_path} in {self.startup_s:.0f} s:\n"
+                           f"{self._log_tail()}")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the server so far (Linux /proc), or None where unavailable."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class ServerProcess(ServerSubprocess):
+    """`ragkv serve` as a subprocess on a free port; a context manager.
+
+    Its cache folder (KV disk tier, index, log) is `cache_dir`, or a throw-away one when None.
+    """
+
+    name = "ragkv serve"
+
+    def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
+                 store: str = "memory:2GiB", startup_s: float = 300.0, cache_dir: Path | None = None,
+                 extra: tuple[str, ...] = (), threads: int | None = None):
+        self.model = model
+        self.threads = threads  # torch's threads in the server (None: its default, every core)
+        self.cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--model", model, "--dtype", dtype,
+                    "--device", device, "--store", store, *extra]
+        self.startup_s = startup_s
+        self.cache_dir = cache_dir
+
+    def __enter__(self) -> "ServerProcess":
+        from ragkv.config import models_dir
+
+        self.tmp = None if self.cache_dir else tempfile.TemporaryDirectory(prefix="ragkv-bench-serve-",
+                                                                           ignore_cleanup_errors=True)
+        root = Path(self.cache_dir) if self.cache_dir else Path(self.tmp.name)
+        self.port = free_port()
+        env = dict(os.environ, RAGKV_CACHE_DIR=str(root), RAGKV_MODELS_DIR=str(models_dir()))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self.log_path = root / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port), "--index", str(root / "index")],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready()
+        except BaseException:
+            if self.tmp is not None:
+                self.tmp.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def wait_written(base: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server at `base` has no new block on its way to a slower tier (its /health
+    `write_back_pending`), or `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base + "/health", timeout=10).json().get("write_back_pending", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def cpu_seconds_of(servers: list[ServerProcess]) -> float | None:
+    """The servers' CPU time so far, together (None where any is unreadable)."""
+    cpu = [s.cpu_seconds() for s in servers]
+    return None if None in cpu else sum(cpu)

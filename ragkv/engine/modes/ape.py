@@ -1,0 +1,35 @@
+"""`ape`: Adaptive Parallel Encoding (Yang, Chen, Chen). Blocks encoded after the shared prefix share one position
+range; the query's attention over the blocks takes a temperature T and a scale S (paper eq. 11-12), in prefill
+and in every decode step. T = S = 1 on the sequential layout equals `reuse` (invariant 7)."""
+
+from __future__ import annotations
+
+from ragkv.engine.ape import ApeAttention
+from ragkv.engine.blocks import prefix_conditioning
+from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.modes.base import BlockMode
+from ragkv.engine.modes.registry import register
+
+
+@register
+class Ape(BlockMode):
+    name = "ape"
+    summary = "blocks encoded after a shared prefix, sharing one position range; context attention scaled by T, S"
+    option_fields = ("ape_temperature", "ape_scale")
+
+    def conditioning(self, segs):
+        return prefix_conditioning(segs.prefix)
+
+    def layout_kind(self, fusion):
+        return "shared"
+
+    def fidelity(self, fusion, stats):
+        return {"mode": self.name, "exact": False, "temperature": stats.extra.get("ape_temperature"),
+                "scale": stats.extra.get("ape_scale"), "signal": None}
+
+    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+        T = fusion.ape_temperature if fusion.ape_temperature is not None else engine.ape_temperature
+        S = fusion.ape_scale if fusion.ape_scale is not None else engine.ape_scale
+        attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
+        stats.extra.update(ape_temperature=T, ape_scale=S)
+        return prefill_over_context(engine.model, layer_iter, layout, segs.query, capacity, stats, attention)

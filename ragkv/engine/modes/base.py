@@ -1,0 +1,121 @@
+"""What a fusion mode is to the engine: its cache keys, its warm-up, its prefill, its FLOPs to the first token.
+
+A mode is a stateless object; the engine hands it itself (`engine`: the model, the block cache, the loading planner,
+the APE defaults) and the request. The annotations "Engine", "FusionOptions" and "BlockCache" name those types
+without importing them: the engine and the options import the modes, never the other way round. `BlockMode` is the shared shape of the modes that fuse independently encoded
+blocks (reuse, ape, blend): ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult
+from ragkv.engine.flops import head_flops, rows_flops
+from ragkv.engine.layout import Layout, make_layout
+from ragkv.engine.request import Segments
+from ragkv.engine.state import DecodeState
+from ragkv.engine.stats import RequestStats
+from ragkv.engine.stepwise import Steps, drain
+from ragkv.models.args import ModelArgs
+from ragkv.store.base import CacheKey
+
+
+class FusionMode:
+    """One way of turning a request's segments into the KV the query attends to (DESIGN "fusion mode")."""
+    name: ClassVar[str]
+    summary: ClassVar[str]                   # one line: what the query attends to (help texts, docs)
+    option_fields: ClassVar[tuple[str, ...]] = ()  # FusionOptions fields it reads: stored in eval records
+    reads_blocks: ClassVar[bool] = False     # whether it reads content-keyed blocks (what `store warm` fills)
+    is_reference: ClassVar[bool] = False     # the exact answer others are compared with (accuracy_vs_full)
+
+    def check(self, engine: "Engine", fusion: "FusionOptions") -> None:
+        """Request-time checks that need the model (FusionOptions checks what it can without one)."""
+
+    def cache_keys(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> list[CacheKey]:
+        """The store entries this mode reads for `segs`, the shared prefix's first (none by default)."""
+        return []
+
+    def shared_key_count(self, segs: Segments, fusion: "FusionOptions") -> int:
+        """How many leading `cache_keys` belong to the shared prefix (the system prompt), which `forget` keeps."""
+        return 0
+
+    def warm(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> EnsureResult:
+        """Precompute and store what a later request over `segs`' context would reuse."""
+        return EnsureResult([], 0, 0, 0.0)
+
+    def prefill(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", capacity: int,
+                stats: RequestStats, ns: str, chunk, blocks: "BlockCache") -> Steps[DecodeState]:
+        raise NotImplementedError
+
+    def fidelity(self, fusion: "FusionOptions", stats: RequestStats) -> dict:
+        """How this request was computed and how close to `full` it is believed to be (every reply carries it)."""
+        return {"mode": self.name, "exact": False}
+
+    def token_layers(self, stats: RequestStats, num_layers: int) -> int:
+        """Rows this request ran through a layer, summed over layers (every recomputed token through every layer
+        unless the mode counts its own)."""
+        return stats.recomputed_tokens * num_layers
+
+    def first_token_flops(self, a: ModelArgs, fusion: "FusionOptions", context: int, query: int,
+                          prefix_len: int = 0, reused: int = 0) -> int:
+        """Analytic FLOPs to the first token; context = prefix + block tokens, `reused` = tokens taken from the
+        cache (the prefix mode's cached chunks)."""
+        return rows_flops(a, context, query, a.num_layers) + head_flops(a)
+
+
+class BlockMode(FusionMode):
+    """Reuse of independently encoded blocks (the prefix as a block too), re-rotated to a layout, then fused."""
+    reads_blocks = True
+
+    def conditioning(self, segs: Segments) -> str:
+        """What the blocks attended to when encoded (part of their cache key)."""
+        return NO_CONDITIONING
+
+    def layout_kind(self, fusion: "FusionOptions") -> str:
+        return "sequential"
+
+    def cache_keys(self, engine, segs, fusion, ns):
+        pre = [engine._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
+        return pre + [engine._blocks.key(ids, self.conditioning(segs), ns) for ids in segs.blocks]
+
+    def shared_key_count(self, segs, fusion):
+        return 1 if segs.prefix else 0
+
+    def ensure_steps(self, blocks: "BlockCache", segs: Segments, ns: str) -> Steps[EnsureResult]:
+        """The prefix and every block in the store (encoding misses), as one result in prompt order."""
+        prefix_blocks = [segs.prefix] if segs.prefix else []
+        cond = self.conditioning(segs)
+        if cond == NO_CONDITIONING:
+            return (yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns))
+        pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
+        blk = yield from blocks.ensure_steps(segs.blocks, cond, segs.prefix, ns)
+        return EnsureResult(pre.keys + blk.keys, pre.hits + blk.hits, pre.misses + blk.misses,
+                            pre.encode_ms + blk.encode_ms, {**pre.uncached, **blk.uncached},
+                            pre.hit_tokens + blk.hit_tokens)
+
+    def warm(self, engine, segs, fusion, ns):
+        return drain(self.ensure_steps(engine._blocks, segs, ns))
+
+    def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
+        layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
+        engine._check_length(layout.query_start + len(segs.query))
+        res = yield from self.ensure_steps(blocks, segs, ns)
+        stats.cache_hits, stats.cache_misses = res.hits, res.misses
+        stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
+        if res.uncached:
+            stats.extra["uncached_blocks"] = len(res.uncached)  # computed and used, but the store did not keep them
+        fusion, tiers = self.load_schedule(engine, res, fusion, stats)
+        layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
+        state = self.fuse(engine, segs, fusion, layout, layer_iter, capacity, stats)
+        if hasattr(layer_iter, "wait_ms"):
+            stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
+        return state
+
+    def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
+        """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""
+        return fusion, None
+
+    def fuse(self, engine, segs: Segments, fusion, layout: Layout, layer_iter, capacity: int,
+             stats: RequestStats) -> DecodeState:
+        raise NotImplementedError

@@ -1,0 +1,83 @@
+"""`blend`: `reuse`, then a fraction r of the block tokens recomputed, chosen by one of SELECTIONS:
+- `deviation`: CacheBlend (Yao et al., EuroSys'25): the tokens whose KV deviates most at the check layer(s),
+  recomputed from there on (ragkv/engine/blend.py);
+- `query`: ProphetKV (arXiv 2602.02579): the tokens the query attends to most over the reused cache, recomputed at
+  every layer (ragkv/engine/query_select.py);
+- `sinks`: EPIC's LegoLink (arXiv 2410.15332): each block's first `sink_tokens`, nothing chosen at run time.
+The loading controller chooses the tier to read each block from and, with `auto_ratio`, raises r to what loading
+hides. r = 1 equals `full`, r = 0 `reuse`, for every selection (invariant 6)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ragkv.engine.blend import prefill_blend
+from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_flops
+from ragkv.engine.modes.base import BlockMode
+from ragkv.engine.modes.registry import register
+from ragkv.engine.query_select import prefill_selected
+
+SELECTIONS = ("deviation", "query", "sinks")  # FusionOptions.select; the first is the default
+from ragkv.errors import InvalidRequestError
+
+
+@register
+class Blend(BlockMode):
+    name = "blend"
+    summary = "reuse, then the top r most-deviating block tokens recomputed from the check layer on (CacheBlend)"
+    option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
+                     "select_per_block")
+
+    def check(self, engine, fusion):
+        if fusion.check_layers[-1] >= engine.num_layers:
+            raise InvalidRequestError(f"check layer {fusion.check_layers[-1]} does not exist: this model's check "
+                                      f"layers are 1..{engine.num_layers - 1} (check_layers)")
+        if fusion.select == "sinks" and fusion.sink_tokens < 1:
+            raise InvalidRequestError("select='sinks' recomputes each block's first sink_tokens tokens: set "
+                                      "sink_tokens >= 1 (EPIC recomputes a handful, e.g. 4-16)")
+
+    def load_schedule(self, engine, res, fusion, stats):
+        if res.uncached:  # some blocks live only in this request's memory: nothing to schedule
+            return fusion, None
+        plan = engine._planner.schedule(res.keys, fusion.ratio)
+        if isinstance(plan, str):  # why there is none (no profile yet, a single tier...)
+            stats.extra["loading_plan"] = {"none": plan}
+        if plan is None or isinstance(plan, str):
+            return fusion, None
+        stats.extra["loading_plan"] = plan.as_dict()  # the engine reads each block from the tier the plan names
+        return (replace(fusion, ratio=plan.ratio) if fusion.auto_ratio else fusion), plan.tiers
+
+    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+        context_ids = segs.prefix + [t for b in segs.blocks for t in b]
+        if fusion.select != "deviation":
+            return prefill_selected(engine.model, layer_iter, layout, context_ids, segs.query, fusion.select,
+                                    (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block, capacity, stats)
+        return prefill_blend(engine.model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
+
+    def fidelity(self, fusion, stats):
+        kl, x = stats.extra.get("stage2_kl"), stats.extra
+        selected, block = x.get("selected", x.get("blend_selected")), x.get("block_tokens", x.get("blend_block_tokens"))
+        return {"mode": self.name, "exact": selected == block,  # every block token recomputed: full's answer
+                "select": fusion.select, "ratio": fusion.ratio, "recomputed_tokens": stats.recomputed_tokens,
+                "reused_tokens": stats.reused_tokens,
+                # KL(first-token distribution after recompute || before it): how far recompute moved the answer
+                "signal": kl[-1] if kl else None}
+
+    def token_layers(self, stats, num_layers):
+        return stats.recomputed_token_layers  # counted per layer by prefill_blend: selections shrink with depth
+
+    def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
+        L = a.num_layers
+        if fusion.select != "deviation":  # stage 1 (reuse's query rows), then the chosen rows at every layer
+            chosen = 0 if fusion.select == "sinks" else int(round(fusion.ratio * (context - prefix_len)))
+            rows = chosen + query
+            stage2 = L * (rows * linear_flops(a) + attention_flops(a, chosen * context // 2 + query * context))
+            return rows_flops(a, context, query, L) + stage2 + head_flops(a)
+        check = fusion.check_layers[0]
+        early = rows_flops(a, 0, context + query, check)  # layers before the check: every token
+        check_v = 2 * a.hidden_size * a.num_kv_heads * a.head_dim * (context - prefix_len)
+        selected = int(round(fusion.ratio * (context - prefix_len)))
+        rows = selected + query  # selected block tokens spread over the context: attend ~half of it on average
+        late = (L - check) * (rows * linear_flops(a) + attention_flops(a, selected * context // 2
+                                                                     + query * context + query * query // 2))
+        return early + check_v + late + head_flops(a)

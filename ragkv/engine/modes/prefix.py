@@ -1,0 +1,48 @@
+"""`prefix`: reuse the longest cached exact token prefix (hash-chained chunks, as vLLM and SGLang), prefill the
+rest. Exact: equals `full` (invariant 3)."""
+
+from __future__ import annotations
+
+from ragkv.engine.blocks import EnsureResult
+from ragkv.engine.flops import head_flops, rows_flops
+from ragkv.engine.modes.base import FusionMode
+from ragkv.engine.modes.registry import register
+from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.stats import RequestStats
+from ragkv.engine.stepwise import drain
+
+
+@register
+class Prefix(FusionMode):
+    name = "prefix"
+    summary = "the longest cached exact token prefix (hash-chained chunks), the rest prefilled; equals full"
+    option_fields = ("prefix_chunk",)
+
+    def cache_keys(self, engine, segs, fusion, ns):
+        return chunk_keys(segs.all_ids(), fusion.prefix_chunk, engine.fingerprint, ns)
+
+    def shared_key_count(self, segs, fusion):
+        return len(segs.prefix) // fusion.prefix_chunk
+
+    def warm(self, engine, segs, fusion, ns):
+        """Prefill the context (prefix and blocks, no query) once, storing its full chunks."""
+        ids = segs.prefix + [t for b in segs.blocks for t in b]
+        if not ids:
+            return EnsureResult([], 0, 0, 0.0)
+        stats = RequestStats(mode=self.name)
+        drain(prefill_prefix(engine.model, engine.store, engine.fingerprint, ns, ids, fusion.prefix_chunk,
+                             len(ids), stats))
+        keys = chunk_keys(ids, fusion.prefix_chunk, engine.fingerprint, ns)
+        return EnsureResult(keys, stats.cache_hits, stats.cache_misses, stats.query_prefill_ms,
+                            hit_tokens=stats.cached_tokens)
+
+    def fidelity(self, fusion, stats):
+        return {"mode": self.name, "exact": True, "cached_prefix_tokens": stats.reused_tokens}
+
+    def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
+        engine._check_length(segs.num_tokens, "prompt")
+        return (yield from prefill_prefix(engine.model, blocks.store, engine.fingerprint, ns, segs.all_ids(),
+                                          fusion.prefix_chunk, capacity, stats, chunk))
+
+    def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
+        return rows_flops(a, reused, context + query - reused, a.num_layers) + head_flops(a)

@@ -1,0 +1,27 @@
+"""`reuse`: every block's independently computed KV, re-rotated to its place, the query prefilled over them
+(Block-Attention inference; with a plain model, its "w/o fine-tuning" baseline). Equals one forward under the
+block attention mask (invariant 4)."""
+
+from __future__ import annotations
+
+from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.modes.base import BlockMode
+from ragkv.engine.modes.registry import register
+
+
+@register
+class Reuse(BlockMode):
+    name = "reuse"
+    summary = "every block's independently computed KV, re-rotated to its position (Block-Attention)"
+    option_fields = ("positions",)
+
+    def layout_kind(self, fusion):
+        return "local" if fusion.positions == "local" else "sequential"  # local: the no-re-encoding ablation
+
+    def fidelity(self, fusion, stats):
+        # blocks that never saw each other: exact only for one block and no prefix (invariant 5)
+        return {"mode": self.name, "exact": False, "positions": fusion.positions,
+                "reused_tokens": stats.reused_tokens, "signal": None}
+
+    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+        return prefill_over_context(engine.model, layer_iter, layout, segs.query, capacity, stats)

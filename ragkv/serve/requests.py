@@ -1,0 +1,161 @@
+"""An HTTP request body -> what the engine runs (`Prepared`): the tenant's KV namespace, inline and retrieved
+documents, fusion and generation options, the prompt's segments, the number of choices. Every refusal is a domain
+error (FieldError naming the field, NamespaceForbidden); the routers turn them into HTTP answers.
+
+This runs on the request handler's worker thread, never on the model thread: retrieval (the embedder, the index)
+and tokenization do not hold the engine lock, so a slow retrieval stalls no running answer. The tokenizer is a
+Hugging Face fast tokenizer, whose encode and decode may run on several threads at once (Server warms it once at
+start, so no thread changes its truncation or padding settings later)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.engine.request import Passage, Segments
+from ragkv.errors import RagkvError
+from ragkv.rag.order import order_passages
+from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, RagkvExtras
+from ragkv.settings import DEFAULT_TENANT
+
+
+class NamespaceForbidden(RagkvError):
+    """A request naming another tenant's KV namespace (a 403)."""
+
+    param, code = "ragkv.namespace", "namespace_forbidden"
+
+
+@dataclass
+class Prepared:
+    segs: Segments
+    fusion: FusionOptions
+    gen: GenerationOptions
+    namespace: str | None
+    sources: list[dict]
+    n: int = 1  # choices: one prefill, n sequences decoding in the batch
+
+
+def salted_namespace(namespace: str, salt: str) -> str:
+    """The namespace of a `cache_salt`: requests share cached KV only with the same salt (and tenant). The hash
+    covers the whole namespace and salt; the readable front keeps the name within the store's 64 characters."""
+    digest = hashlib.sha256(f"{namespace}\0{salt}".encode()).hexdigest()[:16]
+    return f"{namespace[:40]}.salt-{digest}"
+
+
+class RequestBuilder:
+    """Builds `Prepared` requests against one engine, with the server's keys, limits and fusion defaults;
+    `library(tenant)` gives a tenant's document library (retrieval)."""
+
+    def __init__(self, engine, keys, limits, default_fusion: FusionOptions, max_batch: int,
+                 library: Callable[[str], object]):
+        self.engine, self.keys, self.limits = engine, keys, limits
+        self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
+        self.max_batch, self.library = max_batch, library
+
+    def namespace(self, extras: RagkvExtras | None, tenant: str, cache_salt: str | None = None) -> str | None:
+        """The KV namespace of a request: its tenant's when keys are configured (naming another is refused),
+        made its own by a `cache_salt`."""
+        asked = extras.namespace if extras is not None else None
+        if not self.keys:
+            ns = asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
+        elif asked is not None and asked != tenant:
+            raise NamespaceForbidden(f"namespace {asked!r} belongs to another tenant; this key's is {tenant!r}")
+        else:
+            ns = tenant
+        return ns if cache_salt is None else salted_namespace(ns or self.engine.namespace, cache_salt)
+
+    def passages(self, req, question: str, tenant: str = DEFAULT_TENANT) -> tuple[list[Passage], list[dict]]:
+        """Inline documents (top-level `documents` or `ragkv.documents`) in the caller's order, then retrieved ones in
+        `retrieval.order` (default best-last: the most relevant next to the question)."""
+        extras = req.ragkv
+        passages, sources = [], []
+        docs, field = req.inline_documents()
+        self.check_documents(len(docs), (d if isinstance(d, str) else d.text for d in docs), field)
+        for d in docs:
+            p = Passage(d) if isinstance(d, str) else Passage(d.text, d.title or "")
+            passages.append(p)
+            sources.append({"title": p.title, "source": "inline"})
+        if extras is not None and extras.retrieval is not None:
+            found = self.library(tenant).retrieve(question, extras.retrieval.top_k)  # best first
+            for r in order_passages(found, extras.retrieval.order):
+                passages.append(r.passage)
+                sources.append({"title": r.passage.title, "chunk_id": r.chunk_id, "doc_id": r.doc_id,
+                                "score": round(r.score, 4)})
+        return passages, sources
+
+    def check_documents(self, count: int, texts, field: str) -> None:
+        lim = self.limits
+        if count > lim.max_documents:
+            raise FieldError(field, f"{count} documents in one request; the limit is {lim.max_documents} "
+                                    "(--max-documents)", "too_many_documents")
+        for i, text in enumerate(texts):
+            if len(text) > lim.max_document_chars:
+                raise FieldError(f"{field}.{i}", f"document {i} has {len(text)} characters; the limit is "
+                                                 f"{lim.max_document_chars} (--max-document-chars)",
+                                 "document_too_long")
+
+    def check_prompt(self, segs: Segments, gen: GenerationOptions) -> None:
+        lim = self.limits.max_prompt_tokens or self.engine.max_positions
+        if segs.num_tokens > lim:
+            raise FieldError("messages", f"the prompt has {segs.num_tokens} tokens; the limit is {lim}"
+                             f"{' (--max-prompt-tokens)' if self.limits.max_prompt_tokens else ' (the model)'}",
+                             "context_length_exceeded")
+        if gen.max_new_tokens > self.engine.max_positions:
+            raise FieldError("max_tokens", f"max_tokens {gen.max_new_tokens} exceeds the model's "
+                                           f"{self.engine.max_positions} positions")
+
+    def fusion(self, extras: RagkvExtras | None, has_blocks: bool) -> FusionOptions:
+        e = extras or RagkvExtras()
+        given = e.fusion_fields()
+        given.setdefault("mode", self.default_fusion.mode if has_blocks else "prefix")
+        return replace(self.default_fusion, **given)  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...
+
+    def generation(self, req, default_max: int) -> GenerationOptions:
+        max_new = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if req.n > self.max_batch:
+            raise FieldError("n", f"n={req.n} choices exceed the {self.max_batch} sequences decoded together "
+                                  "(--max-batch)")
+        penalty = req.repetition_penalty
+        return GenerationOptions(max_new_tokens=default_max if max_new is None else max_new,
+                                 temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed,
+                                 stop=req.stops(), top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
+                                 presence_penalty=req.presence_penalty or 0.0,
+                                 frequency_penalty=req.frequency_penalty or 0.0,
+                                 repetition_penalty=1.0 if penalty is None else penalty,
+                                 logprobs=req.logprobs_count())
+
+    def chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
+        msgs = req.messages
+        system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
+        turns = [m for m in msgs if m.role in ("user", "assistant")]
+        if not turns or turns[-1].role != "user":
+            raise FieldError("messages", "the last message must come from the user")
+        question = turns[-1].text()
+        passages, sources = self.passages(req, question, tenant)
+        fusion = self.fusion(req.ragkv, bool(passages))
+        if passages:
+            history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
+            segs = self.engine.segments((history + question) if history else question, passages, system=system)
+        else:
+            if not question.strip():
+                raise FieldError("messages", "the last user message is empty")
+            segs = self.engine.chat_segments([{"role": m.role, "content": m.text()} for m in turns], system)
+        gen = self.generation(req, 256)
+        self.check_prompt(segs, gen)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
+
+    def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
+        prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
+        if not prompt.strip():
+            raise FieldError("prompt", "the prompt is empty")
+        passages, sources = self.passages(req, prompt, tenant)
+        fusion = self.fusion(req.ragkv, bool(passages))
+        if passages:
+            segs = self.engine.segments(prompt, passages)
+        else:
+            segs = self.engine.text_segments(prompt)
+        gen = self.generation(req, 16)
+        self.check_prompt(segs, gen)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)

@@ -1,0 +1,73 @@
+"""The state one `ragkv serve` shares across its routes: the engine and its batching scheduler, the served model
+names, keys and limits, the metrics, the tenants' document libraries and the ingestion jobs. It knows no HTTP:
+requests are built by `RequestBuilder` (serve/requests.py), answered by the routers (serve/routes/)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.scheduler import Job, Scheduler
+from ragkv.serve.auth import ApiKeys
+from ragkv.serve.metrics import Metrics
+from ragkv.serve.requests import Prepared, RequestBuilder
+from ragkv.settings import DEFAULT_TENANT, SERVE
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server; each refusal names the limit and its flag (defaults: settings)."""
+    max_body_bytes: int = SERVE.max_body_bytes          # --max-body: larger bodies get 413 before being read
+    max_documents: int = SERVE.max_documents            # --max-documents: per request, or per POST /v1/documents
+    max_document_chars: int = SERVE.max_document_chars  # --max-document-chars: characters of one document
+    max_prompt_tokens: int | None = SERVE.max_prompt_tokens  # --max-prompt-tokens (None: the model's positions)
+    ingest_timeout_s: float = SERVE.ingest_timeout_s    # --ingest-timeout: deadline of a document ingestion job
+
+
+class Server:
+    def __init__(self, engine, model_id: str, index_dir=None, max_queue: int = SERVE.max_queue,
+                 timeout_s: float = SERVE.timeout_s, default_fusion: FusionOptions = FusionOptions(),
+                 max_batch: int = SERVE.max_batch, prefill_chunk: int = SERVE.prefill_chunk,
+                 worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
+                 served_names: tuple[str, ...] = ()):
+        """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
+        without them, `model_id` or the model's path."""
+        self.engine, self.index_dir = engine, index_dir
+        self.model_names = tuple(served_names) or (model_id,)
+        self.model_id = self.model_names[0]
+        self.accepted_names = set(served_names) if served_names else {model_id, str(engine.model_path)}
+        self.keys, self.limits = keys, limits
+        self.ingest_jobs: dict = {}  # id -> routes.documents.IngestJob
+        self.default_fusion = default_fusion
+        self.metrics = Metrics()
+        self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
+        self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
+                                   lock=engine.lock, thread=worker_thread)
+        self._library, self._library_lock = None, threading.Lock()
+        self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library)
+        # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
+        # that a tokenizer resetting its truncation or padding settings on first use does it before any race
+        engine.tokenize("ragkv")
+
+    def library(self, tenant: str = DEFAULT_TENANT):
+        """The tenant's document library (its documents only; their KV in its namespace)."""
+        with self._library_lock:  # called from several handler threads; the embedder loads once
+            if self._library is None:  # loading the embedder costs seconds: only when documents are used
+                from ragkv.rag.library import DocumentLibrary
+                self._library = DocumentLibrary(self.engine, self.index_dir)
+        return self._library.tenant(tenant)
+
+    def start(self, p: Prepared, emit=None) -> Job:
+        """Queue a prepared generation: the model thread prefills it in units, then decodes it batched with the
+        others; `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish);
+        its `seqs` are the request's n choices (one prefill; the others decode from copies of its KV)."""
+
+        def chunk():  # chunk a full/prefix prefill only while other answers are decoding
+            return self.prefill_chunk if self.scheduler.running else None
+
+        def begin():
+            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
+            return [seq] + [seq.fork(i) for i in range(1, p.n)], p
+
+        return self.scheduler.submit_generation(begin, emit)
