@@ -1,0 +1,155 @@
+"""Selective recompute by a selection known before recomputing: query-aware (ProphetKV, Wang et al., ICML 2026,
+arXiv 2602.02579) and chunk-link sinks (EPIC, ICML 2025, arXiv 2410.15332).
+
+ProphetKV's method section could not be read here; the scoring and fusion follow a public reimplementation that
+cites the paper's Algorithm 1 and eq. 8 (vLLM fork omerpaz95/vllm, prophet_kv.py): stage-1 softmax over the
+context keys only, summed over heads and query tokens, averaged uniformly over all layers, one global top-k.
+
+ProphetKV's dual-stage pipeline: stage 1 is `reuse` (the query's rows over the reused, re-rotated block KV) and
+records, at every layer, how much attention the query gives each context token; the per-layer scores are fused
+into one relevance score and the top r of the block tokens are chosen. Stage 2 recomputes only those tokens and the
+query, at every layer from the embeddings on, over the cache stage 1 filled: each layer's selected rows overwrite
+their reused K/V and attend causally to the whole context (ragkv/engine/blend.py's row attention). No token runs
+through a full layer 0 or a check layer (CacheBlend's cost): the work is Tq rows x L layers for stage 1 plus
+(k + Tq) rows x L for stage 2, which is what `recomputed_token_layers` counts.
+
+EPIC's LegoLink needs no stage 1: each block's first `sink_tokens` tokens (where its own attention sink sits) and
+the query are recomputed, nothing chosen at run time.
+
+Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
+no sinks) leaves stage 1's result, which is `reuse`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ragkv.engine.blend import attend_selected, keep_count
+from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.kvcache import KVCache
+from ragkv.engine.layout import Layout
+from ragkv.engine.state import DecodeState
+from ragkv.engine.stats import RequestStats
+from ragkv.errors import InvalidRequestError
+from ragkv.models.loop import run_layers
+from ragkv.ops.attention import prefill_mask, sdpa
+
+
+class QueryAttentionRecorder:
+    """An attention policy for stage 1: the query rows' ordinary attention, plus, per layer, each context token's
+    relevance to the query: alpha_l(t) = sum over heads and query tokens of softmax_t(Q K'_{1:C}^T / sqrt(d)), the
+    softmax over the context keys only (ProphetKV's stage-1 score over the reused K') [N] fp32."""
+
+    def __init__(self, context_len: int):
+        self.N = context_len
+        self.layer_scores: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, Hq, Tq, D]; k, v: [1, Hkv, N + Tq, D]
+        Tq, total = q.shape[2], k.shape[2]
+        out = sdpa(q, k, v, mask=prefill_mask(Tq, total, None, q.device))
+        if self.N:
+            ctx = k[:, :, :self.N].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            probs = (q.float() @ ctx.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(dim=-1)  # [1, Hq, Tq, N]
+            self.layer_scores.append(probs.sum(dim=(1, 2))[0])
+        return out
+
+
+def fuse_layer_scores(layer_scores: list[torch.Tensor]) -> torch.Tensor:
+    """ProphetKV's uniform fusion: the mean over layers of alpha_l(t) (each layer's scores sum to the same
+    heads x query tokens, so no layer dominates)."""
+    return torch.stack(layer_scores).mean(dim=0)
+
+
+def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink_tokens: int,
+                  per_block: bool) -> torch.Tensor:
+    """Cache indices (ascending) of the block tokens to recompute: the top r by `score` (over all blocks, or per
+    block), plus each block's first `sink_tokens`. The shared prefix is never chosen (it is computed exactly)."""
+    dev = layout.context_positions.device
+    chosen = torch.zeros(layout.context_len, dtype=torch.bool, device=dev)
+    blocks = list(zip(layout.block_offsets(), layout.block_lens))
+    groups = blocks if per_block else [(layout.prefix_len, layout.context_len - layout.prefix_len)]
+    if score is not None:
+        for off, n in groups:
+            k = keep_count(ratio, n)
+            if k:
+                chosen[off + torch.topk(score[off:off + n], k).indices] = True
+    for off, n in blocks:
+        chosen[off:off + min(sink_tokens, n)] = True
+    return chosen.nonzero().squeeze(1)
+
+
+class SelectedRowsPlan:
+    """Stage 2: the chosen context rows and the query rows, through every layer, over a cache that already holds
+    every layer's context K/V: fresh K/V overwrite the reused ones at the chosen indices."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor, total: int):
+        self.cache, self.rows, self.total = cache, rows, total
+        self.positions = rows  # sequential layout: cache index == position
+
+    def begin(self, layer, decoder_layer, x):
+        return x
+
+    def store(self, layer, raw_k, k, v):
+        self.cache.overwrite(layer, self.rows, k, v)
+        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
+
+    def attend(self, layer, q, kv):
+        return attend_selected(q, *kv, self.rows)
+
+
+@torch.inference_mode()
+def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
+                     select: str, ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
+                     stats: RequestStats, max_signal: float | None = None) -> DecodeState:
+    """`select="query"`: ProphetKV's two stages; `select="sinks"`: EPIC's static chunk links (stage 1 only fills
+    the cache). With several `ratios` (the quality-bounded mode), stage 2 runs again at the next ratio while the
+    signal, KL(this answer's first-token distribution || the previous one's), exceeds `max_signal`: recomputing
+    moved the answer, so it is at risk. A larger selection contains the smaller one, so stage 2 simply runs again
+    over the same cache (each layer's selected rows are overwritten before they are attended)."""
+    window = model.args.sliding_window
+    N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
+    total = N + Tq
+    if window is not None and window < total:
+        raise InvalidRequestError("query-aware and sink selections are not supported past a sliding window; use "
+                                  "reuse or full")
+    if layout.query_start != N:
+        raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
+    recorder = QueryAttentionRecorder(N) if select == "query" else None
+    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
+    stats.recomputed_token_layers += Tq * L
+    score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
+    logits, chosen, signals = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
+    t0 = time.perf_counter()
+    for level, ratio in enumerate(ratios):
+        chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block)
+        if not len(chosen):  # nothing to recompute: stage 1's answer is `reuse`'s
+            continue
+        rows = torch.cat([chosen, torch.arange(N, total, device=chosen.device)])
+        ids = torch.tensor(context_ids + query_ids, device=model.device)[rows].unsqueeze(0)
+        x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total))
+        new = model.logits(x[:, -1:])[0, -1]
+        stats.recomputed_token_layers += len(rows) * L
+        signals.append(round(first_token_kl(logits, new), 6))
+        logits = new
+        if max_signal is None or signals[-1] <= max_signal:
+            break
+    stats.recompute_ms += (time.perf_counter() - t0) * 1000
+    stats.reused_tokens -= len(chosen)
+    stats.recomputed_tokens += len(chosen)
+    stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
+                       selected_per_block=[int(((chosen >= o) & (chosen < o + n)).sum())
+                                           for o, n in zip(layout.block_offsets(), layout.block_lens)])
+    if signals:  # KL(after stage 2 || before it) at each stage-2 run: the fidelity signal
+        stats.extra.update(stage2_kl=signals, final_ratio=len(chosen) / max(1, N - layout.prefix_len),
+                           escalations=len(signals) - 1)
+    return DecodeState(stage1.cache, total, logits)
+
+
+def first_token_kl(approx: torch.Tensor, final: torch.Tensor) -> float:
+    """KL(final || approx) of two first-token distributions: how much a stage-2 run moved the answer before it."""
+    p, q = final.float().log_softmax(-1), approx.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
