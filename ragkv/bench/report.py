@@ -20,7 +20,8 @@ def _label(config: dict) -> str:
     name = config.get("dataset") or Path(str(config.get("data_file") or "data")).stem
     if config.get("num_passages"):
         name += f"-k{config['num_passages']}"
-    return name + (f"-g{config['gold_position']}" if config.get("gold_position") is not None else "")
+    name += f"-g{config['gold_position']}" if config.get("gold_position") is not None else ""
+    return name + (f" ({config['passage_order']})" if config.get("passage_order") else "")
 
 
 def _params_line(summary: dict) -> str:
@@ -36,6 +37,8 @@ def _command(config: dict, summary: dict, n: int) -> str:
         src += f" --num-passages {config['num_passages']}"
     if config.get("gold_position") is not None:
         src += f" --gold-position {config['gold_position']}"
+    if config.get("passage_order"):
+        src += f" --passage-order {config['passage_order']}"
     env = f"OMP_NUM_THREADS={config['threads']} " if config.get("threads") else ""
     return (f"{env}ragkv eval {src} --modes {','.join(summary)} --limit {n} --max-new-tokens {config['max_new_tokens']} "
             f"--model {config['model']} --dtype {config['dtype']} --device {config['device']}")
