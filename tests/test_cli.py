@@ -81,6 +81,19 @@ def test_ask_two_questions_second_hits_every_block(capsys):
             "rerotate_ms", "recompute_ms", "query_prefill_ms"} <= second.keys()
 
 
+def test_ask_states_how_close_to_full_each_answer_is(capsys):
+    """Every answer says how it was computed: exact for full, approximate with its signal for a recompute."""
+    common = ("ask", "--docs-dir", "examples/docs", "--question", "What does APE scale?", "--max-new-tokens", "2",
+              "--dtype", "float32")
+    code, _, err = run(capsys, *common, "--mode", "full")
+    assert code == 0 and "exact (equals full)" in err
+    code, out, err = run(capsys, *common, "--mode", "blend", "--select", "query", "--ratio", "0.2")
+    assert code == 0 and "approximate, signal" in err
+    code, out, _ = run(capsys, *common, "--mode", "blend", "--select", "query", "--json")
+    fidelity = json.loads(out)["fidelity"]
+    assert fidelity["select"] == "query" and fidelity["exact"] is False and fidelity["signal"] >= 0
+
+
 @pytest.mark.parametrize("case,needle", [
     ("brace", "not valid JSON"), ("empty", "not valid JSON"), ("list", "not an object"),
     ("no vocab", "vocab_size"), ("negative size", "positive integer"), ("a billion layers", "num_hidden_layers"),

@@ -86,10 +86,19 @@ def run_ask(args) -> int:
                 print("sources: " + "; ".join(f"{s['title']} ({s['score']})" for s in rec["sources"]))
             print(f"[{fusion.mode}] ttft {ans.stats.ttft_ms:.0f} ms, blocks hit {ans.stats.cache_hits}/"
                   f"{ans.stats.cache_hits + ans.stats.cache_misses}, reused {ans.stats.reused_tokens} tokens, "
-                  f"recomputed {ans.stats.recomputed_tokens}", file=sys.stderr)
+                  f"recomputed {ans.stats.recomputed_tokens}; {describe_fidelity(ans.stats.fidelity)}",
+                  file=sys.stderr)
     if args.json:
         print_json(results[0] if len(results) == 1 else results)
     return 0
+
+
+def describe_fidelity(fidelity: dict) -> str:
+    """One phrase of the mode's own statement of how close to `full` the answer is."""
+    if fidelity.get("exact"):
+        return "exact (equals full)"
+    signal = fidelity.get("signal")
+    return "approximate" + (f", signal {signal:.3f} (KL moved by the recompute)" if signal is not None else "")
 
 
 def retrieve_for(questions, args, engine):
