@@ -70,33 +70,31 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected component of more than one module (Tarjan's algorithm, iterative)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                if low[v] == index[v]:
-                    comp = []
-                    while True:
-                        x = stack.pop(); on.discard(x); comp.append(x)
-                        if x == v:
-                            break
-                    if len(comp) > 1:
-                        out.append(sorted(comp))
-            elif w not in index:
-                index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
-                work.append((w, iter(sorted(graph.get(w, ())))))
-            elif w in on:
+    """Every strongly connected component of more than one module (Tarjan's algorithm; the package's import depth
+    is far below Python's recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
                 low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
     return out
 
 

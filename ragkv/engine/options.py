@@ -85,7 +85,8 @@ class FusionOptions:
                          "(ProphetKV: the query's attention over the reused cache), sinks (EPIC: each block's first "
                          "sink_tokens only)", choices=SELECTIONS, key="sel")
     max_kl: float = option(0.05, "auto: the most a recompute of r of the tokens may move the first-token "
-                           "distribution (KL, nats) before auto recomputes everything (experimental, not yet calibrated)",
+                           "distribution (KL, nats) before auto recomputes everything (experimental, not yet "
+                           "calibrated)",
                            ge=0.0, le=100.0, key="kl")
     check_layers: tuple[int, ...] = option((1,), "blend: increasing layers where deviation selects tokens "
                                            "(gradual filtering if several)", ge=1, key="check", max_items=64)

@@ -124,7 +124,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
     logits, chosen, signals = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
     t0 = time.perf_counter()
-    for level, ratio in enumerate(ratios):
+    for ratio in ratios:
         chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block)
         if not len(chosen):  # nothing to recompute: stage 1's answer is `reuse`'s
             continue

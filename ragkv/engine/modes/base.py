@@ -2,8 +2,10 @@
 
 A mode is a stateless object; the engine hands it itself (`engine`: the model, the block cache, the loading planner,
 the APE defaults) and the request. The annotations "Engine", "FusionOptions" and "BlockCache" name those types
-without importing them: the engine and the options import the modes, never the other way round. `BlockMode` is the shared shape of the modes that fuse independently encoded
-blocks (reuse, ape, blend): ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
+without importing them: the engine and the options import the modes, never the other way round.
+
+`BlockMode` is the shared shape of the modes that fuse independently encoded blocks (reuse, ape, blend, auto):
+ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
 """
 
 from __future__ import annotations

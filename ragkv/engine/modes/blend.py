@@ -16,15 +16,15 @@ from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_f
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 from ragkv.engine.query_select import prefill_selected
+from ragkv.errors import InvalidRequestError
 
 SELECTIONS = ("deviation", "query", "sinks")  # FusionOptions.select; the first is the default
-from ragkv.errors import InvalidRequestError
 
 
 @register
 class Blend(BlockMode):
     name = "blend"
-    summary = "reuse, then the top r most-deviating block tokens recomputed from the check layer on (CacheBlend)"
+    summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query or sinks"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
                      "select_per_block")
 
@@ -39,13 +39,13 @@ class Blend(BlockMode):
     def load_schedule(self, engine, res, fusion, stats):
         if res.uncached:  # some blocks live only in this request's memory: nothing to schedule
             return fusion, None
-        plan = engine._planner.schedule(res.keys, fusion.ratio)
-        if isinstance(plan, str):  # why there is none (no profile yet, a single tier...)
-            stats.extra["loading_plan"] = {"none": plan}
-        if plan is None or isinstance(plan, str):
+        schedule = engine._planner.schedule(res.keys, fusion.ratio)
+        if isinstance(schedule, str):  # why there is none (no profile yet, a single tier...)
+            stats.extra["loading_plan"] = {"none": schedule}
+        if schedule is None or isinstance(schedule, str):
             return fusion, None
-        stats.extra["loading_plan"] = plan.as_dict()  # the engine reads each block from the tier the plan names
-        return (replace(fusion, ratio=plan.ratio) if fusion.auto_ratio else fusion), plan.tiers
+        stats.extra["loading_plan"] = schedule.as_dict()  # each block is read from the tier the schedule names
+        return (replace(fusion, ratio=schedule.ratio) if fusion.auto_ratio else fusion), schedule.tiers
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
@@ -56,7 +56,8 @@ class Blend(BlockMode):
 
     def fidelity(self, fusion, stats):
         kl, x = stats.extra.get("stage2_kl"), stats.extra
-        selected, block = x.get("selected", x.get("blend_selected")), x.get("block_tokens", x.get("blend_block_tokens"))
+        selected = x.get("selected", x.get("blend_selected"))  # query/sinks selections, or CacheBlend's
+        block = x.get("block_tokens", x.get("blend_block_tokens"))
         return {"mode": self.name, "exact": selected == block,  # every block token recomputed: full's answer
                 "select": fusion.select, "ratio": fusion.ratio, "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
