@@ -16,3 +16,10 @@ echo
 echo "== the same questions with CacheBlend's selective recompute (r = 0.15) and JSON statistics"
 .venv/bin/ragkv ask --docs-dir examples/docs --mode blend --ratio 0.15 --dtype float32 --max-new-tokens 32 --json \
     --question "Which paper recomputes a small fraction of tokens?"
+echo
+echo "== one question, four ways: each answer with its time and its own statement of how close to full it is"
+for way in "--mode full" "--mode reuse" "--mode blend --ratio 0.15" "--mode blend --select query --ratio 0.15"; do
+    # shellcheck disable=SC2086  # the words of $way are separate flags
+    .venv/bin/ragkv ask --docs-dir examples/docs $way --dtype float32 --max-new-tokens 32 \
+        --question "Which paper recomputes a small fraction of tokens?" 2>&1
+done
