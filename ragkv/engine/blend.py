@@ -79,7 +79,23 @@ def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return out
 
 
-class BlendPlan:
+class RecomputedRows:
+    """The rows in x are the tokens at cache indices `sel` (ascending; == `positions` in the sequential layout): at
+    each layer their fresh K/V overwrite the cached ones, then they attend causally over the whole cache."""
+    cache: KVCache
+    sel: torch.Tensor
+    positions: torch.Tensor
+    total: int
+
+    def store(self, layer, raw_k, k, v):
+        self.cache.overwrite(layer, self.sel, k, v)
+        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
+
+    def attend(self, layer, q, kv):
+        return attend_selected(q, *kv, self.positions)
+
+
+class BlendPlan(RecomputedRows):
     """All rows start in x; before each layer the cached context is fetched and written; at a check layer the
     candidates' fresh V (or K) is compared with the cached one and only the most deviating block tokens (plus
     sinks and every query token) go on. Rows write their fresh K/V over the cached ones and attend causally."""
@@ -164,12 +180,6 @@ class BlendPlan:
         self.sel = self.positions = sel[keep]
         return x[:, keep]
 
-    def store(self, layer, raw_k, k, v):
-        self.cache.overwrite(layer, self.sel, k, v)
-        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
-
-    def attend(self, layer, q, kv):
-        return attend_selected(q, *kv, self.positions)
 
 
 @torch.inference_mode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, field, fields, replace
 
@@ -37,7 +38,8 @@ class OptionSpec:
     word: tuple[str, str] | None
 
 
-def option_specs(cls) -> list[OptionSpec]:
+@functools.cache  # read once per class: options are built on every request
+def option_specs(cls) -> tuple[OptionSpec, ...]:
     """Every declared field of an options dataclass, with its type read from the annotation."""
     hints = typing.get_type_hints(cls)
     out = []
@@ -51,7 +53,7 @@ def option_specs(cls) -> list[OptionSpec]:
         out.append(OptionSpec(f.name, base, optional, f.default, f.metadata.get("help", ""),
                               *(f.metadata.get(k) for k in ("choices", "ge", "le", "gt", "key", "max_items",
                                                             "word"))))
-    return out
+    return tuple(out)
 
 
 def check_option(spec: OptionSpec, value) -> None:
@@ -120,10 +122,10 @@ class FusionOptions:
                               f"{' or '.join(map(repr, users))} only, not {self.mode!r}")
 
 
-def fusion_option_specs() -> list[OptionSpec]:
+def fusion_option_specs() -> tuple[OptionSpec, ...]:
     """FusionOptions' declared fields, `mode` with the registered names as its choices."""
     specs = option_specs(FusionOptions)
-    return [replace(specs[0], choices=mode_names())] + specs[1:]
+    return (replace(specs[0], choices=mode_names()),) + specs[1:]
 
 
 

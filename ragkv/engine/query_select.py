@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ragkv.engine.blend import attend_selected, keep_count
+from ragkv.engine.blend import RecomputedRows, keep_count
 from ragkv.engine.fusion import prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
@@ -36,6 +36,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.divergence import first_token_kl
 
 
 class QueryAttentionRecorder:
@@ -51,9 +52,11 @@ class QueryAttentionRecorder:
         # q: [1, Hq, Tq, D]; k, v: [1, Hkv, N + Tq, D]
         Tq, total = q.shape[2], k.shape[2]
         out = sdpa(q, k, v, mask=prefill_mask(Tq, total, None, q.device))
-        if self.N:
-            ctx = k[:, :, :self.N].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            probs = (q.float() @ ctx.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(dim=-1)  # [1, Hq, Tq, N]
+        if self.N:  # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
+            Hkv, D = k.shape[1], q.shape[-1]
+            qg = q.float().reshape(1, Hkv, -1, D)  # [1, Hkv, groups * Tq, D]
+            ctx = k[:, :, :self.N].float()
+            probs = (qg @ ctx.transpose(-1, -2) / math.sqrt(D)).softmax(dim=-1)  # [1, Hkv, groups * Tq, N]
             self.layer_scores.append(probs.sum(dim=(1, 2))[0])
         return out
 
@@ -82,23 +85,16 @@ def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink
     return chosen.nonzero().squeeze(1)
 
 
-class SelectedRowsPlan:
+class SelectedRowsPlan(RecomputedRows):
     """Stage 2: the chosen context rows and the query rows, through every layer, over a cache that already holds
-    every layer's context K/V: fresh K/V overwrite the reused ones at the chosen indices."""
+    every layer's context K/V (stage 1 filled it)."""
 
     def __init__(self, cache: KVCache, rows: torch.Tensor, total: int):
-        self.cache, self.rows, self.total = cache, rows, total
-        self.positions = rows  # sequential layout: cache index == position
+        self.cache, self.total = cache, total
+        self.sel = self.positions = rows  # sequential layout: cache index == position
 
     def begin(self, layer, decoder_layer, x):
         return x
-
-    def store(self, layer, raw_k, k, v):
-        self.cache.overwrite(layer, self.rows, k, v)
-        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
-
-    def attend(self, layer, q, kv):
-        return attend_selected(q, *kv, self.rows)
 
 
 @torch.inference_mode()
@@ -133,7 +129,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
         x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total))
         new = model.logits(x[:, -1:])[0, -1]
         stats.recomputed_token_layers += len(rows) * L
-        signals.append(round(first_token_kl(logits, new), 6))
+        signals.append(round(first_token_kl(new, logits), 6))  # KL(after || before)
         logits = new
         if max_signal is None or signals[-1] <= max_signal:
             break
@@ -147,9 +143,3 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
         stats.extra.update(stage2_kl=signals, final_ratio=len(chosen) / max(1, N - layout.prefix_len),
                            escalations=len(signals) - 1)
     return DecodeState(stage1.cache, total, logits)
-
-
-def first_token_kl(approx: torch.Tensor, final: torch.Tensor) -> float:
-    """KL(final || approx) of two first-token distributions: how much a stage-2 run moved the answer before it."""
-    p, q = final.float().log_softmax(-1), approx.float().log_softmax(-1)
-    return float((p.exp() * (p - q)).sum())

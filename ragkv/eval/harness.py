@@ -148,17 +148,17 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
         bar.set_postfix_str(f"{ex.id[:12]} full")
         ref = _answer(engine, segs, FULL, max_new_tokens)
         rerun += any((ex.id, m.key) in done for m in modes if get_mode(m.mode).is_reference)
-        encode: dict[str, float] = {}
+        encode: dict[tuple, float] = {}  # blocks read (cache keys) -> their encoding time
         for spec in pending:
             bar.set_postfix_str(f"{ex.id[:12]} {spec.key}")
+            group = _warm_group(engine, segs, spec.fusion)
             if get_mode(spec.mode).is_reference:
                 ans = ref  # the reference run is the `full` row: fidelity exactly zero by construction
             else:
-                group = _warm_group(engine, segs, spec.fusion)
                 if group and group not in encode:
                     encode[group] = engine.warm(segs, spec.fusion).encode_ms
                 ans = _answer(engine, segs, spec.fusion, max_new_tokens)
-            rec = make_record(ex, spec, ans, ref, segs, encode.get(_warm_group(engine, segs, spec.fusion), 0.0), n_fid)
+            rec = make_record(ex, spec, ans, ref, segs, encode.get(group, 0.0), n_fid)
             if results is not None:
                 results.append(rec)
             new.append(rec)

@@ -10,6 +10,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ragkv.ops.divergence import _logits_pair, first_token_kl, kl_divergence  # also metrics of this module
+
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -118,26 +120,6 @@ def score(metric: str, prediction: str, golds: str | Sequence[str]) -> float:
 
 
 # --- fidelity of a mode to `full` ---
-
-def _logits_pair(ref, other) -> tuple[torch.Tensor, torch.Tensor]:
-    p, q = torch.as_tensor(ref).detach().cpu().double(), torch.as_tensor(other).detach().cpu().double()
-    if p.shape != q.shape or p.ndim == 0:
-        raise ValueError(f"logits must have the same shape [..., vocab], got {tuple(p.shape)} and {tuple(q.shape)}")
-    return p, q
-
-
-def kl_divergence(ref_logits, other_logits) -> torch.Tensor:
-    """KL(softmax(ref) || softmax(other)) per row over the last dimension, in fp64 from log_softmax."""
-    p, q = _logits_pair(ref_logits, other_logits)
-    lp, lq = torch.log_softmax(p, dim=-1), torch.log_softmax(q, dim=-1)
-    terms = torch.where(lp > float("-inf"), lp.exp() * (lp - lq), torch.zeros_like(lp))  # 0 log 0 = 0
-    return terms.sum(dim=-1).clamp_min(0.0)  # rounding can leave -1e-17 on near-identical rows
-
-
-def first_token_kl(ref_logits, other_logits) -> float:
-    """KL(ref || other) of the first generated token's distributions; mean over leading dims if batched."""
-    return float(kl_divergence(ref_logits, other_logits).mean())
-
 
 def top1_agreement(ref_logits, other_logits) -> float:
     """Fraction of rows whose argmax token is the same (1.0 / 0.0 for a single distribution)."""
