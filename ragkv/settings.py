@@ -44,6 +44,7 @@ class ServeDefaults:
     max_document_chars: int = 1_000_000  # --max-document-chars: characters of one document
     max_prompt_tokens: int | None = None  # --max-prompt-tokens: prompt tokens (None: the model's positions)
     ingest_timeout_s: float = 1800.0   # --ingest-timeout: deadline of a document ingestion job
+    kv_memory_bytes: int = 4 << 30     # --kv-memory: KV the running generations may reserve (prompt + n x max_tokens)
 
 
 SERVE = ServeDefaults()

@@ -9,7 +9,7 @@ from ragkv.bench.soak.checks import DocLedger, compare_probes, leaked_marker, pa
 from ragkv.bench.soak.injector import corrupt_disk
 from ragkv.bench.soak.report import render_markdown
 from ragkv.bench.soak.workload import MARKERS, TENANTS, document_id, make_passage, make_probes
-from ragkv.errors import InvalidRequestError
+from ragkv.errors import InvalidRequestError, RagkvError
 
 
 def test_workload_is_seeded_and_each_tenant_holds_only_its_marker():
@@ -108,3 +108,55 @@ def test_config_is_validated():
     for bad in ({"modes": ("warp",)}, {"clients": 0}, {"minutes": 0}, {"probe_fraction": 2}):
         with pytest.raises(InvalidRequestError):
             SoakConfig(**bad)
+
+
+def test_abuse_phase_verdict_on_rss():
+    """The abuse phase fails when RSS rises over its pre-phase level by more than memory tier + KV limit + slack,
+    or does not come back within the margin in time."""
+    from ragkv.bench.soak.memory import MiB, rss_budget, rss_verdict
+
+    cfg = SoakConfig(memory="48MiB", kv_memory="1GiB", rss_slack="1GiB")
+    budget = rss_budget(cfg)
+    assert budget["total"] == (48 + 2048) * MiB
+    pre = 1000 * MiB
+    ok = [(1.0, "abuse", pre + 900 * MiB), (2.0, "abuse", pre + 1500 * MiB), (3.0, "abuse_after", pre)]
+    v = rss_verdict(ok, pre, budget, cfg, returned_s=4.0, end_rss=pre + 50 * MiB)
+    assert not v["over_budget"] and not v["not_returned"] and v["peak_mib"] == 2500.0
+    assert v["return_target_mib"] == 1100.0 and v["allowed_peak_mib"] == 3096.0
+    issue = [(1.0, "abuse", pre + 7200 * MiB)]  # the issue's server: 1.6 -> 8.2 GB, and it stayed there
+    v = rss_verdict(issue, pre, budget, cfg, returned_s=None, end_rss=pre + 7200 * MiB)
+    assert v["over_budget"] and v["not_returned"]
+
+
+def test_abuse_tasks_and_answers_count_apart():
+    """The configured mix, shuffled; a 4xx or 429 answering abuse is not counted as a failure, a 5xx is."""
+    from ragkv.bench.soak.abuse import ABUSE_KINDS, AbuseClients
+
+    run = AbuseClients()
+    run.cfg = SoakConfig(abuse_streams=5, abuse_salts=3, abuse_long_words=2, abuse_documents=3)
+    tasks = run._abuse_tasks(random.Random(0))
+    assert sorted(tasks) == sorted(["abuse_stream"] * 5 + ["abuse_salt"] * 3 + ["abuse_long_word"] * 2
+                                   + ["abuse_documents"] * 2 + ["abuse_too_many_documents"])
+    assert set(tasks) <= set(ABUSE_KINDS)
+    recs = [{"phase": "abuse", "kind": "abuse_too_many_documents", "status": 400, "latency_s": 0.1},
+            {"phase": "abuse", "kind": "abuse_stream", "status": 429, "latency_s": 0.1},
+            {"phase": "abuse", "kind": "abuse_stream", "status": 500, "latency_s": 0.1, "error": "boom"}]
+    s = summarize_requests(recs, {})
+    assert s["http_5xx"] == 1 and s["other_non_2xx"] == {}
+    with pytest.raises(InvalidRequestError):
+        SoakConfig(abuse_n=0)
+    with pytest.raises(RagkvError):
+        SoakConfig(kv_memory="lots")
+
+
+def test_report_shows_the_memory_verdict():
+    from ragkv.bench.soak.memory import rss_budget, rss_verdict
+
+    cfg = SoakConfig()
+    v = rss_verdict([(1.0, "abuse", 3 << 30)], 1 << 30, rss_budget(cfg), cfg, returned_s=None, end_rss=2 << 30)
+    md = render_markdown({"figures": {"rss_over_budget": 0, "rss_not_returned": 1}, "all_zero": False,
+                          "requests": summarize_requests([], {}), "probes": compare_probes({}, []), "config": {},
+                          "abuse": {"requests": 10, "sent": 10, "wall_s": 5.0, "answers": {"abuse_stream": {"200": 10}},
+                                    "rss": v}})
+    assert "## Memory under the abuse phase" in md and "| 1024.0 | 3072.0 |" in md
+    assert "RSS not back" in md

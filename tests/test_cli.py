@@ -88,7 +88,7 @@ def test_ask_states_how_close_to_full_each_answer_is(capsys):
     code, _, err = run(capsys, *common, "--mode", "full")
     assert code == 0 and "exact (equals full)" in err
     code, out, err = run(capsys, *common, "--mode", "blend", "--select", "query", "--ratio", "0.2")
-    assert code == 0 and "approximate, signal" in err
+    assert code == 0 and "approximate, risk shift" in err
     code, out, _ = run(capsys, *common, "--mode", "blend", "--select", "query", "--json")
     fidelity = json.loads(out)["fidelity"]
     assert fidelity["select"] == "query" and fidelity["exact"] is False and fidelity["signal"] >= 0

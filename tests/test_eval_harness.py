@@ -14,7 +14,7 @@ from ragkv.engine.request import Passage
 from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
 from ragkv.eval.harness import fidelity, run_eval, task_scores
-from ragkv.eval.modes import ModeKeyError, parse_mode_key, resolve_modes, split_mode_list
+from ragkv.eval.modes import ModeKeyError, engine_defaults, parse_mode_key, resolve_modes, split_mode_list
 from ragkv.eval.results import ResultsFile, read_results
 from ragkv.eval.summary import summarize, text_table
 
@@ -51,7 +51,7 @@ def _examples(n=2, words=12):
 
 
 def _modes(engine, keys):
-    return resolve_modes(split_mode_list(keys), FusionOptions(mode="full"), engine.ape_temperature, engine.ape_scale)
+    return resolve_modes(split_mode_list(keys), FusionOptions(mode="full"), engine_defaults(engine))
 
 
 def test_full_is_exactly_faithful_to_itself(engine):
@@ -108,7 +108,7 @@ def test_changed_mode_parameters_refuse_to_resume(engine, tmp_path):
     path = tmp_path / "r.jsonl"
     run_eval(engine, _examples(1), _modes(engine, "full,blend"), ResultsFile(path, {}), max_new_tokens=2,
              progress=False)
-    other = resolve_modes(["blend"], FusionOptions(mode="full", ratio=0.3), 0.9, 0.9)
+    other = resolve_modes(["blend"], FusionOptions(mode="full", ratio=0.3), {"ape_temperature": 0.9, "ape_scale": 0.9})
     with pytest.raises(RagkvError, match="blend.*--overwrite"):
         run_eval(engine, _examples(2), other, ResultsFile(path, {}), max_new_tokens=2, progress=False)
 
@@ -169,9 +169,9 @@ def test_mode_keys():
     assert (f.mode, f.ratio, f.deviation, f.check_layers, f.gradual, f.sink_tokens) == ("blend", 0.3, "k", (1, 4),
                                                                                         True, 2)
     assert parse_mode_key("blend", FusionOptions(mode="full", ratio=0.2)).ratio == 0.2
-    (ape,) = resolve_modes(["ape"], FusionOptions(mode="full"), 0.7, 0.8)
+    (ape,) = resolve_modes(["ape"], FusionOptions(mode="full"), {"ape_temperature": 0.7, "ape_scale": 0.8})
     assert ape.params == {"ape_temperature": 0.7, "ape_scale": 0.8}
-    local, plain = resolve_modes(["reuse:pos=local", "reuse"], FusionOptions(mode="full"), 0.9, 0.9)
+    local, plain = resolve_modes(["reuse:pos=local", "reuse"], FusionOptions(mode="full"), {"ape_temperature": 0.9, "ape_scale": 0.9})
     assert local.fusion.positions == "local" and local.params == {"positions": "local"}
     assert plain.params == {}  # results written before `positions` existed still resume
     for bad, msg in (("turbo", "unknown mode"), ("ape:r=0.1", "ape takes: T, S"), ("blend:r=x", "bad value"),
@@ -354,3 +354,44 @@ def test_lost_in_the_middle_table_and_figure(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "### nq-distractors-g4" in out and "--gold-position 4" in out and "acc - full [95% CI]" in out
     assert not (tmp_path / "README.md").exists()
+
+
+def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine, tmp_path, capsys, monkeypatch):
+    """`ragkv calibrate --target auto`: runs full and the query-aware blend (first token only), picks a risk
+    signal and threshold, stores them per model; `auto` then escalates on them unless a request sets its own."""
+    from ragkv.engine.calibration import load_auto_params
+    from ragkv.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
+    data = _hotpot_file(tmp_path / "h.json", n=4)
+    argv = ["calibrate", "--target", "auto", "--data-file", str(data), "--format", "hotpotqa", "--limit", "4",
+            "--ratio", "0.2",
+            "--target-kl", "0", "--max-escalation", "0.5", "--output-dir", str(tmp_path / "cal"),
+            "--results-dir", str(tmp_path / "runs"), "--no-progress", "--json"]
+    assert main(argv) == 0
+    cal = json.loads(capsys.readouterr().out)
+    assert cal["n"] == 4 and cal["escalation_rate"] == 0.5 and cal["signal"] in ("shift", "entropy", "margin")
+    assert set(cal["spearman"]) == {"shift", "entropy", "margin"}
+    assert load_auto_params(default_engine.fingerprint)[:2] == (cal["signal"], cal["threshold"])
+    records = next((tmp_path / "runs").glob("sweep-calibrate-auto-*.jsonl"))
+    # the same records, read back instead of run again, give the same choice
+    assert main(["calibrate", "--target", "auto", "--records", str(records), "--ratio", "0.2", "--target-kl", "0",
+                 "--max-escalation", "0.5", "--output-dir", str(tmp_path / "cal"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["signal"], again["threshold"]) == (cal["signal"], cal["threshold"])
+    monkeypatch.setattr(default_engine, "auto_signal", cal["signal"])
+    monkeypatch.setattr(default_engine, "auto_max_risk", cal["threshold"])
+    monkeypatch.setattr(default_engine, "auto_source", "test")
+    from ragkv.engine.options import FusionOptions
+    from ragkv.eval.datasets import load_dataset
+
+    ex = load_dataset(None, str(data), "hotpotqa", 4)
+    escalated = []
+    for e in ex:
+        st = default_engine.prefill(default_engine.segments(e.question, e.passages), FusionOptions(mode="auto",
+                                                                                                  ratio=0.2))[1]
+        at_risk = st.extra["stage2_risks"][0][cal["signal"]] > cal["threshold"]
+        assert st.fidelity["escalations"] == int(at_risk) and st.fidelity["exact"] == at_risk
+        assert st.fidelity["calibration"] == "test" and st.fidelity["signal_name"] == cal["signal"]
+        escalated.append(at_risk)
+    assert sum(escalated) == 2  # the same answers the calibration escalated: half of them

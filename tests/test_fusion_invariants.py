@@ -145,8 +145,8 @@ def test_auto_escalates_to_full_exactly_when_its_signal_exceeds_the_budget(tiny_
     segs = make_segs(blocks=(20, 30, 25))
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
     cheap, sc = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.2))
-    strict, ss = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_kl=0.0))
-    loose, sl = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_kl=100.0))
+    strict, ss = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_risk=0.0))
+    loose, sl = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_risk=100.0))
     assert maxdiff(strict.logits, full.logits) <= TOL and maxdiff(loose.logits, cheap.logits) <= TOL
     Tq, L = len(segs.query), eng.num_layers
     assert ss.recomputed_token_layers == (Tq + (15 + Tq) + (75 + Tq)) * L

@@ -14,8 +14,9 @@ from tiny import default_model_available
 DOCS = ["Lintwick Tower was built in 1893 from red sandstone by Ada Morrow.",
         "The Alpaca Farm in Lintwick keeps forty-two alpacas named after rivers."]
 SCHED = {"queue_depth": 3, "batch_size": 2, "decode_steps": 40, "prefill_stall_ms_max": 12.5}
-STORE = {"tiers": [{"tier": "memory", "describe": "memory:1MiB", "bytes": 1024, "namespaces": {"x": {"bytes": 1}}},
-                   {"tier": "redis", "describe": "redis://127.0.0.1:1/0"}],  # mid-failover: no bytes counted
+STORE = {"tiers": [{"tier": "memory", "describe": "memory:1MiB", "bytes": 1024, "namespaces": {"x": {"bytes": 1}},
+                    "up": True},
+                   {"tier": "redis", "describe": "redis://127.0.0.1:1/0", "up": False}],  # down: no bytes counted
          "faults": {"redis://127.0.0.1:1/0": 5, "memory:1MiB": 0}}
 
 
@@ -70,8 +71,11 @@ def test_scheduler_and_store_figures_are_read_at_scrape_time():
     assert value(found, "ragkv_queue_depth") == 3 and value(found, "ragkv_batch_size") == 2
     assert value(found, "ragkv_decode_steps_total") == 40
     assert value(found, "ragkv_prefill_stall_seconds_max") == 0.0125
-    assert [(labels, v) for (name, labels), v in found.items() if name == "ragkv_store_bytes"] == \
-        [(frozenset({("tier", "memory:1MiB")}), 1024)]
+    # a tier that could not count (down) reads 0 bytes: its series stays, beside a tier_up of 0
+    assert sorted((dict(labels)["tier"], v) for (name, labels), v in found.items() if name == "ragkv_store_bytes") == \
+        [("memory:1MiB", 1024), ("redis://127.0.0.1:1/0", 0)]
+    assert value(found, "ragkv_store_tier_up", tier="memory:1MiB") == 1
+    assert value(found, "ragkv_store_tier_up", tier="redis://127.0.0.1:1/0") == 0
     assert value(found, "ragkv_store_tier_faults_total", tier="redis://127.0.0.1:1/0") == 5
     sched["queue_depth"] = 7  # a later scrape reads the new figure
     assert value(rendered(m), "ragkv_queue_depth") == 7

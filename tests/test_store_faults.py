@@ -1,6 +1,7 @@
 """Store faults degrade, never fail (issue 12): whatever the store does, a request is answered with the same
 logits as with a healthy store, and its stats say what was not cached. Real tiers (memory, disk, a real Redis)."""
 
+import errno
 import os
 import tempfile
 
@@ -133,3 +134,52 @@ def test_a_redis_key_of_the_wrong_type_or_value_is_overwritten(tiny_engine, redi
     assert client.type(name) == b"string" and client.strlen(name) > 100  # our entry replaced it
     stats = same_answer(engine, tiny_engine, segs)
     assert stats.cache_hits == 1 and stats.cache_misses == 0
+
+
+def test_failed_reads_and_writes_are_tier_faults(tmp_path, monkeypatch):
+    """A write refused (ENOSPC, EROFS) and a read failing (EIO), whole or per layer, each count as a fault of the
+    tier in ragkv_store_tier_faults_total, not only in a log line."""
+    from store_helpers import L, make_key, make_kv
+
+    from ragkv.store.disk import DiskLayerReader
+
+    store = open_store(f"disk:{tmp_path}/kv:1GiB", pipelined=False)
+    disk = store.tiers[0].describe()
+    monkeypatch.setattr("ragkv.store.tiered.MIN_BACKOFF_S", 0.0)  # retried at once: every failure is seen
+    monkeypatch.setattr("ragkv.store.tiered.MAX_BACKOFF_S", 0.0)
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkstemp", refuse)
+        store.put(make_key(1), make_kv(1))
+    assert store.counters["faults"][disk] == 1 and not store.contains(make_key(1))
+    store.put(make_key(2), make_kv(2))
+    assert store.counters["faults"][disk] == 1  # a write that works is no fault
+
+    class Failing:  # a file whose reads fail like a dying device
+        def __init__(self, f):
+            self.f = f
+
+        def seek(self, *a):
+            return self.f.seek(*a)
+
+        def readinto(self, buf):
+            raise OSError(errno.EIO, "Input/output error")
+
+        def close(self):
+            self.f.close()
+
+    real_init = DiskLayerReader.__init__
+    with monkeypatch.context() as m:
+        m.setattr(DiskLayerReader, "__init__", lambda self, s, k, f, h, i: real_init(self, s, k, Failing(f), h, i))
+        with pytest.raises(KeyError):  # MissingBlockError: the engine computes the block instead
+            list(store.iter_layers([make_key(2)], L))
+    assert store.counters["faults"][disk] == 2
+
+    def eio(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
+    with monkeypatch.context() as m:
+        m.setattr("ragkv.store.disk.open", eio, raising=False)
+        assert store.get(make_key(2)) is None
+    assert store.counters["faults"][disk] == 3

@@ -103,6 +103,25 @@ def test_unwritable_disk_in_spec_fails_at_start(tmp_path):
         open_store(f"disk:{tmp_path}/f/kv:1GiB")
 
 
+def test_a_server_store_starts_degraded_with_a_tier_down(tmp_path, caplog):
+    """must_reach=False (ragkv serve): an unreachable Redis or an unwritable disk starts as a tier failing mid-run
+    does (a fault counted, logged once, skipped with backoff); the other tiers serve. A bad spec still stops it."""
+    (tmp_path / "f").write_text("x")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    store = open_store(f"memory:1MiB,disk:{tmp_path}/f/kv:1GiB,{url}", must_reach=False)
+    mem, disk, red = store.tiers
+    assert store.counters["faults"] == {mem.describe(): 0, disk.describe(): 1, red.describe(): 1}
+    assert "cannot reach Redis" in str(red.start_error) and str(tmp_path / "f") in str(disk.start_error)
+    assert sum("failed on start" in r.getMessage() for r in caplog.records) == 2  # once per tier
+    store.put(make_key(), make_kv())  # the memory tier serves; the others are skipped while down
+    assert same(store.get(make_key()), make_kv())
+    tiers = {t["describe"]: t for t in store.stats()["tiers"]}
+    assert tiers[red.describe()]["up"] is False and tiers[red.describe()]["bytes"] == 0
+    assert tiers[disk.describe()]["up"] is False and tiers[mem.describe()]["up"] is True
+    with pytest.raises(StoreSpecError):
+        open_store(f"memory:1MiB,redis://127.0.0.1:{free_port()}/0?ttl=-1", must_reach=False)
+
+
 def run_cli(*argv):
     parser = argparse.ArgumentParser(prog="ragkv")
     register(parser.add_subparsers(dest="command"))

@@ -62,3 +62,28 @@ def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
     return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
                     blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],
                     query=rand_ids(query, seed + 99))
+
+
+def make_tiny_served(root: Path, seed: int = 0) -> Path:
+    """A tiny random Llama that `ragkv serve --model PATH` can serve: a byte-level tokenizer (one token per byte,
+    no merges) with a chat template, 8K positions, and KV large enough (8 KiB per token in fp32) for memory to
+    show in the server's RSS."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192,
+                                   eos_token_id=256)
+    out = root / "tiny-served"
+    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(str(out))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(str(out))
+    return out

@@ -11,7 +11,7 @@ from typing import Callable
 from ragkv.engine.options import FusionOptions
 from ragkv.errors import RagkvError
 from ragkv.eval.harness import results_config, run_eval
-from ragkv.eval.modes import ape_key, blend_key, resolve_modes
+from ragkv.eval.modes import ape_key, blend_key, engine_defaults, resolve_modes
 from ragkv.eval.results import ResultsFile
 from ragkv.eval.summary import summarize
 
@@ -42,7 +42,7 @@ class SweepRun:
 
     def evaluate(self, examples, keys: list[str], kind: str, dataset: dict | None = None) -> tuple[dict, dict]:
         e = self.engine
-        modes = resolve_modes(keys, self.base, e.ape_temperature, e.ape_scale)
+        modes = resolve_modes(keys, self.base, engine_defaults(e))
         run = run_eval(e, examples, modes, self.results(kind, dataset), max_new_tokens=self.max_new_tokens,
                        progress=self.progress, desc=kind)
         if not run["records"]:

@@ -97,8 +97,8 @@ def describe_fidelity(fidelity: dict) -> str:
     """One phrase of the mode's own statement of how close to `full` the answer is."""
     if fidelity.get("exact"):
         return "exact (equals full)"
-    signal = fidelity.get("signal")
-    return "approximate" + (f", signal {signal:.3f} (KL moved by the recompute)" if signal is not None else "")
+    signal, name = fidelity.get("signal"), fidelity.get("signal_name")
+    return "approximate" + (f", risk {name} {signal:.3f}" if signal is not None else "")
 
 
 def retrieve_for(questions, args, engine):

@@ -146,6 +146,25 @@ def register(sub) -> None:
     k.add_argument("--max-requests", type=int, default=20_000, help="requests of all clients together, at most")
     k.add_argument("--work-dir", default=None, help="server cache folder, Redis folder and logs (default: "
                    "OUTPUT_DIR/soak-work; cleared at the start, its KV files removed at the end)")
+    k.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
+    k.add_argument("--kv-memory", default="2GiB", help="the server's --kv-memory (`default`: not passed)")
+    ab = k.add_argument_group("abuse phase (after the faults; RSS watched; all counts 0: none)")
+    ab.add_argument("--abuse-only", action="store_true", help="set up, then run the abuse phase only")
+    ab.add_argument("--abuse-clients", type=int, default=8)
+    ab.add_argument("--abuse-streams", type=int, default=200, help="streams closed after a few events")
+    ab.add_argument("--abuse-n", type=int, default=8, help="choices per abandoned stream")
+    ab.add_argument("--abuse-max-tokens", type=int, default=2000, help="max_tokens of an abandoned stream")
+    ab.add_argument("--abuse-read-events", type=int, default=3, help="events read before closing")
+    ab.add_argument("--abuse-salts", type=int, default=40, help="requests with a cache_salt of their own")
+    ab.add_argument("--abuse-long-words", type=int, default=4, help="requests whose document is one long word")
+    ab.add_argument("--abuse-word-chars", type=int, default=6000, help="letters of that word")
+    ab.add_argument("--abuse-documents", type=int, default=6,
+                    help="requests with the most inline documents the server accepts (every other one: one more)")
+    ab.add_argument("--abuse-seconds", type=float, default=600.0, help="the phase stops sending after this long")
+    ab.add_argument("--rss-slack", default="1GiB", help="RSS may rise by memory tier + KV limit + this")
+    ab.add_argument("--rss-return-pct", type=float, default=10.0, help="RSS must come back within this %% of its "
+                    "pre-phase level ...")
+    ab.add_argument("--rss-return-s", type=float, default=30.0, help="... within this many seconds")
     _output_args(k)
     add_model_args(k, decode_weights=False)
     k.set_defaults(func=run_soak)
@@ -284,7 +303,14 @@ def run_soak(args) -> int:
                      calm_s=args.calm, model=args.model, dtype=args.dtype, device=args.device,
                      modes=_modes(args.modes), max_tokens=args.max_tokens, memory=args.memory,
                      disk_size=args.disk_size, request_timeout_s=args.request_timeout,
-                     max_requests=args.max_requests, work_dir=args.work_dir)
+                     max_requests=args.max_requests, work_dir=args.work_dir, max_batch=args.max_batch,
+                     kv_memory=None if args.kv_memory == "default" else args.kv_memory, abuse_only=args.abuse_only,
+                     abuse_clients=args.abuse_clients, abuse_streams=args.abuse_streams, abuse_n=args.abuse_n,
+                     abuse_max_tokens=args.abuse_max_tokens, abuse_read_events=args.abuse_read_events,
+                     abuse_salts=args.abuse_salts, abuse_long_words=args.abuse_long_words,
+                     abuse_word_chars=args.abuse_word_chars, abuse_documents=args.abuse_documents,
+                     abuse_max_s=args.abuse_seconds, rss_slack=args.rss_slack, rss_return_pct=args.rss_return_pct,
+                     rss_return_s=args.rss_return_s)
     return _finish(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")
 
 

@@ -112,17 +112,19 @@ def fusion_from_args(args, mode: str | None = None) -> FusionOptions:
     return FusionOptions(**values)
 
 
-def make_store(spec: str | None):
+def make_store(spec: str | None, must_reach: bool = True):
+    """The --store; `must_reach=False` (the server) starts with an unreachable tier down instead of refusing."""
     from ragkv.store.spec import open_store
 
-    return open_store(spec or default_store_spec(), write_back=True)  # requests never wait for slow tiers
+    # write-back: requests never wait for slow tiers
+    return open_store(spec or default_store_spec(), write_back=True, must_reach=must_reach)
 
 
-def engine_from_args(args, store=None):
+def engine_from_args(args, store=None, must_reach: bool = True):
     from ragkv.engine.engine import Engine
 
     if store is None and hasattr(args, "store"):
-        store = make_store(args.store)
+        store = make_store(args.store, must_reach)
     return Engine.load(args.model, dtype=args.dtype, device=args.device, store=store,
                        namespace=getattr(args, "namespace", DEFAULT_NAMESPACE),
                        decode_weights=getattr(args, "decode_weights", "exact"))

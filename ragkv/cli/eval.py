@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_from_args, ints, print_json
 from ragkv.engine.modes import MODES, get_mode
+from ragkv.engine.risk import SIGNALS
 from ragkv.errors import RagkvError
 from ragkv.rag.order import PASSAGE_ORDERS, order_passages
 
@@ -102,20 +104,34 @@ def register(sub) -> None:
     _run_args(s, argparse.SUPPRESS)
     s.set_defaults(func=run_sweep_cmd)
 
-    c = sub.add_parser("calibrate", help="choose APE's T and S by task score (or first-token KL to full) on "
-                                         "held-out data",
-                       description="Grid search of APE's temperature T and scale S on a calibration split that is "
-                       "not evaluation data (default hotpotqa-train; nq-distractors-heldout holds NQ questions "
-                       "no evaluation uses): the best task score of greedy answers, as the APE paper tunes them (ties: the lower KL), or with --objective kl the lowest mean KL "
-                       "of the first-token distribution to `full` (no answers generated: much faster). The result "
-                       "is stored per model fingerprint and task: `ragkv eval` uses the entry of its data set's "
-                       "task, everything else the latest calibration.")
+    c = sub.add_parser("calibrate", help="choose APE's T and S, or auto's risk signal and threshold, on held-out "
+                                         "data",
+                       description="--target ape (default): grid search of APE's temperature T and scale S on a "
+                       "calibration split that is not evaluation data (default hotpotqa-train; "
+                       "nq-distractors-heldout holds NQ questions no evaluation uses): the best task score of greedy "
+                       "answers, as the APE paper tunes them (ties: the lower KL), or with --objective kl the lowest "
+                       "mean KL of the first-token distribution to `full` (no answers generated: much faster). "
+                       "--target auto: runs full and blend:sel=query,r=R (first token only), measures how well each "
+                       "risk signal (shift, entropy, margin) ranks the blend's KL to full, and picks the threshold "
+                       "that brings the mean KL under --target-kl while escalating at most --max-escalation of the "
+                       "answers (or reads such records with --records). Results are stored per model fingerprint: "
+                       "`ape` and `auto` use them by default.")
     _data_args(c, "hotpotqa-train", 20)
-    c.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0")
-    c.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0")
+    c.add_argument("--target", choices=("ape", "auto"), default="ape", help="what to calibrate (default ape)")
+    c.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of T")
+    c.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of S")
     c.add_argument("--objective", choices=("score", "kl"), default="score",
-                   help="score: best task score of greedy answers (default; --max-new-tokens default 32); kl: "
+                   help="ape: score: best task score of greedy answers (default; --max-new-tokens default 32); kl: "
                         "lowest first-token KL to full")
+    c.add_argument("--ratio", type=float, default=0.15, help="auto: the cheap run's recompute ratio r (default 0.15)")
+    c.add_argument("--signal", choices=SIGNALS, default=None,
+                   help="auto: calibrate this signal (default: the one that ranks the KL to full best)")
+    c.add_argument("--target-kl", type=float, default=0.03,
+                   help="auto: mean first-token KL to full to stay under after escalations (default 0.03)")
+    c.add_argument("--max-escalation", type=float, default=0.15,
+                   help="auto: the most answers escalated to a full recompute, a fraction (default 0.15)")
+    c.add_argument("--records", default=None, help="auto: eval records (JSONL) of full and blend:sel=query,r=R on "
+                   "held-out data to calibrate from instead of running them")
     c.add_argument("--allow-eval-data", action="store_true", help="calibrate on an evaluation data set anyway")
     c.add_argument("--output-dir", default="runs/calibration", help="where the grid JSON and heatmap go")
     c.add_argument("--results-dir", default="runs", help="where the resumable JSONL records go")
@@ -222,7 +238,7 @@ def run_eval_cmd(args) -> int:
 
     from ragkv.config import cpu_name
     from ragkv.eval.harness import results_config, run_eval
-    from ragkv.eval.modes import parse_mode_key, resolve_modes, split_mode_list
+    from ragkv.eval.modes import engine_defaults, parse_mode_key, resolve_modes, split_mode_list
     from ragkv.eval.results import ResultsFile
     from ragkv.eval.summary import summarize, text_table
 
@@ -246,7 +262,9 @@ def run_eval_cmd(args) -> int:
     # APE's T and S: calibrated for this data set's task when that was done, else the model's
     T, S, source = load_ape_params(engine.fingerprint, examples[0].task) if examples else (
         engine.ape_temperature, engine.ape_scale, engine.ape_source)
-    modes = resolve_modes(keys, base, T, S)
+    modes = resolve_modes(keys, base, engine_defaults(engine, T, S))
+    if any(":" not in m.key and "max_risk" in get_mode(m.mode).option_fields for m in modes):
+        _say(f"auto: escalates when {engine.auto_signal} > {engine.auto_max_risk:g} ({engine.auto_source})")
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         _say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
@@ -346,12 +364,16 @@ def _print_sweep(s: dict) -> None:
 
 
 def run_calibrate_cmd(args) -> int:
-    from ragkv.bench import sweeps
-    from ragkv.eval.datasets import EVAL_DATASETS  # reported on: calibrating there would tune APE on the test set
+    from ragkv.eval.datasets import EVAL_DATASETS  # reported on: calibrating there would tune on the test set
 
     if args.dataset in EVAL_DATASETS and not args.allow_eval_data:
-        raise RagkvError(f"{args.dataset!r} is evaluation data: calibrating on it would tune APE on the test set; "
-                         "use the default hotpotqa-train or a --data-file (or --allow-eval-data)")
+        raise RagkvError(f"{args.dataset!r} is evaluation data: calibrating on it would tune {args.target} on the "
+                         "test set; use the default hotpotqa-train, nq-distractors-heldout or a --data-file (or "
+                         "--allow-eval-data)")
+    if args.target == "auto":
+        return _calibrate_auto(args)
+    from ragkv.bench import sweeps
+
     label, desc, kw = _dataset(args, "hotpotqa-train")
     examples = _load(kw, args.limit)
     temps, scales = _floats(args.temperatures), _floats(args.scales)
@@ -378,6 +400,58 @@ def run_calibrate_cmd(args) -> int:
         print(f"default    T=0.9, S=0.9: {score(d)}mean KL {d['first_token_kl']:.4f} (median "
               f"{d['first_token_kl_median']:.4f}, top-1 {d['top1_agreement']:.2f})")
     print(f"saved to {grid['saved_to']}; `ape` now uses it by default for this model")
+    return 0
+
+
+def _calibrate_auto(args) -> int:
+    from ragkv.engine.calibration import save_auto_params
+    from ragkv.eval.datasets import EVAL_DATASETS
+    from ragkv.eval.results import read_results
+    from ragkv.eval.risk import calibrate_auto
+
+    if not 0 < args.ratio < 1 or args.target_kl < 0 or not 0 <= args.max_escalation <= 1:
+        raise RagkvError("--ratio wants (0, 1), --target-kl >= 0 and --max-escalation [0, 1]")
+    key = f"blend:sel=query,r={args.ratio:g}"
+    engine = _engine(args)
+    if args.records:
+        config, records = read_results(Path(args.records))
+        label = config.get("dataset") or Path(args.records).stem
+        if label in EVAL_DATASETS and not args.allow_eval_data:
+            raise RagkvError(f"{args.records} holds {label!r}, evaluation data: calibrate on held-out records "
+                             "(or --allow-eval-data)")
+        if config.get("fingerprint") not in (None, engine.fingerprint):
+            raise RagkvError(f"{args.records} was recorded with model {config.get('model')!r}, not {args.model!r}: "
+                             "calibrate on records of the model it is for")
+    else:
+        label, desc, kw = _dataset(args, "hotpotqa-train")
+        examples = _load(kw, args.limit)
+        if args.passage_order != "as-given":
+            examples = rank_passages(examples, args.passage_order)
+        sw = _sweep_run(args, label, desc, engine, args.output_dir, 0)  # the first token is all it compares
+        records = sw.evaluate(examples, ["full", key], "calibrate-auto")[1]["records"]
+    try:
+        cal = calibrate_auto(records, key, args.target_kl, args.max_escalation, args.signal)
+    except ValueError as e:
+        raise RagkvError(str(e)) from None
+    cal.update(data=label, model=engine.model_name, dtype=engine.dtype_name)
+    path = save_auto_params(engine.fingerprint, cal["signal"], cal["threshold"], **{
+        k: v for k, v in cal.items() if k not in ("signal", "threshold")})
+    out = Path(args.output_dir) / f"calibration-auto-{label}-{engine.model_name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**cal, "saved_to": str(path)}, indent=2) + "\n")
+    if args.json:
+        print_json({**cal, "saved_to": str(path)})
+        return 0
+    print(f"{'signal':<8} {'rho vs KL':>10} {'rho vs top-1 miss':>18}   ({key}, n={cal['n']}, {label})")
+    fmt = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
+    for s, r in cal["spearman"].items():
+        print(f"{s:<8} {fmt(r['kl']):>10} {fmt(r['top1_miss']):>18}")
+    print(f"\nauto escalates when {cal['signal']} > {cal['threshold']:.4g}: {cal['escalation_rate']:.0%} of answers, "
+          f"mean KL to full {cal['mean_kl_before']:.4f} -> {cal['mean_kl_after']:.4f} (escalating as many at random: "
+          f"{cal['mean_kl_random_escalation']:.4f}; target {args.target_kl:g}"
+          f"{'' if cal['target_met'] else ', NOT met within --max-escalation'}), mean recompute_vs_full about "
+          f"{cal['mean_recompute_vs_full']:.2f}")
+    print(f"saved to {path}; `auto` now uses it by default for this model")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 
@@ -44,10 +45,23 @@ def register(sub) -> None:
                      help="prompt tokens (default: the model's)")
     lim.add_argument("--ingest-timeout", type=float, default=SERVE.ingest_timeout_s,
                      help="seconds a document ingestion job may run")
+    lim.add_argument("--kv-memory", type=_size, default=SERVE.kv_memory_bytes, metavar="SIZE",
+                     help="KV memory the running generations may reserve, e.g. 4GiB (default: "
+                          f"{SERVE.kv_memory_bytes >> 30}GiB): each reserves its prompt's rows plus n x max_tokens "
+                          "rows; one that does not fit waits, one that never could gets a 400")
     add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _size(text: str) -> int:
+    from ragkv.store.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except Exception as e:  # noqa: BLE001 - argparse reports it as a bad --kv-memory
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_flags(args) -> None:
@@ -87,9 +101,11 @@ def run_serve(args) -> int:
     check_flags(args)
     fusion = fusion_from_args(args)
     keys = ApiKeys.parse(args.api_key, args.api_keys)
-    engine = engine_from_args(args)  # the model loads only once every flag passed
+    # the model loads only once every flag passed; a store tier down now (Redis) starts down and is retried, as
+    # one failing mid-run is: a replica restarted during an outage serves instead of staying down
+    engine = engine_from_args(args, must_reach=False)
     limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
-                    args.ingest_timeout)
+                    args.ingest_timeout, args.kv_memory)
     server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                     args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
                     served_names=tuple(dict.fromkeys(args.served_model_name)))

@@ -18,12 +18,14 @@ import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.blocks import BlockCache
-from ragkv.engine.calibration import load_ape_params
+from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
 from ragkv.engine.generate import Delta, Sequence, step_sequences
+from ragkv.engine.kvcache import DECODE_HEADROOM
 from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
 from ragkv.engine.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.engine.risk import DEFAULT_SIGNAL
 from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments, tokenize
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
@@ -92,7 +94,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
                  prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact",
                  ape_params: tuple[float, float, str] = (DEFAULT_T, DEFAULT_S, "default"),
-                 profiles: StoreProfiles | None = None, _decode_model=None):
+                 profiles: StoreProfiles | None = None, _decode_model=None,
+                 auto_params: tuple[str, float, str] = (DEFAULT_SIGNAL, DEFAULT_MAX_RISK, "default")):
         self._loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         # the model itself unless quantized (shared when `with_store` makes a sibling engine)
         self._decode_model = _decode_model or decode_copy(self.model, decode_weights)
@@ -106,6 +109,7 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self.max_positions = loaded.args.max_positions
         self.ape_temperature, self.ape_scale, self.ape_source = ape_params
+        self.auto_signal, self.auto_max_risk, self.auto_source = auto_params  # `auto`'s calibrated defaults
         self.lock = threading.RLock()  # the model runs one request at a time
         self._planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
         self._blocks.place = lambda tokens: self._planner.placement(tokens, FusionOptions().ratio)
@@ -117,13 +121,15 @@ class Engine:
         dev = resolve_device(device)
         loaded = load_model(model, resolve_dtype(dtype, dev), dev)
         return cls(loaded, store=store, namespace=namespace, decode_weights=decode_weights,
-                   ape_params=load_ape_params(loaded.fingerprint), profiles=StoreProfiles.load())
+                   ape_params=load_ape_params(loaded.fingerprint), profiles=StoreProfiles.load(),
+                   auto_params=load_auto_params(loaded.fingerprint))
 
     def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
         """An engine over the same model (weights shared) reading and writing another store."""
         return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
                       (self.ape_temperature, self.ape_scale, self.ape_source), self._planner.profiles,
-                      _decode_model=self._decode_model)
+                      _decode_model=self._decode_model,
+                      auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source))
 
     # -- model facts ------------------------------------------------------------------------------------
     @property
@@ -291,8 +297,11 @@ class Engine:
         mode.check(self, fusion)
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
-        state = yield from mode.prefill(self, segs, fusion, segs.num_tokens + max_new_tokens, stats,
-                                        namespace or self.namespace, chunk, blocks)
+        # room for the first answer tokens only: the cache grows as the answer does (KVCache), so a long
+        # max_tokens costs memory only once it is used
+        capacity = segs.num_tokens + min(max_new_tokens, DECODE_HEADROOM)
+        state = yield from mode.prefill(self, segs, fusion, capacity, stats, namespace or self.namespace, chunk,
+                                        blocks)
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
         stats.fidelity = mode.fidelity(fusion, stats)

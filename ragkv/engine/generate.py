@@ -86,6 +86,7 @@ class Sequence:
         self.tokenizer, self.max_positions, self.prompt_ids = tokenizer, max_positions, prompt_ids
         self.generator = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
         self.budget = max(0, min(opts.max_new_tokens, max_positions - state.next_position))
+        state.cache.max_rows = state.cache.length + self.budget  # its cache grows no further than this
         self.detok = Detokenizer(tokenizer)
         self.out = Generation()
         self.first_logits = state.logits.clone()
@@ -144,6 +145,7 @@ class Sequence:
     def _finish(self, reason: str, text: str | None = None) -> list[Delta]:
         """`text`: the answer cut at a stop string; otherwise all decoded text, partial characters included."""
         self.finished, self.feed = True, None
+        self.state.release()  # the KV goes now, not when the last reference to this sequence does
         self.out.finish_reason = reason
         self.out.text = text if text is not None else self.detok.final()
         self.stats.completion_tokens = len(self.out.token_ids)
@@ -162,14 +164,17 @@ class Sequence:
         return new
 
     def fork(self, index: int) -> "Sequence":
-        """Choice `index` of the same prompt (n > 1), before any token was chosen: a copy of the prefilled state,
-        the same options, seed + index (so that seeded choices differ from each other and repeat)."""
+        """Choice `index` of the same prompt (n > 1), before any token was chosen: the prefilled state with the
+        prompt's KV shared (DecodeState.fork), the same options, seed + index (so that seeded choices differ from
+        each other and repeat)."""
         if self.out.token_ids or self.finished:
             raise RuntimeError("fork a sequence before it advances")
         opts = self.opts if self.opts.seed is None else replace(self.opts, seed=(self.opts.seed + index) % (1 << 63))
         stats = replace(self.stats, extra=dict(self.stats.extra))
-        return Sequence(self.state.fork(), opts, self.tokenizer, self.eos_ids, stats, self.max_positions,
-                        self.prompt_ids)
+        seq = Sequence(self.state.fork(), opts, self.tokenizer, self.eos_ids, stats, self.max_positions,
+                       self.prompt_ids)
+        seq.first_logits = self.first_logits  # the same distribution: one copy for every choice
+        return seq
 
     def cancel(self, reason: str) -> None:
         """Leave decoding now (client gone, deadline passed): the text so far is final."""

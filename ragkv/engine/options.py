@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.modes.blend import SELECTIONS
+from ragkv.engine.risk import SIGNALS
 from ragkv.errors import InvalidRequestError, OptionError
 
 
@@ -86,10 +87,13 @@ class FusionOptions:
     select: str = option("deviation", "blend: how the recomputed tokens are chosen: deviation (CacheBlend), query "
                          "(ProphetKV: the query's attention over the reused cache), sinks (EPIC: each block's first "
                          "sink_tokens only)", choices=SELECTIONS, key="sel")
-    max_kl: float = option(0.05, "auto: the most a recompute of r of the tokens may move the first-token "
-                           "distribution (KL, nats) before auto recomputes everything (experimental, not yet "
-                           "calibrated)",
-                           ge=0.0, le=100.0, key="kl")
+    signal: str | None = option(None, "auto: the risk signal it escalates on: shift (how far the recompute moved the "
+                                "first token's distribution), entropy or margin (1 - top-1 minus top-2 "
+                                "probability) of the answer's first token (default: calibrated, else shift)",
+                                choices=SIGNALS, key="sig")
+    max_risk: float | None = option(None, "auto: recompute everything when the risk signal exceeds this (default: "
+                                    "calibrated by `ragkv calibrate --target auto`, else 0.05)",
+                                    ge=0.0, le=100.0, key="risk")
     check_layers: tuple[int, ...] = option((1,), "blend: increasing layers where deviation selects tokens "
                                            "(gradual filtering if several)", ge=1, key="check", max_items=64)
     deviation: str = option("v", "blend: deviation on V (CacheBlend's code) or post-RoPE K (LMCache)",

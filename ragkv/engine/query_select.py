@@ -31,12 +31,12 @@ from ragkv.engine.blend import RecomputedRows, keep_count
 from ragkv.engine.fusion import prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
+from ragkv.engine.risk import DEFAULT_SIGNAL, measure
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
-from ragkv.ops.divergence import first_token_kl
 
 
 class QueryAttentionRecorder:
@@ -85,6 +85,14 @@ def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink
     return chosen.nonzero().squeeze(1)
 
 
+def uncovered_share(score: torch.Tensor | None, chosen: torch.Tensor, prefix_len: int) -> float | None:
+    """The share of the fused stage-1 attention to block tokens that falls on tokens not recomputed."""
+    if score is None:
+        return None
+    total = float(score[prefix_len:].sum())
+    return 1.0 - float(score[chosen].sum()) / total if total > 0 else 0.0
+
+
 class SelectedRowsPlan(RecomputedRows):
     """Stage 2: the chosen context rows and the query rows, through every layer, over a cache that already holds
     every layer's context K/V (stage 1 filled it)."""
@@ -100,11 +108,12 @@ class SelectedRowsPlan(RecomputedRows):
 @torch.inference_mode()
 def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                      select: str, ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
-                     stats: RequestStats, max_signal: float | None = None) -> DecodeState:
+                     stats: RequestStats, max_signal: float | None = None,
+                     signal: str = DEFAULT_SIGNAL) -> DecodeState:
     """`select="query"`: ProphetKV's two stages; `select="sinks"`: EPIC's static chunk links (stage 1 only fills
     the cache). With several `ratios` (the quality-bounded mode), stage 2 runs again at the next ratio while the
-    signal, KL(this answer's first-token distribution || the previous one's), exceeds `max_signal`: recomputing
-    moved the answer, so it is at risk. A larger selection contains the smaller one, so stage 2 simply runs again
+    risk `signal` (engine/risk.py: e.g. KL(this answer's first-token distribution || the previous one's)) exceeds
+    `max_signal`: the answer is at risk. A larger selection contains the smaller one, so stage 2 simply runs again
     over the same cache (each layer's selected rows are overwritten before they are attended)."""
     window = model.args.sliding_window
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
@@ -118,7 +127,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
     stats.recomputed_token_layers += Tq * L
     score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
-    logits, chosen, signals = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
+    logits, chosen, risks = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
     t0 = time.perf_counter()
     for ratio in ratios:
         chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block)
@@ -129,9 +138,9 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
         x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total))
         new = model.logits(x[:, -1:])[0, -1]
         stats.recomputed_token_layers += len(rows) * L
-        signals.append(round(first_token_kl(new, logits), 6))  # KL(after || before)
+        risks.append(measure(new, logits, uncovered_share(score, chosen, layout.prefix_len)))
         logits = new
-        if max_signal is None or signals[-1] <= max_signal:
+        if max_signal is None or risks[-1][signal] <= max_signal:
             break
     stats.recompute_ms += (time.perf_counter() - t0) * 1000
     stats.reused_tokens -= len(chosen)
@@ -139,7 +148,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
                        selected_per_block=[int(((chosen >= o) & (chosen < o + n)).sum())
                                            for o, n in zip(layout.block_offsets(), layout.block_lens)])
-    if signals:  # KL(after stage 2 || before it) at each stage-2 run: the fidelity signal
-        stats.extra.update(stage2_kl=signals, final_ratio=len(chosen) / max(1, N - layout.prefix_len),
-                           escalations=len(signals) - 1)
+    if risks:  # every risk signal at each stage-2 run; `risk`: the first (cheap) answer's, which decided escalation
+        stats.extra.update(stage2_kl=[r["shift"] for r in risks], stage2_risks=risks, risk=risks[0],
+                           risk_signal=signal, final_ratio=len(chosen) / max(1, N - layout.prefix_len),
+                           escalations=len(risks) - 1)
     return DecodeState(stage1.cache, total, logits)

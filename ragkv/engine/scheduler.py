@@ -12,6 +12,10 @@ Background jobs (document ingestion: `submit_background`) advance one short unit
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
 can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
 unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
+
+Memory: a generation reserves its KV bytes (engine/kvbudget.py) when it is admitted. One that would not fit beside
+the running ones waits at the head of the queue (first come, first served) until enough is released; one that
+could never fit is refused when submitted. A generation gives its KV back the moment it leaves the batch.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
+from ragkv.engine.kvbudget import KVBudget
+from ragkv.errors import RagkvError
 from ragkv.settings import SERVE
 
 log = logging.getLogger(__name__)
@@ -45,14 +51,22 @@ class ShuttingDown(Exception):
     pass
 
 
+class KVTooLarge(RagkvError):
+    """A generation whose KV could never fit in the server's KV memory limit."""
+
+    param, code = "max_tokens", "kv_memory_exceeded"
+
+
 class Job:
     """A background job (`start()` gives a generator doing the work in units and returning the result) or a
     generation (`start()` gives a generator that prefills in units and returns (sequence, info), or (sequences,
     info) for several choices of one prompt; then the worker decodes them in the batch; `emit(kind, payload)`
     streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
-    def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None):
+    def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0):
         self.start, self.emit = start, emit
+        self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
+        self.reserved = 0
         self.future: Future = Future()
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
@@ -86,14 +100,18 @@ class Job:
 
 class Scheduler:
     def __init__(self, step: Callable[[list], None], max_queue: int = SERVE.max_queue,
-                 timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch, on_finish: Callable | None = None, lock=None, thread: bool = True):
+                 timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch, on_finish: Callable | None = None, lock=None, thread: bool = True,
+                 kv_budget: KVBudget | None = None):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
-        OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step)."""
+        OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step).
+        `kv_budget`: the KV memory generations reserve (default: no limit)."""
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
         self.prefilling: Job | None = None
+        self.kv = kv_budget if kv_budget is not None else KVBudget()
+        self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.background: deque[Job] = deque()  # ingestion jobs, one unit at a time when nothing else waits
         self.max_background = max(1, max_queue // 4)
@@ -106,7 +124,7 @@ class Scheduler:
 
     @property
     def depth(self) -> int:
-        return self.jobs.qsize()
+        return self.jobs.qsize() + (self.waiting is not None)
 
     @property
     def batch_size(self) -> int:
@@ -130,10 +148,12 @@ class Scheduler:
         self.background.append(job)
         return job
 
-    def submit_generation(self, start: Callable, emit: Callable | None = None) -> Job:
+    def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0) -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
-        to (info, sequence, finish)."""
-        return self._put(Job(self.timeout_s, start=start, emit=emit))
+        to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need)."""
+        if not self.kv.fits_ever(kv_bytes):
+            raise KVTooLarge(f"the generation needs {kv_bytes} bytes of KV memory; the limit is {self.kv.limit}")
+        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes))
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -143,6 +163,10 @@ class Scheduler:
                 self._unit()
                 if self.running:
                     self._step()
+                elif self.waiting is not None and self.prefilling is None:
+                    time.sleep(0.01)  # a guard: with nothing running every reservation is back, so it fits
+                idle = not self.running and self.prefilling is None and self.waiting is None and not self.depth
+                self.kv.maybe_give_back(idle)
             except BaseException:  # the worker must survive anything
                 log.exception("scheduler iteration failed")
         self._abort_all()
@@ -150,6 +174,7 @@ class Scheduler:
     def _abort_all(self) -> None:
         """On shutdown: every running, prefilling, queued and background job ends now with ShuttingDown."""
         jobs = list(self.running) + ([self.prefilling] if self.prefilling else []) + list(self.background)
+        jobs += [self.waiting] if self.waiting else []
         while True:
             try:
                 jobs.append(self.jobs.get_nowait())
@@ -158,9 +183,10 @@ class Scheduler:
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()
+            self._release(job, "shutdown")
             if not job.future.done():
                 job.future.set_exception(ShuttingDown("the server is shutting down; retry on another instance"))
-        self.running, self.prefilling = [], None
+        self.running, self.prefilling, self.waiting = [], None, None
         self.background.clear()
 
     def _unit(self) -> None:
@@ -177,6 +203,7 @@ class Scheduler:
                 self.prefilling = None
                 if job.steps is not None:
                     job.steps.close()
+                self._release(job, "cancelled")
                 job.future.set_exception(JobTimeout("request timed out before its first token")
                                          if not job.cancelled.is_set() else RuntimeError("cancelled"))
             else:
@@ -198,6 +225,7 @@ class Scheduler:
                 self.running.append(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
             self.prefilling = None
+            self._release(job, "error")
             if not job.future.done():
                 job.future.set_exception(e)
         if stalled:
@@ -237,18 +265,33 @@ class Scheduler:
     def _admit(self) -> Job | None:
         if self.running and self.batch_size >= self.max_batch:
             return None
-        try:
-            # wakes up to notice stop(); never waits while background work is pending
-            job = self.jobs.get(block=not self.running and not self.background, timeout=0.5)
-        except queue.Empty:
-            return None
+        job, self.waiting = self.waiting, None
+        if job is None:
+            try:
+                # wakes up to notice stop(); never waits while background work is pending
+                job = self.jobs.get(block=not self.running and not self.background, timeout=0.5)
+            except queue.Empty:
+                return None
         if job.cancelled.is_set():
             job.future.cancel()
             return None
         if job.expired():
             job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
             return None
+        if not self.kv.try_reserve(job.kv_bytes):
+            self.waiting = job  # stays first in line until the running generations release enough
+            return None
+        job.reserved = job.kv_bytes
         return job
+
+    def _release(self, job: Job, reason: str) -> None:
+        """The job's KV back now: its unfinished sequences end (their caches dropped), its reservation returns."""
+        for seq in job.seqs:
+            if not seq.finished:
+                seq.cancel(reason)
+        if job.reserved:
+            self.kv.release(job.reserved)
+            job.reserved = 0
 
     def _step(self) -> None:
         for job in list(self.running):
@@ -265,6 +308,7 @@ class Scheduler:
         except BaseException as e:  # noqa: BLE001
             log.exception("decode step failed")
             for job in self.running:
+                self._release(job, "error")
                 job.future.set_exception(e)
             self.running = []
             return
@@ -284,6 +328,7 @@ class Scheduler:
     def _finish(self, job: Job, reason: str) -> None:
         if job in self.running:
             self.running.remove(job)
+        self._release(job, reason)
         if self.on_finish is not None:  # one prefill's figures; the tokens of every choice (n > 1)
             self.on_finish(job.seq.stats, sum(s.stats.completion_tokens for s in job.seqs))
         if not job.future.done():
@@ -291,7 +336,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"queue_depth": self.depth, "background_jobs": len(self.background), "batch_size": self.batch_size,
-                "max_batch": self.max_batch,
+                "max_batch": self.max_batch, **self.kv.stats(), "kv_waiting": int(self.waiting is not None),
                 "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
                 "prefill_stall_ms_max": round(self.stall_ms_max, 3),

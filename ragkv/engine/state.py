@@ -3,7 +3,6 @@ batched decode: every running sequence advances one token in one forward, whatev
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,7 +10,7 @@ import torch
 
 from ragkv.engine.kvcache import KVCache
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import decode_attention
+from ragkv.ops.attention import decode_attention, decode_attention_parts
 
 # (layer, q [1,Hq,T,D], all K, all V) -> attention output; None means plain attention over the whole cache.
 AttentionPolicy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -25,12 +24,16 @@ class DecodeState:
     attention: AttentionPolicy | None = None
 
     def fork(self) -> "DecodeState":
-        """An independent copy to decode another continuation of the same prompt from (n > 1 choices): the
-        prefill is shared, the KV is copied, the attention policy (stateless) is shared."""
-        cache = copy.copy(self.cache)
-        cache.keys = [k.clone() for k in self.cache.keys]
-        cache.values = [v.clone() for v in self.cache.values]
-        return DecodeState(cache, self.next_position, self.logits.clone(), self.attention)
+        """Another continuation of the same prompt (n > 1 choices): the prefill and the prompt's KV are shared,
+        not copied (each choice appends its own tokens to buffers of its own: KVCache.fork); the logits (never
+        changed in place: each step replaces them) and the attention policy (stateless) are shared."""
+        return DecodeState(self.cache.fork(), self.next_position, self.logits, self.attention)
+
+    def release(self) -> None:
+        """Give the KV back now: the sequence is finished, cancelled or failed (its logits too: a view of the
+        whole batch's)."""
+        self.cache.release()
+        self.logits = None
 
 
 class DecodePlan:
@@ -48,12 +51,18 @@ class DecodePlan:
         return x
 
     def store(self, layer, raw_k, k, v):
-        return [s.cache.append(layer, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(self.states)]
+        return [s.cache.append_parts(layer, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(self.states)]
 
     def attend(self, layer, q, kv):
         outs = []
-        for b, (s, (keys, values)) in enumerate(zip(self.states, kv)):
+        for b, (s, parts) in enumerate(zip(self.states, kv)):
             qb = q[b:b + 1]
+            if len(parts) > 1:  # a choice over its prompt's shared rows
+                if s.attention is None and self.window is None:
+                    outs.append(decode_attention_parts(qb, parts))
+                    continue
+                parts = [(torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))]
+            keys, values = parts[0]
             if s.attention is not None:
                 outs.append(s.attention(layer, qb, keys, values))
             else:

@@ -103,16 +103,22 @@ def parse_mode_key(key: str, base: FusionOptions = FusionOptions(mode="full")) -
         raise ModeKeyError(f"mode key {key!r}: {e}") from None
 
 
-def resolve_modes(keys: list[str], base: FusionOptions, ape_temperature: float, ape_scale: float) -> list[ModeSpec]:
-    """Mode specs with APE's T and S filled in (from the key, else `base`, else the engine's defaults)."""
+def resolve_modes(keys: list[str], base: FusionOptions, defaults: dict) -> list[ModeSpec]:
+    """Mode specs with every optional field a mode reads and the key left unset filled from `defaults` (the
+    engine's calibrated values: APE's T and S, auto's signal and threshold), so that the record says what ran."""
     out = []
     for key in keys:
         f = parse_mode_key(key, base)
-        if "ape_temperature" in MODE_FIELDS[f.mode]:  # the engine's defaults, written into the record
-            f = replace(f, ape_temperature=f.ape_temperature if f.ape_temperature is not None else ape_temperature,
-                        ape_scale=f.ape_scale if f.ape_scale is not None else ape_scale)
-        out.append(ModeSpec(key, f))
+        fill = {k: v for k, v in defaults.items() if k in MODE_FIELDS[f.mode] and getattr(f, k) is None}
+        out.append(ModeSpec(key, replace(f, **fill) if fill else f))
     return out
+
+
+def engine_defaults(engine, ape_temperature: float | None = None, ape_scale: float | None = None) -> dict:
+    """The engine's calibrated values for the optional fields (APE's T and S may be given per task instead)."""
+    return {"ape_temperature": engine.ape_temperature if ape_temperature is None else ape_temperature,
+            "ape_scale": engine.ape_scale if ape_scale is None else ape_scale,
+            "signal": engine.auto_signal, "max_risk": engine.auto_max_risk}
 
 
 def ape_key(t: float, s: float) -> str:

@@ -124,6 +124,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return torch.matmul(probs, v).reshape(B, Hq, T, D)
 
 
+def decode_attention_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """`decode_attention` over a cache kept as segments [(K, V), ...] in order (a prompt prefix shared by n
+    choices, then one choice's own rows), equal to attending over their concatenation. The CPU kernel reads two
+    segments in place with the same arithmetic as one buffer; elsewhere they are joined first."""
+    if len(parts) == 1:
+        return decode_attention(q, *parts[0])
+    if len(parts) == 2 and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 \
+            and q.dtype in (torch.float32, torch.bfloat16):
+        (k1, v1), (k2, v2) = parts
+        out = decode_attention_cpu(q, k1, v1, k2, v2)
+        if out is not None:
+            return out
+    return decode_attention(q, torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))
+
+
 @dataclass(frozen=True)
 class SegmentedMask:
     """Block-Attention masks of a batch kept as their segments: per example, spans (start, end, open) covering

@@ -74,16 +74,27 @@ static inline void axpy(float p, const float* x, float* y, int64_t D) {  // y +=
   for (; d < D; ++d) y[d] += p * x[d];
 }
 
+// The rows of a cache's keys (or values): one buffer, or a shared prompt prefix (rows 0..n1) followed by a
+// sequence's own rows. Row s of head h is found in place, so two segments give the same arithmetic as one buffer.
 template <typename T>
-static void decode_attn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                             double scale) {
-  // q: [Hq, D] contiguous; k, v: [Hkv, S, D] with unit stride in D; out: [Hq, D] fp32
-  const int64_t Hq = q.size(0), D = q.size(1), Hkv = k.size(0), S = k.size(1);
+struct Rows {
+  const T* p1; int64_t h1, r1, n1;
+  const T* p2; int64_t h2, r2;
+  Rows(const at::Tensor& a, const at::Tensor* b)
+      : p1(a.data_ptr<T>()), h1(a.stride(0)), r1(a.stride(1)), n1(a.size(1)),
+        p2(b ? b->data_ptr<T>() : nullptr), h2(b ? b->stride(0) : 0), r2(b ? b->stride(1) : 0) {}
+  inline const T* row(int64_t h, int64_t s) const {
+    return s < n1 ? p1 + h * h1 + s * r1 : p2 + h * h2 + (s - n1) * r2;
+  }
+};
+
+template <typename T>
+static void decode_attn_impl(const at::Tensor& q, const Rows<T>& kr_, const Rows<T>& vr_, int64_t Hkv, int64_t S,
+                             at::Tensor& out, double scale) {
+  // q: [Hq, D] contiguous; keys and values: [Hkv, S, D] rows with unit stride in D; out: [Hq, D] fp32
+  const int64_t Hq = q.size(0), D = q.size(1);
   const int64_t G = Hq / Hkv;
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t chunk = std::max<int64_t>(256, (S + 7) / 8);
   const int64_t nchunks = (S + chunk - 1) / chunk;
@@ -97,7 +108,7 @@ static void decode_attn_impl(const at::Tensor& q, const at::Tensor& k, const at:
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qp[(h * G + g) * D + d]) * scale;
       for (int64_t s = 0; s < n; ++s) {
-        const float* kr = widen(kp + h * ks0 + (s0 + s) * ks1, row.data(), D);
+        const float* kr = widen(kr_.row(h, s0 + s), row.data(), D);
         for (int64_t g = 0; g < G; ++g) scores[g * chunk + s] = dot(qf.data() + g * D, kr, D);
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -112,7 +123,7 @@ static void decode_attn_impl(const at::Tensor& q, const at::Tensor& k, const at:
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = 0; s < n; ++s) {  // each value row read once for all G query rows
-        const float* vr = widen(vp + h * vs0 + (s0 + s) * vs1, row.data(), D);
+        const float* vr = widen(vr_.row(h, s0 + s), row.data(), D);
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * chunk + s], vr, acc.data() + g * D, D);
       }
       for (int64_t g = 0; g < G; ++g)
@@ -137,19 +148,44 @@ static void decode_attn_impl(const at::Tensor& q, const at::Tensor& k, const at:
     }
 }
 
-at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "q [Hq, D], k/v [Hkv, S, D]");
+static void check_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "k/v [Hkv, S, D]");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v need unit stride along D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
+}
+
+// keys and values in one buffer (k, v), or in two segments read as one (k, v then k2, v2: a shared prefix first)
+static at::Tensor attend(at::Tensor q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* k2,
+                         const at::Tensor* v2, double scale) {
+  TORCH_CHECK(q.dim() == 2, "q [Hq, D]");
+  check_kv(q, k, v);
+  if (k2) {
+    check_kv(q, *k2, *v2);
+    TORCH_CHECK(k2->size(0) == k.size(0) && k2->size(1) == v2->size(1), "segments of one cache");
+  }
   q = q.contiguous();
+  const int64_t Hkv = k.size(0), S = k.size(1) + (k2 ? k2->size(1) : 0);
   auto out = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kFloat) decode_attn_impl<float>(q, k, v, out, scale);
-  else if (q.scalar_type() == at::kBFloat16) decode_attn_impl<at::BFloat16>(q, k, v, out, scale);
+  if (q.scalar_type() == at::kFloat)
+    decode_attn_impl<float>(q, Rows<float>(k, k2), Rows<float>(v, v2), Hkv, S, out, scale);
+  else if (q.scalar_type() == at::kBFloat16)
+    decode_attn_impl<at::BFloat16>(q, Rows<at::BFloat16>(k, k2), Rows<at::BFloat16>(v, v2), Hkv, S, out, scale);
   else TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
+  return attend(q, k, v, nullptr, nullptr, scale);
+}
+
+at::Tensor decode_attention2(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k2, at::Tensor v2, double scale) {
+  return attend(q, k, v, &k2, &v2, scale);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention);
+  m.def("decode_attention2", &decode_attention2);
+}
 """
 
 _lock = threading.Lock()
@@ -171,7 +207,7 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 # -ffast-math lets the compiler vectorize the fp32 dot-product reductions
-                _module = load_inline(name="ragkv_decode_attention_v5", cpp_sources=[_SOURCE],
+                _module = load_inline(name="ragkv_decode_attention_v6", cpp_sources=[_SOURCE],
                                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
                 log.warning("the C++ decode-attention kernel could not be built (%s); using the torch path", e)
@@ -179,12 +215,18 @@ def kernel():
     return _module
 
 
-def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """q [1, Hq, 1, D]; k, v [1, Hkv, S, D] cache views -> [1, Hq, 1, D] in q's dtype, or None (no kernel)."""
+def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k2: torch.Tensor | None = None, v2: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q [1, Hq, 1, D]; k, v [1, Hkv, S, D] cache views -> [1, Hq, 1, D] in q's dtype, or None (no kernel).
+    k2, v2: a second segment of the same cache after k, v (a shared prompt prefix, then a choice's own rows), read
+    in place with the same arithmetic as if both were one buffer."""
     mod = kernel()
     if mod is None:
         return None
     B, Hq, T, D = q.shape
     with torch.profiler.record_function("ragkv::decode_attention"):  # visible to `bench decode`'s profile
-        out = mod.decode_attention(q.reshape(Hq, D), k[0], v[0], 1.0 / D ** 0.5)
+        if k2 is None:
+            out = mod.decode_attention(q.reshape(Hq, D), k[0], v[0], 1.0 / D ** 0.5)
+        else:
+            out = mod.decode_attention2(q.reshape(Hq, D), k[0], v[0], k2[0], v2[0], 1.0 / D ** 0.5)
     return out.to(q.dtype).reshape(B, Hq, T, D)

@@ -23,3 +23,13 @@ def kl_divergence(ref_logits, other_logits) -> torch.Tensor:
 def first_token_kl(ref_logits, other_logits) -> float:
     """KL(ref || other) of the first generated token's distributions; mean over leading dims if batched."""
     return float(kl_divergence(ref_logits, other_logits).mean())
+
+
+def confidence(logits) -> dict:
+    """How sure one next-token distribution is: its entropy (nats) and the probability gap between its two most
+    likely tokens."""
+    lp = torch.log_softmax(torch.as_tensor(logits).detach().cpu().double().reshape(-1), dim=-1)
+    p = lp.exp()
+    top = torch.topk(p, 2).values
+    return {"entropy": float(-(torch.where(p > 0, p * lp, torch.zeros_like(p))).sum()),
+            "margin": float(top[0] - top[1])}

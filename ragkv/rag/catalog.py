@@ -10,12 +10,16 @@ Search stays an exact cosine product over a numpy matrix per tenant (ragkv.rag.i
 thousands to tens of thousands of 384-dim vectors take milliseconds. A new library in a folder of the file-based
 index of earlier versions imports its documents once (ragkv.rag.legacy_index).
 
+Ingestion jobs live here too (ragkv.rag.jobs): each job's record and the documents it accepted, so that a job
+survives the process that ran it.
+
 This embedded library is the default; `open_catalog` opens the one in Redis (ragkv.rag.redis_catalog) instead when
 given a Redis URL, so that several servers on several machines share one library.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -43,6 +47,11 @@ CREATE TABLE IF NOT EXISTS chunks (
     UNIQUE (tenant, chunk_id),
     FOREIGN KEY (tenant, doc_id) REFERENCES documents (tenant, doc_id) ON DELETE CASCADE);
 CREATE INDEX IF NOT EXISTS chunks_by_doc ON chunks (tenant, doc_id);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, state TEXT NOT NULL, owner TEXT NOT NULL, updated_at REAL NOT NULL,
+    record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS job_documents (
+    job_id TEXT NOT NULL, position INTEGER NOT NULL, document TEXT NOT NULL, PRIMARY KEY (job_id, position));
 """
 
 
@@ -53,6 +62,11 @@ def is_library_url(location) -> bool:
     """Whether `location` names a shared library in Redis rather than a folder."""
     scheme, sep, _ = str(location).partition("://")
     return isinstance(location, str) and bool(sep) and scheme.lower() in LIBRARY_URL_SCHEMES
+
+
+def library_exists(location: str | Path) -> bool:
+    """Whether a library is (or may be) there already: a Redis URL, or a folder holding one (never created)."""
+    return is_library_url(location) or (Path(location).expanduser() / DB_FILE).exists()
 
 
 def open_catalog(location: str | Path, embedding_model: str | None = None):
@@ -202,6 +216,64 @@ class Catalog:
                 raise
             self._writes += 1
             return n
+
+    # -- ingestion jobs (ragkv.rag.jobs): a record per job, and the documents it accepted until it ends ----------
+    def put_job(self, record: dict, documents: Sequence[dict] | None = None) -> None:
+        """Write a job's record (and, when given, the documents it accepted) in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",
+                                 (record["id"], record["tenant"], record["state"], record["owner"],
+                                  record["updated_at"], json.dumps(record)))
+                if documents is not None:
+                    self._db.execute("DELETE FROM job_documents WHERE job_id = ?", (record["id"],))
+                    self._db.executemany("INSERT INTO job_documents VALUES (?, ?, ?)",
+                                         [(record["id"], i, json.dumps(d)) for i, d in enumerate(documents)])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def claim_job(self, record: dict, owner_was: str) -> bool:
+        """Write `record` only if the stored job still has owner `owner_was` (two servers never take one job)."""
+        with self._lock:
+            n = self._db.execute("UPDATE jobs SET state = ?, owner = ?, updated_at = ?, record = ? WHERE id = ? "
+                                 "AND owner = ?", (record["state"], record["owner"], record["updated_at"],
+                                                   json.dumps(record), record["id"], owner_was)).rowcount
+            return n == 1
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self._lock:
+            row = self._db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def jobs(self, states: Sequence[str]) -> list[dict]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT record FROM jobs WHERE state IN ({','.join('?' * len(states))})",
+                                    tuple(states)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def job_documents(self, job_id: str) -> list[dict]:
+        with self._lock:
+            rows = self._db.execute("SELECT document FROM job_documents WHERE job_id = ? ORDER BY position",
+                                    (job_id,)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def drop_job_documents(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM job_documents WHERE job_id = ?", (job_id,))
+
+    def prune_jobs(self, states: Sequence[str], before: float) -> int:
+        """Delete the records of jobs in `states` last updated before `before`; returns how many went."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                f"SELECT id FROM jobs WHERE updated_at < ? AND state IN ({','.join('?' * len(states))})",
+                (before, *states))]
+            for job_id in ids:
+                self._db.execute("DELETE FROM job_documents WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            return len(ids)
 
     def close(self) -> None:
         with self._lock:

@@ -65,7 +65,8 @@ class DocumentLibrary:
 
     @staticmethod
     def parse(docs: list[dict]):
-        """[{"text": ..., "title"?: ..., "id"?: ...}] -> Documents (a clear error for an empty text)."""
+        """[{"text": ..., "title"?: ..., "id"?: ...}] -> Documents (a clear error for an empty text; the server
+        refuses one earlier, naming its position)."""
         from ragkv.rag.documents import Document
 
         return [Document.from_text(d["text"], title=d.get("title"), source="api", doc_id=d.get("id"))
@@ -75,10 +76,11 @@ class DocumentLibrary:
         """docs: [{"text": ..., "title"?: ..., "id"?: ...}] -> IngestReport."""
         return self.retriever.ingest_documents(self.parse(docs), self.count_tokens, on_chunk=self._precompute)
 
-    def add_steps(self, docs: list[dict], status: dict | None = None):
-        """`add_documents` in short units (a generator returning the IngestReport), for background jobs."""
+    def add_steps(self, docs: list[dict], status: dict | None = None, on_commit=None):
+        """`add_documents` in short units (a generator returning the IngestReport), for background jobs;
+        `on_commit(doc_id)` once each document is in the library."""
         return self.retriever.ingest_steps(self.parse(docs), self.count_tokens, on_chunk=self._precompute,
-                                           status=status)
+                                           status=status, on_commit=on_commit)
 
     def retrieve(self, question: str, top_k: int = 5) -> list[Retrieved]:
         return [Retrieved(Passage(c.text, c.title), float(score), c.chunk_id, c.doc_id)

@@ -109,11 +109,17 @@ class Retriever:
 
     def ingest_steps(self, docs: Sequence[Document], count_tokens: CountTokens,
                      on_chunk: Callable[[Chunk], None] | None = None, progress: bool = False,
-                     status: dict | None = None):
+                     status: dict | None = None, on_commit: Callable[[str], None] | None = None):
         """`ingest_documents` as a generator: yields after each unit (one embedding batch, one document's commit,
         one `on_chunk` call); returns the IngestReport. `status`, when given, is kept up to date (chunks_total,
-        chunks_done, documents_done) for progress reports."""
+        chunks_done, documents_done) for progress reports; `on_commit(doc_id)` is called once each document is in
+        the library (at once for the unchanged ones), which is what a durable job records."""
         todo, report = self._changed_documents(docs, count_tokens)
+        if on_commit is not None:
+            changed = {doc.doc_id for doc, _, _ in todo}
+            for doc_id in dict.fromkeys(d.doc_id for d in docs):
+                if doc_id not in changed:
+                    on_commit(doc_id)
         status = status if status is not None else {}
         status.update(chunks_total=sum(len(c) - len(old & {x.chunk_id for x in c}) for _, c, old in todo),
                       chunks_done=0, documents_done=report.unchanged, documents_total=report.documents)
@@ -138,6 +144,8 @@ class Retriever:
                 report.chunks_added += len(new)
                 report.chunks_removed += len(old) - len(kept)
                 status["documents_done"] += 1
+                if on_commit is not None:
+                    on_commit(doc.doc_id)
                 yield
                 for chunk in new:
                     if on_chunk is not None:

@@ -10,6 +10,8 @@ them together:
     PREFIX{TENANT}:vectors   hash chunk_id -> float32 unit vector bytes
     PREFIX{TENANT}:version   counter, incremented by every write of the tenant's documents
     PREFIX meta              hash: format, embedding_model
+    PREFIX jobs              hash job id -> JSON record of an ingestion job (ragkv.rag.jobs)
+    PREFIX job:ID:documents  JSON list of the documents job ID accepted, until it ends
 
 A document is added or removed in one MULTI/EXEC (WATCHing the docs hash, retried when another writer got there
 first), and a reader takes its snapshot in one MULTI, so it sees whole documents only. Each server keeps every
@@ -96,6 +98,7 @@ class RedisCatalog:
         client_url, self.prefix, cluster = parse_library_url(url)
         self.where = redact(client_url) + (f"?prefix={self.prefix}" if self.prefix != DEFAULT_PREFIX else "")
         self.embedding_model = embedding_model
+        self._cluster = cluster  # keys of several slots: no MULTI across them
         self._search: dict[str, tuple[int, VectorIndex]] = {}  # tenant -> (version, in-memory index)
         self._lock = threading.Lock()
         with self._reach("connect"):
@@ -234,6 +237,60 @@ class RedisCatalog:
 
         with self._reach("remove documents"):
             return self.client.transaction(delete, docs, value_from_callable=True)
+
+    # -- ingestion jobs (ragkv.rag.jobs) ---------------------------------------------------------------------
+    def put_job(self, record: dict, documents: Sequence[dict] | None = None) -> None:
+        with self._reach("write an ingestion job"):
+            pipe = self.client.pipeline(transaction=documents is not None and not self._cluster)
+            pipe.hset(self.prefix + "jobs", record["id"], json.dumps(record))
+            if documents is not None:
+                pipe.set(self._job_documents(record["id"]), json.dumps(list(documents)))
+            pipe.execute()
+
+    def claim_job(self, record: dict, owner_was: str) -> bool:
+        jobs, claimed = self.prefix + "jobs", []
+
+        def swap(pipe):
+            raw = pipe.hget(jobs, record["id"])
+            if raw is None or json.loads(raw).get("owner") != owner_was:
+                return
+            pipe.multi()
+            pipe.hset(jobs, record["id"], json.dumps(record))
+            claimed.append(True)
+
+        with self._reach("claim an ingestion job"):
+            self.client.transaction(swap, jobs)
+        return bool(claimed)
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self._reach("read an ingestion job"):
+            raw = self.client.hget(self.prefix + "jobs", job_id)
+        return None if raw is None else json.loads(raw)
+
+    def jobs(self, states: Sequence[str]) -> list[dict]:
+        with self._reach("read ingestion jobs"):
+            raw = self.client.hgetall(self.prefix + "jobs")
+        return [r for r in (json.loads(v) for v in raw.values()) if r.get("state") in states]
+
+    def _job_documents(self, job_id: str) -> str:
+        return f"{self.prefix}job:{job_id}:documents"
+
+    def job_documents(self, job_id: str) -> list[dict]:
+        with self._reach("read an ingestion job's documents"):
+            raw = self.client.get(self._job_documents(job_id))
+        return [] if raw is None else json.loads(raw)
+
+    def drop_job_documents(self, job_id: str) -> None:
+        with self._reach("drop an ingestion job's documents"):
+            self.client.delete(self._job_documents(job_id))
+
+    def prune_jobs(self, states: Sequence[str], before: float) -> int:
+        old = [r["id"] for r in self.jobs(states) if r.get("updated_at", 0) < before]
+        with self._reach("prune ingestion jobs"):
+            for job_id in old:
+                self.client.hdel(self.prefix + "jobs", job_id)
+                self.client.delete(self._job_documents(job_id))
+        return len(old)
 
     def close(self) -> None:
         self.client.close()

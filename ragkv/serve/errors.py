@@ -7,7 +7,9 @@ import asyncio
 import logging
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.engine.scheduler import Cancelled, JobTimeout, QueueFull, ShuttingDown
 from ragkv.errors import PromptTooLongError, RagkvError
@@ -57,3 +59,34 @@ def to_api_error(e: BaseException) -> ApiError:
 async def api_error_handler(request: Request, e: ApiError) -> JSONResponse:
     """The app's handler for an ApiError a route raises without answering it itself."""
     return e.response()
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def http_error_handler(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """What the router itself answers (no such path: 404, a path without that method: 405), in the API's error
+    body like every other failure, keeping the router's headers (405's `Allow`)."""
+    if e.status_code == 404 and e.detail == "Not Found":
+        message = f"no route {request.method} {request.url.path}; see /docs for the endpoints"
+    elif e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow")
+        message = f"{request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+    else:
+        message = str(e.detail)
+    err = ApiError(e.status_code, message, "invalid_request_error" if e.status_code < 500 else "server_error",
+                   HTTP_CODES.get(e.status_code))
+    err.headers.update(e.headers or {})
+    return err.response()
+
+
+async def validation_error_handler(request: Request, e: RequestValidationError) -> JSONResponse:
+    """A path or query parameter FastAPI itself refused: a 400 naming it (bodies are parsed by serve/http.py)."""
+    first = (e.errors() or [{}])[0]
+    where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("path", "query"))
+    return ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None).response()
+
+
+async def unexpected_error_handler(request: Request, e: Exception) -> JSONResponse:
+    """Anything a route let escape: a 500 in the API's error body (logged by to_api_error), not plain text."""
+    return to_api_error(e).response()

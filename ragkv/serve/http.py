@@ -37,6 +37,20 @@ def _no_constants(name: str):
     raise ApiError(400, f"the request body contains {name}, which is not a JSON number; send a finite number")
 
 
+def field_path(loc) -> str:
+    """A pydantic error location as the field's path, list positions in brackets: `documents[2].id`. A union's
+    member names (`str`, `list[int]`) are pydantic's, not fields: left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "list", "dict")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
 def parse_body(raw: bytes, schema):
     """A request body -> the schema's model; every way it can be wrong is a 400 naming the field."""
     try:
@@ -61,7 +75,7 @@ def parse_body(raw: bytes, schema):
         return schema.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
+        where = field_path(first.get("loc", ()))
         raise ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None)
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply")

@@ -96,10 +96,26 @@ class LiveStats:
             yield GaugeMetricFamily("ragkv_prefill_stall_seconds_max",
                                     "Longest pause a prefill imposed on running decodes.",
                                     sched["prefill_stall_ms_max"] / 1000)
-        held = GaugeMetricFamily("ragkv_store_bytes", "Bytes held per KV store tier.", labels=["tier"])
+            if "kv_bytes_reserved" in sched:  # the KV memory budget (engine/kvbudget.py)
+                yield GaugeMetricFamily("ragkv_kv_bytes_reserved", "KV bytes the admitted generations reserved "
+                                        "(prompt + n x max_tokens rows each).", sched["kv_bytes_reserved"])
+                yield GaugeMetricFamily("ragkv_kv_bytes_in_use", "KV bytes the live caches hold now.",
+                                        sched["kv_bytes_in_use"])
+                if sched.get("kv_bytes_limit") is not None:
+                    yield GaugeMetricFamily("ragkv_kv_bytes_limit", "KV memory limit of the server (--kv-memory).",
+                                            sched["kv_bytes_limit"])
+        held = GaugeMetricFamily("ragkv_store_bytes", "Bytes held per KV store tier (0 while it is down).",
+                                 labels=["tier"])
         for tier, n in tier_bytes(store).items():
             held.add_metric([tier], n)
         yield held
+        up = tier_up(store)
+        if up:
+            family = GaugeMetricFamily("ragkv_store_tier_up", "1 while a KV store tier serves, 0 while it is "
+                                       "skipped after a fault (or cannot be reached).", labels=["tier"])
+            for tier, ok in up.items():
+                family.add_metric([tier], 1 if ok else 0)
+            yield family
         faults = store.get("faults") or {}
         if faults:
             family = CounterMetricFamily("ragkv_store_tier_faults",
@@ -110,9 +126,20 @@ class LiveStats:
             yield family
 
 
+def _tiers(stats: dict) -> list[dict]:
+    tiers = stats.get("tiers") if isinstance(stats.get("tiers"), list) else [stats] if stats else []
+    return [t for t in tiers if isinstance(t, dict)]
+
+
 def tier_bytes(stats: dict) -> dict[str, int]:
     """Bytes held per tier of a store's stats (a tiered store's `tiers`, or one tier's own), each tier named by its
-    `describe()` as the fault counters are. A tier that could not count (Redis mid-failover) is left out."""
-    tiers = stats.get("tiers") if isinstance(stats.get("tiers"), list) else [stats]
-    return {str(t.get("describe") or t.get("tier") or i): int(t["bytes"])
-            for i, t in enumerate(tiers) if isinstance(t.get("bytes"), (int, float))}
+    `describe()` as the fault counters are. A tier that could not count (Redis down) reads 0: its series stays."""
+    return {str(t.get("describe") or t.get("tier") or i):
+            int(t["bytes"]) if isinstance(t.get("bytes"), (int, float)) else 0
+            for i, t in enumerate(_tiers(stats))}
+
+
+def tier_up(stats: dict) -> dict[str, bool]:
+    """Whether each tier is in service (a tiered store's `up` per tier; tiers that do not say are left out)."""
+    return {str(t.get("describe") or t.get("tier") or i): bool(t["up"])
+            for i, t in enumerate(_tiers(stats)) if "up" in t}

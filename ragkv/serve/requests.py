@@ -72,7 +72,8 @@ class RequestBuilder:
         extras = req.ragkv
         passages, sources = [], []
         docs, field = req.inline_documents()
-        self.check_documents(len(docs), (d if isinstance(d, str) else d.text for d in docs), field)
+        self.check_documents(len(docs), [d if isinstance(d, str) else d.text for d in docs], field,
+                             [None if isinstance(d, str) else d.id for d in docs])
         for d in docs:
             p = Passage(d) if isinstance(d, str) else Passage(d.text, d.title or "")
             passages.append(p)
@@ -85,21 +86,29 @@ class RequestBuilder:
                                 "score": round(r.score, 4)})
         return passages, sources
 
-    def check_documents(self, count: int, texts, field: str) -> None:
+    def check_documents(self, count: int, texts, field: str, ids=None, need_text: bool = False) -> None:
+        """The request's documents within the limits; `ids` (one per text, or None) name them in the errors,
+        `need_text` refuses an empty one (a library document must say something)."""
         lim = self.limits
         if count > lim.max_documents:
             raise FieldError(field, f"{count} documents in one request; the limit is {lim.max_documents} "
                                     "(--max-documents)", "too_many_documents")
+        ids = list(ids) if ids is not None else []
         for i, text in enumerate(texts):
+            doc_id = ids[i] if i < len(ids) else None
+            name = f"document {i}" + (f" (id {doc_id!r})" if doc_id is not None else "")
             if len(text) > lim.max_document_chars:
-                raise FieldError(f"{field}.{i}", f"document {i} has {len(text)} characters; the limit is "
-                                                 f"{lim.max_document_chars} (--max-document-chars)",
+                raise FieldError(f"{field}[{i}].text", f"{name} has {len(text)} characters; the limit is "
+                                                        f"{lim.max_document_chars} (--max-document-chars)",
                                  "document_too_long")
+            if need_text and not text.strip():
+                raise FieldError(f"{field}[{i}].text", f"{name} contains no text; send its text or leave it out",
+                                 "empty_document")
 
-    def check_prompt(self, segs: Segments, gen: GenerationOptions) -> None:
+    def check_prompt(self, segs: Segments, gen: GenerationOptions, field: str = "messages") -> None:
         lim = self.limits.max_prompt_tokens or self.engine.max_positions
         if segs.num_tokens > lim:
-            raise FieldError("messages", f"the prompt has {segs.num_tokens} tokens; the limit is {lim}"
+            raise FieldError(field, f"the prompt has {segs.num_tokens} tokens; the limit is {lim}"
                              f"{' (--max-prompt-tokens)' if self.limits.max_prompt_tokens else ' (the model)'}",
                              "context_length_exceeded")
         if gen.max_new_tokens > self.engine.max_positions:
@@ -113,7 +122,11 @@ class RequestBuilder:
         return replace(self.default_fusion, **given)  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...
 
     def generation(self, req, default_max: int) -> GenerationOptions:
-        max_new = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        # max_completion_tokens wins over max_tokens, even when it is 0 (an answer of no tokens: the prompt is
+        # still read, and the choice ends at once with finish_reason "length", as max_tokens 0 does)
+        max_new = getattr(req, "max_completion_tokens", None)
+        if max_new is None:
+            max_new = req.max_tokens
         if req.n > self.max_batch:
             raise FieldError("n", f"n={req.n} choices exceed the {self.max_batch} sequences decoded together "
                                   "(--max-batch)")
@@ -146,16 +159,39 @@ class RequestBuilder:
         self.check_prompt(segs, gen)
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
 
-    def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
-        prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
-        if not prompt.strip():
-            raise FieldError("prompt", "the prompt is empty")
-        passages, sources = self.passages(req, prompt, tenant)
-        fusion = self.fusion(req.ragkv, bool(passages))
-        if passages:
-            segs = self.engine.segments(prompt, passages)
-        else:
-            segs = self.engine.text_segments(prompt)
+    def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
+        """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""
+        prompts = req.prompts()
+        if not prompts:
+            raise FieldError("prompt", "the prompt list is empty; send at least one prompt")
         gen = self.generation(req, 16)
-        self.check_prompt(segs, gen)
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
+        namespace = self.namespace(req.ragkv, tenant, req.cache_salt)
+        out = []
+        for i, prompt in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, list):
+                segs, sources, fusion = self.token_prompt(req, prompt, field), [], self.fusion(req.ragkv, False)
+            else:
+                if not prompt.strip():
+                    raise FieldError(field, "the prompt is empty")
+                passages, sources = self.passages(req, prompt, tenant)
+                fusion = self.fusion(req.ragkv, bool(passages))
+                segs = self.engine.segments(prompt, passages) if passages else self.engine.text_segments(prompt)
+            self.check_prompt(segs, gen, field)
+            out.append(Prepared(segs, fusion, gen, namespace, sources, req.n))
+        return out
+
+    def token_prompt(self, req: CompletionRequest, ids: list[int], field: str) -> Segments:
+        """A prompt given as token ids: run as it is (no chat template), like a text prompt without documents."""
+        if not ids:
+            raise FieldError(field, "the prompt has no token ids")
+        docs, where = req.inline_documents()
+        if docs or (req.ragkv is not None and req.ragkv.retrieval is not None):
+            raise FieldError(field, f"token-id prompts cannot be combined with {where if docs else 'retrieval'} "
+                                    "(passages are placed by the prompt template, which needs the text); send the "
+                                    "prompt as text")
+        vocab = self.engine.model.args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FieldError(field, f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+        return Segments([], [], list(ids))

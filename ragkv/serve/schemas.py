@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -17,6 +18,10 @@ SEED_MAX = (1 << 63) - 1
 DOC_ID = r"^[^\x00-\x1f\x7f]{1,256}$"  # printable, at most 256 characters ("/" round-trips through the path)
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI and vLLM's default
 MAX_N = 128        # choices per request (the server also keeps n within --max-batch)
+MAX_PROMPTS = 64   # prompts in one /v1/completions request (each is queued as its own generation)
+# characters an id must not contain: controls, format characters (zero-width space U+200B, joiners, bidi overrides,
+# the BOM) and line/paragraph separators; invisible, they would make two ids that look the same differ
+INVISIBLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 
 # OpenAI fields this server does not implement: refused (400 naming them) unless given their no-op value
 UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
@@ -41,10 +46,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+def document_id(value: str) -> str:
+    """A document id as the library keeps it: NFC (so `café` typed either way is one document), with no invisible
+    character (refused, naming it: an id a user cannot see cannot be trusted)."""
+    value = unicodedata.normalize("NFC", value)
+    for i, ch in enumerate(value):
+        if unicodedata.category(ch) in INVISIBLE_CATEGORIES:
+            name = unicodedata.name(ch, "a control character")
+            raise ValueError(f"the id {value!r} contains U+{ord(ch):04X} {name} at position {i}, an invisible "
+                             "character; send the id without it")
+    return value
+
+
 class DocumentIn(_Strict):
     text: str
     title: str | None = Field(None, max_length=1024)
     id: str | None = Field(None, pattern=DOC_ID)
+
+    @field_validator("id")
+    @classmethod
+    def _visible_nfc(cls, v: str | None) -> str | None:
+        return None if v is None else document_id(v)
 
 
 class Retrieval(_Strict):
@@ -188,9 +210,34 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str]]
+    # one prompt or several (one choice each, `n` per prompt), as text or as token ids
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy API: the number of top tokens
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, v):
+        """One clear message for every shape the API does not define (pydantic's union errors name none of them)."""
+        def ids(x) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        ok = isinstance(v, str) or (isinstance(v, list) and (all(isinstance(p, str) for p in v) or ids(v)
+                                                             or all(ids(p) for p in v)))
+        if not ok:
+            raise ValueError(f"prompt must be {PROMPT_FORMS}")
+        if isinstance(v, list) and len(v) > MAX_PROMPTS and not ids(v):
+            raise ValueError(f"{len(v)} prompts in one request; the limit is {MAX_PROMPTS}: split them")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        return list(p)
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

@@ -1,18 +1,23 @@
 """The state one `ragkv serve` shares across its routes: the engine and its batching scheduler, the served model
-names, keys and limits, the metrics, the tenants' document libraries and the ingestion jobs. It knows no HTTP:
-requests are built by `RequestBuilder` (serve/requests.py), answered by the routers (serve/routes/)."""
+names, keys and limits, the metrics, the tenants' document libraries and the ingestion jobs (serve/ingest.py). It
+knows no HTTP: requests are built by `RequestBuilder` (serve/requests.py), answered by the routers (serve/routes/)."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
+from ragkv.engine.kvbudget import KVBudget, kv_need
+from ragkv.engine.kvcache import bytes_per_token
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.scheduler import Job, Scheduler
 from ragkv.serve.auth import ApiKeys
+from ragkv.serve.ingest import IngestJobs
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.requests import Prepared, RequestBuilder
+from ragkv.serve.schemas import FieldError
 from ragkv.settings import DEFAULT_TENANT, SERVE
+from ragkv.store.sizes import human_size
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class Limits:
     max_document_chars: int = SERVE.max_document_chars  # --max-document-chars: characters of one document
     max_prompt_tokens: int | None = SERVE.max_prompt_tokens  # --max-prompt-tokens (None: the model's positions)
     ingest_timeout_s: float = SERVE.ingest_timeout_s    # --ingest-timeout: deadline of a document ingestion job
+    kv_memory_bytes: int = SERVE.kv_memory_bytes        # --kv-memory: KV the running generations may reserve
 
 
 class Server:
@@ -38,17 +44,19 @@ class Server:
         self.model_id = self.model_names[0]
         self.accepted_names = set(served_names) if served_names else {model_id, str(engine.model_path)}
         self.keys, self.limits = keys, limits
-        self.ingest_jobs: dict = {}  # id -> routes.documents.IngestJob
+        self.ingest = IngestJobs(self)  # document ingestion jobs, recorded in the library
         self.default_fusion = default_fusion
         self.metrics = Metrics()
         self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
+        self.kv_bytes_per_token = bytes_per_token(engine.model)
         self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
-                                   lock=engine.lock, thread=worker_thread)
+                                   lock=engine.lock, thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes))
         self._library, self._library_lock = None, threading.Lock()
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library)
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
         # that a tokenizer resetting its truncation or padding settings on first use does it before any race
         engine.tokenize("ragkv")
+        self.ingest.recover_in_background()  # jobs an earlier server left unfinished: taken over and resumed
 
     def library(self, tenant: str = DEFAULT_TENANT):
         """The tenant's document library (its documents only; their KV in its namespace)."""
@@ -61,7 +69,12 @@ class Server:
     def start(self, p: Prepared, emit=None) -> Job:
         """Queue a prepared generation: the model thread prefills it in units, then decodes it batched with the
         others; `emit(kind, payload)` streams events. The job's future resolves to (Prepared, Sequence, finish);
-        its `seqs` are the request's n choices (one prefill; the others decode from copies of its KV)."""
+        its `seqs` are the request's n choices (one prefill; they share its KV and each holds only its own tokens).
+        It reserves the most KV it can hold: refused here if that could never fit the limit, else it waits in the
+        queue until it fits."""
+        need = kv_need(self.kv_bytes_per_token, p.segs.num_tokens, p.gen.max_new_tokens, p.n)
+        if not self.scheduler.kv.fits_ever(need):
+            raise self.kv_refusal(p, need)
 
         def chunk():  # chunk a full/prefix prefill only while other answers are decoding
             return self.prefill_chunk if self.scheduler.running else None
@@ -70,4 +83,14 @@ class Server:
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
             return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
-        return self.scheduler.submit_generation(begin, emit)
+        return self.scheduler.submit_generation(begin, emit, kv_bytes=need)
+
+    def kv_refusal(self, p: Prepared, need: int) -> FieldError:
+        """The 400 of a request whose KV could never fit: what it needs, from what, and the limit with its flag."""
+        limit, per = self.limits.kv_memory_bytes, self.kv_bytes_per_token
+        prompt_alone = per * p.segs.num_tokens > limit
+        return FieldError("messages" if prompt_alone else "max_tokens",
+                          f"this request needs {human_size(need)} of KV memory (a prompt of {p.segs.num_tokens} "
+                          f"tokens + n={p.n} x max_tokens {p.gen.max_new_tokens}, at {per} bytes per token); the "
+                          f"server's KV memory limit is {human_size(limit)} (--kv-memory): "
+                          + ("shorten the prompt" if prompt_alone else "lower max_tokens or n"), "kv_memory_exceeded")

@@ -4,10 +4,15 @@ Files are `<digest>.kv` in one directory, in the serde format. A writer fills a 
 and renames it over the target (os.replace), so readers in any thread or process see either no entry or a whole
 one. Recency is the file's mtime, refreshed on every hit, so the LRU order survives restarts and is shared by
 all processes using the directory. A corrupt or truncated file is logged, deleted and reported as a miss.
+
+A write or read the file system refuses (disk full, read-only, I/O error) is a miss too, counted in
+`counters["errors"]`, which a TieredStore turns into a fault of the tier (counted, skipped with backoff). A
+directory deleted under the tier holds nothing (its bytes read 0) and is made again by the next write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -38,27 +43,46 @@ class DiskStore(KVStore):
         capacity_bytes: evict least recently used files beyond this.
         fsync: flush each file to the device before renaming it (durable across power loss; slower).
         kv: write blocks compressed with this codec (int8, int4, fp8: ragkv.store.compress); None: as they are.
+        must_reach: refuse to start on a directory that cannot be written (raise); False: start with the tier
+            failing (`start_error` says why) until it can be written.
 
     Raises:
-        StoreUnavailableError: the directory cannot be created or written.
+        StoreUnavailableError: the directory cannot be created or written (with must_reach).
     """
 
     name = "disk"
     kv_codec: Codec | None = None
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False, kv: str | None = None):
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False, kv: str | None = None,
+                 must_reach: bool = True):
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes}")
         self.root = Path(path).expanduser()
         self.capacity_bytes, self.fsync = capacity_bytes, fsync
         self.kv_codec = codec_named(kv)
-        self._check_writable()
+        self.counters = dict(hits=0, misses=0, puts=0, evictions=0, refused=0, corrupt=0, errors=0)
+        self.last_error = ""
+        self.start_error: StoreUnavailableError | None = None
+        try:
+            self._check_writable()
+        except StoreUnavailableError as e:
+            if must_reach:
+                raise
+            self.start_error = e
+            self._error(str(e))
         self._lock = threading.Lock()
         self._index: dict[str, tuple[int, int]] = {}  # storage name -> (bytes, mtime_ns)
         self._bytes = 0
         self._last_ns = 0
-        self.counters = dict(hits=0, misses=0, puts=0, evictions=0, refused=0, corrupt=0)
-        self._rescan(remove_stale_temps=True)
+        try:
+            self._rescan(remove_stale_temps=True)
+        except OSError as e:  # an unreadable directory (must_reach=False): nothing held yet
+            self._error(f"cannot list {self.root}: {e}")
+
+    def _error(self, message: str) -> None:
+        """A failed write or read: a miss for the caller, a fault for the TieredStore that watches `errors`."""
+        self.counters["errors"] += 1
+        self.last_error = message
 
     def describe(self) -> str:
         return f"disk:{self.root}:{format_size(self.capacity_bytes)}" + (
@@ -83,7 +107,11 @@ class DiskStore(KVStore):
     def _rescan(self, remove_stale_temps: bool = False) -> None:
         """Rebuild the index from the directory (other processes add and evict files too)."""
         index, now = {}, time.time()
-        with os.scandir(self.root) as it:
+        try:
+            it = os.scandir(self.root)
+        except FileNotFoundError:  # the directory was deleted: it holds nothing (a write makes it again)
+            it = None
+        with it if it is not None else contextlib.nullcontext(()) as it:
             for entry in it:
                 try:
                     st = entry.stat()
@@ -151,6 +179,10 @@ class DiskStore(KVStore):
 
     # --- reads --------------------------------------------------------------------------------------------
 
+    def _read_failed(self, name: str, e: OSError) -> None:
+        log.warning("disk tier: cannot read %s: %s; treating it as a miss", self._path(name), e)
+        self._error(f"read of {name} failed: {e}")
+
     def _open(self, key: CacheKey):
         """(file, header, size) for a valid entry of `key`, or None (corrupt files are discarded)."""
         name = storage_name(key)
@@ -158,7 +190,7 @@ class DiskStore(KVStore):
             f = open(self._path(name), "rb", buffering=0)
         except OSError as e:
             if not isinstance(e, FileNotFoundError):
-                log.warning("disk tier: cannot read %s: %s; treating it as a miss", self._path(name), e)
+                self._read_failed(name, e)
             return None
         try:
             st = os.fstat(f.fileno())
@@ -187,7 +219,7 @@ class DiskStore(KVStore):
                     data = data[:n]
         except OSError as e:
             if not isinstance(e, FileNotFoundError):
-                log.warning("disk tier: cannot read %s: %s; treating it as a miss", self._path(name), e)
+                self._read_failed(name, e)
             self.counters["misses"] += 1
             return None
         try:
@@ -235,7 +267,11 @@ class DiskStore(KVStore):
         self._make_room(len(data))
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=TEMP_PREFIX, suffix=".part")
+            try:
+                fd, tmp = tempfile.mkstemp(dir=self.root, prefix=TEMP_PREFIX, suffix=".part")
+            except FileNotFoundError:  # the directory was deleted under the tier: made again
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.root, prefix=TEMP_PREFIX, suffix=".part")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 if self.fsync:
@@ -244,8 +280,9 @@ class DiskStore(KVStore):
             now = self._now_ns()
             os.utime(tmp, ns=(now, now))
             os.replace(tmp, self._path(name))
-        except OSError as e:  # disk full, directory removed...: the block simply stays uncached here
+        except OSError as e:  # disk full, read-only...: the block stays uncached here, and the tier failed
             log.warning("disk tier: could not write %s to %s: %s", name, self.root, e)
+            self._error(f"write of {name} failed: {e}")
             if tmp is not None:
                 _unlink(tmp)
             return
@@ -286,7 +323,12 @@ class DiskStore(KVStore):
 
     def stats(self):
         namespaces: dict[str, dict] = {}
-        listed = self.entries()
+        error = {}
+        try:
+            listed = self.entries()  # what the directory holds now, whoever wrote or deleted its files
+        except OSError as e:  # unreadable: nothing this tier can serve
+            self._error(f"cannot list {self.root}: {e}")
+            listed, error = [], {"error": self.last_error}
         for name, size in listed:
             ns = namespaces.setdefault(namespace_of(name), {"entries": 0, "bytes": 0})
             ns["entries"] += 1
@@ -294,7 +336,7 @@ class DiskStore(KVStore):
         return {"tier": self.name, "describe": self.describe(), "path": str(self.root), "entries": len(listed),
                 "kv": self.kv_codec.name if self.kv_codec else "none",
                 "bytes": sum(s for _, s in listed), "capacity_bytes": self.capacity_bytes,
-                "namespaces": namespaces, **self.counters}
+                "namespaces": namespaces, **self.counters, **error}
 
 
 class DiskLayerReader(LayerReader):
@@ -314,6 +356,9 @@ class DiskLayerReader(LayerReader):
             return serde.decode_layer(self.header, layer, buf if n == len(buf) else buf[:n])
         except CorruptEntryError as e:
             self.store._discard(storage_name(self.key), self.ino, e)
+            return None
+        except OSError as e:  # an I/O error mid-read: the block comes from a slower tier or is computed
+            self.store._read_failed(storage_name(self.key), e)
             return None
 
     def close(self):

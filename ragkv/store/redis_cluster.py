@@ -55,19 +55,21 @@ class RedisClusterStore(RedisStore):
     """Blocks in a Redis Cluster (see RedisStore for the arguments; `url` is redis+cluster://HOST:PORT,...).
 
     Raises:
-        StoreUnavailableError: no seed node answers, or the cluster does not cover every slot.
+        StoreUnavailableError: no seed node answers, or the cluster does not cover every slot (with must_reach).
     """
 
     # SlotNotCoveredError and the client's other topology errors are not RedisErrors
     ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
     def _connect(self, url: str, timeout_s: float):
-        try:
-            return cluster_client(url, timeout_s)
-        except redis.exceptions.RedisClusterException as e:
-            raise StoreUnavailableError(
-                f"cannot use the Redis Cluster at {redact(url)} ({e}); check that the seed nodes run with "
-                "cluster-enabled yes and that every slot is assigned (redis-cli --cluster check HOST:PORT)") from e
+        return cluster_client(url, timeout_s)  # raises RedisClusterException while no seed node answers
+
+    def _unreachable(self, e: Exception) -> StoreUnavailableError:
+        if isinstance(e, redis.exceptions.RedisClusterException):
+            return StoreUnavailableError(
+                f"cannot use the Redis Cluster at {redact(self.url)} ({e}); check that the seed nodes run with "
+                "cluster-enabled yes and that every slot is assigned (redis-cli --cluster check HOST:PORT)")
+        return super()._unreachable(e)
 
     def _name(self, key: CacheKey) -> str:
         return f"{self.prefix}{{{storage_name(key)}}}"

@@ -2,7 +2,9 @@
 
 Values are the serde bytes under `prefix + digest`, with an optional TTL refreshed on every hit. One layer is
 read alone with GETRANGE. Capacity is Redis's own business (maxmemory + an eviction policy such as allkeys-lru).
-Once started, a Redis outage degrades to misses with a warning; it never fails a request.
+A Redis outage degrades to misses with a warning; it never fails a request. With `must_reach=False` (a server's
+store) that holds from the start too: a Redis down at start is a tier that fails until it answers (`start_error`
+says why), the client connecting at its first use after that.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ class RedisStore(KVStore):
         ttl_s: expire entries this many seconds after their last hit (None: never).
         prefix: prepended to every key, so several deployments can share one database.
         timeout_s: connect and socket timeout.
+        must_reach: refuse to start without Redis (raise); False: start with the tier down (`start_error`).
 
     Raises:
-        StoreUnavailableError: Redis cannot be reached or refuses the connection at construction.
+        StoreUnavailableError: Redis cannot be reached or refuses the connection at construction (must_reach).
     """
 
     name = "redis"
@@ -56,27 +59,49 @@ class RedisStore(KVStore):
     kv_codec: Codec | None = None  # write blocks compressed (int8, int4, fp8: ragkv.store.compress)
 
     def __init__(self, url: str, ttl_s: int | None = None, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0,
-                 kv: str | None = None):
+                 kv: str | None = None, must_reach: bool = True):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"redis ttl must be a positive number of seconds, got {ttl_s}")
-        self.url, self.ttl_s, self.prefix = url, ttl_s, prefix
+        self.url, self.ttl_s, self.prefix, self.timeout_s = url, ttl_s, prefix, timeout_s
         self.kv_codec = codec_named(kv)
         self.counters = dict(hits=0, misses=0, puts=0, corrupt=0, errors=0)
         self.last_error, self._last_warning = "", -1e9
+        self._client = None
+        self.start_error: StoreUnavailableError | None = None
         try:
-            self.client = self._connect(url, timeout_s)
             self.client.ping()
-        except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as e:
-            raise StoreUnavailableError(
-                f"Redis at {redact(url)} refused ragkv ({e}); put the password in the URL "
-                "(redis://:PASSWORD@HOST:PORT/DB) or check the database number") from e
-        except (redis.exceptions.RedisError, OSError, ValueError) as e:
-            raise StoreUnavailableError(
-                f"cannot reach Redis at {redact(url)} ({e}); is redis-server running? Start it, install it with "
-                "scripts/install_redis.sh, or remove the redis tier from --store") from e
+        except self.ERRORS + (OSError, ValueError) as e:
+            err = self._unreachable(e)
+            if must_reach:
+                raise err from e
+            self.start_error = err  # down from the start: a tier failing like one failing mid-run
+            self.counters["errors"] += 1
+            self.last_error = str(err)
+
+    @property
+    def client(self):
+        """The client, connected at first use: a cluster whose seed nodes are down at start is reached later.
+        Raises one of ERRORS while it cannot be made."""
+        if self._client is None:
+            self._client = self._connect(self.url, self.timeout_s)
+        return self._client
+
+    @client.setter
+    def client(self, client) -> None:
+        self._client = client
 
     def _connect(self, url: str, timeout_s: float):
         return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+
+    def _unreachable(self, e: Exception) -> StoreUnavailableError:
+        """What failing to reach Redis at start means, and what to do."""
+        if isinstance(e, (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+            return StoreUnavailableError(
+                f"Redis at {redact(self.url)} refused ragkv ({e}); put the password in the URL "
+                "(redis://:PASSWORD@HOST:PORT/DB) or check the database number")
+        return StoreUnavailableError(
+            f"cannot reach Redis at {redact(self.url)} ({e}); is redis-server running? Start it, install it with "
+            "scripts/install_redis.sh, or remove the redis tier from --store")
 
     def describe(self) -> str:
         opts = ([f"prefix={self.prefix}"] if self.prefix != DEFAULT_PREFIX else []) + (
@@ -220,9 +245,10 @@ class RedisStore(KVStore):
     def stats(self):
         try:
             listed = self.entries()
-        except self.ERRORS as e:  # a /metrics scrape while Redis is down: the counters, without the scan
+        except self.ERRORS as e:  # a /metrics scrape while Redis is down: nothing reachable is held here
             self._failed("stats", e)
-            return {"tier": self.name, "describe": self.describe(), "ttl_s": self.ttl_s, **self.counters}
+            return {"tier": self.name, "describe": self.describe(), "ttl_s": self.ttl_s, "entries": 0, "bytes": 0,
+                    "error": self.last_error, **self.counters}
         namespaces: dict[str, dict] = {}
         for name, size in listed:
             ns = namespaces.setdefault(namespace_of(name), {"entries": 0, "bytes": 0})

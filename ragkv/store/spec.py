@@ -250,20 +250,22 @@ def parse_spec(text: str | None) -> StoreSpec:
     return StoreSpec(tuple(tiers), text)
 
 
-def build_tier(t):
-    """Construct one tier; raises StoreUnavailableError when it cannot be used (see each tier)."""
+def build_tier(t, must_reach: bool = True):
+    """Construct one tier; raises StoreUnavailableError when it cannot be used (see each tier), or, without
+    `must_reach`, gives it down (its `start_error` says why; it is retried as a tier failing mid-run is)."""
     if isinstance(t, MemoryTierSpec):
         from ragkv.store.memory import MemoryStore
         tier = MemoryStore(t.capacity_bytes)
     elif isinstance(t, DiskTierSpec):
         from ragkv.store.disk import DiskStore
-        tier = DiskStore(t.path, t.capacity_bytes)
+        tier = DiskStore(t.path, t.capacity_bytes, must_reach=must_reach)
     elif isinstance(t, RedisTierSpec):
         from ragkv.store.redis_cluster import RedisClusterStore
         from ragkv.store.redis_store import DEFAULT_PREFIX, RedisStore
         # a cluster: the same store through the cluster client, with hash-tagged keys
         store_class = RedisClusterStore if isinstance(t, RedisClusterTierSpec) else RedisStore
-        tier = store_class(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX)
+        tier = store_class(t.url, ttl_s=t.ttl_s, prefix=t.prefix if t.prefix is not None else DEFAULT_PREFIX,
+                           must_reach=must_reach)
     else:
         raise TypeError(f"not a tier spec: {t!r}")
     from ragkv.store.compress import codec_named
@@ -274,15 +276,23 @@ def build_tier(t):
 
 
 def open_store(spec: str | StoreSpec | None = None, pipelined: bool = True, promote: bool = True,
-               write_back: bool = False) -> "TieredStore":
+               write_back: bool = False, must_reach: bool = True) -> "TieredStore":
     """A TieredStore from a spec string (None -> DEFAULT_SPEC).
+
+    `must_reach=False` (a server: start degraded, not down): a tier that cannot be used now (Redis down, a disk
+    not writable) starts as a tier that fails mid-run does: counted as a fault, logged once, skipped with backoff
+    and retried; the other tiers serve meanwhile. Only a malformed spec stops the start.
 
     Raises:
         StoreSpecError: the spec does not parse.
-        StoreUnavailableError: a tier cannot be used (unwritable directory, unreachable Redis).
+        StoreUnavailableError: a tier cannot be used (unwritable directory, unreachable Redis), with must_reach.
     """
     parsed = spec if isinstance(spec, StoreSpec) else parse_spec(spec)
     from ragkv.store.tiered import TieredStore  # torch: only when a store is opened
 
-    return TieredStore([build_tier(t) for t in parsed.tiers], pipelined=pipelined, promote=promote,
-                       write_back=write_back)
+    store = TieredStore([build_tier(t, must_reach) for t in parsed.tiers], pipelined=pipelined, promote=promote,
+                        write_back=write_back)
+    for i, tier in enumerate(store.tiers):
+        if getattr(tier, "start_error", None) is not None:
+            store.fault(i, "start", tier.start_error)
+    return store

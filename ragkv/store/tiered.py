@@ -53,7 +53,8 @@ class TieredStore(KVStore):
     def _up(self, i: int) -> bool:
         return time.monotonic() >= self._down_until[i]
 
-    def _fault(self, i: int, what: str, err: BaseException) -> None:
+    def fault(self, i: int, what: str, err: BaseException) -> None:
+        """Tier i failed on `what`: counted, logged once per outage, skipped until its backoff ends."""
         t = self.tiers[i]
         self.counters["faults"][t.describe()] += 1
         first = self._backoff[i] == 0
@@ -72,10 +73,10 @@ class TieredStore(KVStore):
         try:
             out = fn(tier)
         except Exception as e:  # noqa: BLE001 - any tier failure (OSError, Redis, a bug) degrades to a miss
-            self._fault(i, what, e)
+            self.fault(i, what, e)
             return default
         if _errors(tier) > errors:  # a tier that turns its own failures into misses (Redis) failed all the same
-            self._fault(i, what, RuntimeError(getattr(tier, "last_error", "the tier reported an error")))
+            self.fault(i, what, RuntimeError(getattr(tier, "last_error", "the tier reported an error")))
             return default
         if self._backoff[i]:
             log.warning("store tier %s answers again", self.tiers[i].describe())
@@ -204,8 +205,21 @@ class TieredStore(KVStore):
         return LayerStream(fetcher, num_layers, self.pipelined and not fetcher.instant, Stager(device))
 
     def stats(self):
-        return {"tiers": [t.stats() for t in self.tiers], "pipelined": self.pipelined, **self.counters,
-                "write_back_pending": self.write_back_pending()}
+        return {"tiers": [self._tier_stats(i) for i in range(len(self.tiers))], "pipelined": self.pipelined,
+                **self.counters, "write_back_pending": self.write_back_pending()}
+
+    def _tier_stats(self, i: int) -> dict:
+        """Tier i's own figures (its bytes from its real state), and whether it is in service (`up`: not skipped
+        after a fault). A tier that cannot count holds nothing it could serve: 0 bytes, never a missing figure."""
+        t = self.tiers[i]
+        try:
+            out = dict(t.stats())
+        except Exception as e:  # noqa: BLE001 - a scrape must not fail with the tier
+            out = {"tier": t.name, "describe": t.describe(), "error": f"{type(e).__name__}: {e}"}
+        out.setdefault("bytes", 0)
+        out.setdefault("entries", 0)
+        out["up"] = self._up(i) and "error" not in out
+        return out
 
     def write_back_pending(self) -> int:
         """New blocks queued for, or being written to, a slower tier."""
@@ -265,10 +279,15 @@ class _Fetcher:
         for j, r in enumerate(self.readers):
             groups.setdefault(r.batch_group(), []).append(j)
         out: list = [None] * len(self.readers)
+        tiers = self.store.tiers
+        errors = {at: _errors(tiers[at]) for at in set(self.found_at)}
         for idx in groups.values():
             rs = [self.readers[j] for j in idx]
             for j, kv in zip(idx, type(rs[0]).read_many(rs, layer)):
                 out[j] = kv
+        for at, before in errors.items():  # a layer read the tier failed (I/O error, Redis down): a fault too
+            if _errors(tiers[at]) > before:
+                self.store.fault(at, "layer read", RuntimeError(getattr(tiers[at], "last_error", "read failed")))
         for j, kv in enumerate(out):
             if kv is None:
                 out[j] = self._fallback(j, layer)

@@ -47,6 +47,17 @@ class ServerSubprocess:
         except (OSError, ValueError, IndexError):
             return None
 
+    def rss_bytes(self) -> int | None:
+        """The server's resident memory now (Linux /proc VmRSS: what the system sees, not an allocator's count),
+        or None where unavailable."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
 

@@ -109,7 +109,8 @@ def summarize_requests(records: list[dict], walls: dict[str, float]) -> dict:
     for r in records:
         s = r["status"]
         if isinstance(s, int) and not 200 <= s < 300 and s < 500:
-            other[str(s)] = other.get(str(s), 0) + 1
+            if not _refused_abuse(r):
+                other[str(s)] = other.get(str(s), 0) + 1
         elif not isinstance(s, int):
             transport[s] = transport.get(s, 0) + 1
     phases = {}
@@ -121,12 +122,17 @@ def summarize_requests(records: list[dict], walls: dict[str, float]) -> dict:
                          "requests_per_s": round(len(ok) / wall, 3) if wall else None,
                          "latency_p50_ms": _ms(percentile(ok, 50)), "latency_p99_ms": _ms(percentile(ok, 99))}
     errors = sorted({f"{r['status']} {r['kind']}: {r.get('error') or ''}"[:300] for r in records
-                     if r["status"] != 200 or r.get("stream_error")})
+                     if (r["status"] != 200 and not _refused_abuse(r)) or r.get("stream_error")})
     chat = [r for r in records if r["kind"] in CHAT_KINDS and r["status"] == 200]
     return {"requests": len(records), "http_5xx": len(five), "other_non_2xx": other, "transport_errors": transport,
             "stream_errors": sum(bool(r.get("stream_error")) for r in records), "error_samples": errors[:15],
             "client_store_fault_answers": sum(bool(r.get("store_fault")) for r in chat),
             "client_uncached_blocks": sum(r.get("uncached_blocks") or 0 for r in chat), "phases": phases}
+
+
+def _refused_abuse(r: dict) -> bool:
+    """A 4xx or 429 answering the abuse phase: a right answer (counted apart, in the phase's own figures)."""
+    return r["kind"].startswith("abuse") and isinstance(r["status"], int) and 400 <= r["status"] < 500
 
 
 def _ms(x):

@@ -34,6 +34,26 @@ class SoakConfig:
     max_requests: int = 20_000         # all clients together
     max_server_restarts: int = 2       # after crashes; then the soak ends early
     work_dir: str | None = None        # default: OUTPUT_DIR/soak-work (logs and index kept, KV files removed)
+    max_batch: int = 8                 # the server's --max-batch
+    kv_memory: str | None = "2GiB"     # the server's --kv-memory (None: its default, flag not passed)
+    # the abuse phase (after the faults; abuse_streams 0: none): hostile but fair requests at several clients,
+    # bounded in count and time, while the server's RSS is sampled
+    abuse_only: bool = False           # setup, then the abuse phase only (no probes, calm, faults or restart)
+    abuse_clients: int = 8
+    abuse_streams: int = 200           # streams closed after a few events, each with n and max_tokens below
+    abuse_n: int = 8
+    abuse_max_tokens: int = 2000
+    abuse_read_events: int = 3         # data events read before the client closes the stream
+    abuse_salts: int = 40              # requests each with a cache_salt of its own (new namespaces, new blocks)
+    abuse_long_words: int = 4          # requests whose document is one long word
+    abuse_word_chars: int = 6000
+    abuse_documents: int = 6           # requests with as many inline documents as the server accepts (and one more)
+    abuse_max_s: float = 600.0         # the phase stops sending after this long
+    # the verdict: RSS may rise over its pre-phase level by the memory tier + the KV limit + rss_slack at most, and
+    # must come back within rss_return_pct of that level within rss_return_s of the phase's end
+    rss_slack: str = "1GiB"
+    rss_return_pct: float = 10.0
+    rss_return_s: float = 30.0
 
     def __post_init__(self):
         from ragkv.engine.modes import MODES
@@ -47,6 +67,17 @@ class SoakConfig:
             raise InvalidRequestError("--minutes, --fault-interval and --request-timeout must be > 0, --calm >= 0")
         if not 0 <= self.redis_down_s[0] <= self.redis_down_s[1]:
             raise InvalidRequestError(f"redis_down_s must be (min, max) with 0 <= min <= max, got {self.redis_down_s}")
+        if self.abuse_clients < 1 or self.abuse_n < 1 or self.abuse_max_tokens < 1 or self.abuse_read_events < 1 \
+                or min(self.abuse_streams, self.abuse_salts, self.abuse_long_words, self.abuse_documents) < 0 \
+                or not self.abuse_max_s > 0 or self.max_batch < 1:
+            raise InvalidRequestError("--abuse-clients, --abuse-n, --abuse-max-tokens, --abuse-read-events and "
+                                      "--max-batch must be >= 1, the abuse counts >= 0, --abuse-seconds > 0")
+        from ragkv.store.sizes import parse_size
+
+        for name in ("memory", "rss_slack") + (("kv_memory",) if self.kv_memory else ()):
+            parse_size(getattr(self, name))  # a size people write (2GiB): refused here, not mid-run
+        if not (self.rss_return_pct >= 0 and self.rss_return_s > 0):
+            raise InvalidRequestError("--rss-return-pct must be >= 0 and --rss-return-s > 0")
         for name in ("probe_fraction", "retrieval_fraction", "stream_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be in [0, 1]")

@@ -110,7 +110,8 @@ class ServerSupervisor(_Restartable):
 
     def __init__(self, cfg: SoakConfig, cache_dir: Path, store: str, keys: dict[str, str]):
         self.cfg, self.cache_dir, self.store = cfg, cache_dir, store
-        self.extra = tuple(a for t, k in keys.items() for a in ("--api-key", f"{k}:{t}"))
+        self.extra = tuple(a for t, k in keys.items() for a in ("--api-key", f"{k}:{t}")) + (
+            "--max-batch", str(cfg.max_batch)) + (("--kv-memory", cfg.kv_memory) if cfg.kv_memory else ())
         self.server: ServerProcess | None = None
         self.url = ""  # the last started server's, kept while a restart is under way
         self.logs: list[str] = []

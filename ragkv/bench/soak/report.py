@@ -17,6 +17,8 @@ FIGURE_LABELS = {
     "differing_answers": "probe answers differing from the fault-free greedy run (during faults, after, after "
                          "restart)",
     "unclean_shutdown": "SIGTERM exit code not 0",
+    "rss_over_budget": "abuse phase: RSS rose over its pre-phase level by more than memory tier + KV limit + slack",
+    "rss_not_returned": "abuse phase: RSS not back within the return margin of its pre-phase level in time",
 }
 
 
@@ -55,6 +57,18 @@ def render_markdown(out: dict) -> str:
               f"store {out.get('store')}; {out.get('machine', {}).get('cpus')} CPUs, load "
               f"{out.get('machine', {}).get('loadavg_at_start')} -> {out.get('machine', {}).get('loadavg_at_end')}",
               f"- server logs: {', '.join(out.get('server_logs', []))}"]
+    abuse = out.get("abuse")
+    if abuse:
+        v = abuse["rss"]
+        lines += ["", "## Memory under the abuse phase", "",
+                  markdown_table(["RSS MiB: pre-phase", "peak", "allowed peak", "after the phase",
+                                  "return target", "back after s"],
+                                 [[v["pre_phase_mib"], v["peak_mib"], v["allowed_peak_mib"], v["after_phase_mib"],
+                                   v["return_target_mib"], dash(v["returned_after_s"])]]), "",
+                  f"- {abuse['sent']}/{abuse['requests']} abuse requests sent in {abuse['wall_s']} s "
+                  f"(n={cfg.get('abuse_n')}, max_tokens {cfg.get('abuse_max_tokens')}, {cfg.get('abuse_clients')} "
+                  f"clients); answers by kind and status: {json.dumps(abuse['answers'])}",
+                  f"- budget (MiB): {v['budget_mib']}; RSS over the run: soak.json `rss_series_mib`", ""]
     lines.append(f"- the leak detector's reach: responses holding their own tenant's marker, by kind: "
                  f"{out.get('own_marker_responses')}")
     noise = out.get("fault_free_differences") or {}

@@ -1,5 +1,6 @@
-"""The soak run: its shared state, the crash monitor, the phases (setup, baseline, calm, faults, after, restart)
-and the summary; `run_soak` starts Redis and the server and writes soak.json, soak_requests.jsonl and soak.md."""
+"""The soak run: its shared state, the crash monitor, the phases (setup, baseline, calm, faults, abuse, after,
+restart; or setup and abuse only) and the summary, the server's RSS sampled throughout; `run_soak` starts Redis and
+the server and writes soak.json, soak_requests.jsonl and soak.md."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ragkv.bench.soak.abuse import AbuseClients
 from ragkv.bench.soak.checks import DocLedger, compare_probes, parse_metrics, summarize_requests
 from ragkv.bench.soak.clients import SoakClients
 from ragkv.bench.soak.config import SoakConfig
 from ragkv.bench.soak.injector import FAULT_KINDS, FaultInjector
+from ragkv.bench.soak.memory import RssWatch
 from ragkv.bench.soak.processes import RedisProcess, ServerSupervisor
 from ragkv.bench.soak.report import render_markdown
 from ragkv.bench.soak.workload import TENANTS, make_passage, make_probes
@@ -23,7 +26,7 @@ from ragkv.errors import InvalidRequestError
 WORK_MARK = ".ragkv-soak"  # a work folder holding this file is ours to clear
 
 
-class SoakRun(SoakClients, FaultInjector):
+class SoakRun(SoakClients, FaultInjector, AbuseClients):
     """State shared by the client threads, the fault injector and the monitor."""
 
     def __init__(self, cfg: SoakConfig, progress):
@@ -91,10 +94,28 @@ class SoakRun(SoakClients, FaultInjector):
             self.send_probe(http, p)
 
     def execute(self, redis: RedisProcess, sup: ServerSupervisor, disk_dir: Path, out: dict) -> None:
+        self.sup = sup
+        with RssWatch(self) as watch:
+            try:
+                self._execute(redis, sup, disk_dir, out, watch)
+            finally:
+                out["rss_series_mib"] = watch.series()
+
+    def run_abuse(self, watch: RssWatch, out: dict) -> None:
+        """The abuse phase, if configured; a server that died during it is a crash."""
+        if not self.cfg.abuse_streams + self.cfg.abuse_salts + self.cfg.abuse_long_words + self.cfg.abuse_documents:
+            return
+        out["abuse"] = self.abuse_phase(watch)
+        if not self.sup.alive():
+            self.crashed()
+            self.sup.stop()
+            self.sup.start()
+
+    def _execute(self, redis: RedisProcess, sup: ServerSupervisor, disk_dir: Path, out: dict,
+                 watch: RssWatch) -> None:
         import httpx
 
         cfg = self.cfg
-        self.sup = sup
         # the setup waits longer: a server's first job measures the store profile, minutes on a loaded machine
         with httpx.Client(timeout=cfg.request_timeout_s + cfg.startup_s, trust_env=False) as http:
             self.progress(f"[soak] {self.elapsed():.0f} s: server up; adding {cfg.initial_documents} documents per "
@@ -102,6 +123,11 @@ class SoakRun(SoakClients, FaultInjector):
             for t in TENANTS:
                 for _ in range(cfg.initial_documents):
                     self.add_document(http, t)
+            if cfg.abuse_only:
+                self.run_abuse(watch, out)
+                out["metrics"] = parse_metrics(http.get(sup.url + "/metrics").text)
+                out["documents_end"] = self.ledger.check(self.listing(http))
+                return
             self.progress(f"[soak] {self.elapsed():.0f} s: recording the probes' fault-free answers")
             self.quiet_probes(http, "baseline")
             baseline = {a["probe"]: a.get("text") for a in self.answers if a["phase"] == "baseline"}
@@ -144,6 +170,7 @@ class SoakRun(SoakClients, FaultInjector):
                 self.crashed()
                 sup.stop()
                 sup.start()
+            self.run_abuse(watch, out)
             self.progress(f"[soak] {self.elapsed():.0f} s: faults over; probes and documents checked")
             self.quiet_probes(http, "after")
             self.progress(f"[soak] {self.elapsed():.0f} s: probes re-sent; restarting the server")
@@ -179,6 +206,10 @@ class SoakRun(SoakClients, FaultInjector):
             "differing_answers": sum(ph.get(p, {}).get("differ", 0) for p in ("faults", "after", "after_restart")),
             "unclean_shutdown": int(out.get("shutdown", {}).get("exit_code", 0) not in (0, None)),
         }
+        rss = out.get("abuse", {}).get("rss")
+        if rss:  # the abuse phase's memory verdict
+            figures["rss_over_budget"] = int(rss["over_budget"])
+            figures["rss_not_returned"] = int(rss["not_returned"])
         zero = all(not v for v in figures.values()) and "error" not in out
         noise = {p: ph[p] for p in ("baseline_warm", "calm") if p in ph}
         return {"figures": figures, "all_zero": zero,

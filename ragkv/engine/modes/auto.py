@@ -1,11 +1,10 @@
 """`auto` (experimental): a quality-bounded mode. It starts cheap, as `blend` with the query-aware selection
-(ProphetKV) at r, and recomputes everything (which equals `full`) only when the request's own fidelity signal is
-above `max_kl`: the KL between the first-token distributions before and after the recompute (how far recomputing r
-of the tokens moved the answer).
-
-Measured (docs/results/quality_selection.md, Qwen 0.5B, NQ-10): that signal ranks `reuse`'s distance to `full`
-well (Spearman ~0.8) but not the distance left after the recompute (~0), so escalations are not yet aimed at the
-answers at risk; `max_kl`'s default is not calibrated. A signal for the residual is the open part of issue 27."""
+(ProphetKV) at r, and recomputes everything (which equals `full`) only when the request's risk signal
+(engine/risk.py: `shift`, `entropy`, `margin` or `uncovered`) is above `max_risk`. Unset, the signal and the
+threshold are the model's calibration (`ragkv calibrate --target auto`: on held-out data, the signal that ranks the
+distance to `full` best and the threshold that brings the mean first-token KL under a target within an escalation
+budget), else `shift` at 0.05. Measured (docs/results/quality_selection.md): no signal yet ranks the error left
+after the recompute well, so escalations are only partly aimed at the answers at risk."""
 
 from __future__ import annotations
 
@@ -19,22 +18,26 @@ from ragkv.engine.query_select import prefill_selected
 @register
 class Auto(Blend):
     name = "auto"
-    summary = "blend with the query-aware selection at r, escalated to a full recompute when its signal exceeds max_kl"
-    option_fields = ("ratio", "max_kl", "sink_tokens", "select_per_block")
+    summary = "blend with the query-aware selection at r, escalated to a full recompute when its risk exceeds max_risk"
+    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block")
 
     def check(self, engine, fusion):
         pass
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
+        # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults
+        limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
+        stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None)
         return prefill_selected(engine.model, layer_iter, layout, context_ids, segs.query, "query",
                                 (fusion.ratio, 1.0), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
-                                max_signal=fusion.max_kl)
+                                max_signal=limit, signal=fusion.signal or engine.auto_signal)
 
     def fidelity(self, fusion, stats):
         out = super().fidelity(fusion, stats)
-        out.update(select="query", max_kl=fusion.max_kl, escalations=stats.extra.get("escalations", 0),
-                   final_ratio=stats.extra.get("final_ratio"))
+        x = stats.extra
+        out.update(select="query", max_risk=x.get("max_risk"), escalations=x.get("escalations", 0),
+                   final_ratio=x.get("final_ratio"), calibration=x.get("calibration"))
         return out
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):

@@ -51,18 +51,20 @@ class Blend(BlockMode):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
         if fusion.select != "deviation":
             return prefill_selected(engine.model, layer_iter, layout, context_ids, segs.query, fusion.select,
-                                    (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block, capacity, stats)
+                                    (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
+                                    signal=engine.auto_signal)
         return prefill_blend(engine.model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
 
     def fidelity(self, fusion, stats):
-        kl, x = stats.extra.get("stage2_kl"), stats.extra
+        x = stats.extra
+        risk, name = x.get("risk"), x.get("risk_signal")
         selected = x.get("selected", x.get("blend_selected"))  # query/sinks selections, or CacheBlend's
         block = x.get("block_tokens", x.get("blend_block_tokens"))
         return {"mode": self.name, "exact": selected == block,  # every block token recomputed: full's answer
                 "select": fusion.select, "ratio": fusion.ratio, "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
-                # KL(first-token distribution after recompute || before it): how far recompute moved the answer
-                "signal": kl[-1] if kl else None}
+                # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
+                "signal": risk[name] if risk else None, "signal_name": name if risk else None}
 
     def token_layers(self, stats, num_layers):
         return stats.recomputed_token_layers  # counted per layer by prefill_blend: selections shrink with depth

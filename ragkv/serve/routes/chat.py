@@ -6,6 +6,7 @@ queued on the scheduler, whose model thread only prefills and decodes it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -24,20 +25,25 @@ router = APIRouter()
 
 
 def usage(stats, completion_tokens: int | None = None) -> dict:
-    """`completion_tokens`: of all choices (default: the one sequence's)."""
-    completion = stats.completion_tokens if completion_tokens is None else completion_tokens
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": stats.prompt_tokens + completion, "reused_tokens": stats.reused_tokens,
-            "recomputed_tokens": stats.recomputed_tokens,
+    """`completion_tokens`: of all choices (default: the one sequence's). `stats`: one prompt's RequestStats, or
+    a list of them (several prompts: their counts add up)."""
+    all_stats = stats if isinstance(stats, list) else [stats]
+    total = lambda name: sum(getattr(s, name) for s in all_stats)  # noqa: E731
+    completion = total("completion_tokens") if completion_tokens is None else completion_tokens
+    full = total("full_token_layers")
+    return {"prompt_tokens": total("prompt_tokens"), "completion_tokens": completion,
+            "total_tokens": total("prompt_tokens") + completion, "reused_tokens": total("reused_tokens"),
+            "recomputed_tokens": total("recomputed_tokens"),
             # the work behind the prompt: token-layers computed, and as a fraction of a full prefill's
-            "recomputed_token_layers": stats.recomputed_token_layers,
-            "recompute_vs_full": stats.to_dict()["recompute_vs_full"],
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # found in the store, as OpenAI means
+            "recomputed_token_layers": total("recomputed_token_layers"),
+            "recompute_vs_full": round(total("recomputed_token_layers") / full, 4) if full else None,
+            "prompt_tokens_details": {"cached_tokens": total("cached_tokens")},  # found in the store, as OpenAI means
             # blocks computed for this request that the store could not keep, and whether a store fault made it
             # compute everything without the cache
-            "uncached_blocks": stats.extra.get("uncached_blocks", 0), "store_fault": "store_fault" in stats.extra,
+            "uncached_blocks": sum(s.extra.get("uncached_blocks", 0) for s in all_stats),
+            "store_fault": any("store_fault" in s.extra for s in all_stats),
             # how the prompt was computed and how close to `full` it is believed to be (the mode's own statement)
-            "fidelity": stats.fidelity}
+            "fidelity": all_stats[0].fidelity}
 
 
 def sse(obj) -> str:
@@ -55,85 +61,148 @@ async def generate(request: Request, schema, chat: bool):
     build = server.requests.chat if chat else server.requests.completion
     # retrieval and tokenization on a worker thread: neither the event loop nor the model thread waits for them
     prepared = await asyncio.to_thread(build, req, request.state.tenant)
+    prepared = prepared if isinstance(prepared, list) else [prepared]  # completions: one per prompt
     if req.stream:
         return await stream(request, req, prepared, chat)
     return await complete(request, req, prepared, chat)
 
 
-async def complete(request: Request, req, prepared: Prepared, chat: bool):
+def start_all(server, prepared: list[Prepared], emit=None) -> list:
+    """Queue every prompt's generation (they decode batched together); a full queue part-way cancels the ones
+    already queued, so a refused request leaves no work behind."""
+    jobs = []
+    try:
+        for k, p in enumerate(prepared):
+            jobs.append(server.start(p, emit=None if emit is None else functools.partial(emit, k)))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
+    return jobs
+
+
+def ragkv_extras(results: list) -> dict:
+    """The response's `ragkv` object: the (first) prompt's statistics and sources, and each prompt's when the
+    request had several."""
+    (p, seq, _), *more = results
+    out = {"stats": seq.stats.to_dict(), "sources": p.sources}
+    if more:
+        out["prompts"] = [{"stats": s.stats.to_dict(), "sources": q.sources} for q, s, _ in results]
+    return out
+
+
+async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
     server = server_of(request)
     timeout_s = server.scheduler.timeout_s
-    job = server.start(prepared)
-    fut = asyncio.wrap_future(job.future)
+    jobs = start_all(server, prepared)
+    futs = [asyncio.wrap_future(job.future) for job in jobs]
     deadline = time.monotonic() + timeout_s + 5
     try:
-        while not fut.done():  # a client that went away frees its batch slot at the next step
-            await asyncio.wait({fut}, timeout=0.25)
-            if not fut.done() and (await request.is_disconnected() or time.monotonic() > deadline):
-                job.cancel()
+        while not all(f.done() for f in futs):  # a client that went away frees its batch slots at the next step
+            await asyncio.wait([f for f in futs if not f.done()], timeout=0.25)
+            if not all(f.done() for f in futs) and (await request.is_disconnected() or time.monotonic() > deadline):
+                for job in jobs:
+                    job.cancel()
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"generation exceeded {timeout_s:.0f} s")
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-        p, seq, finish = fut.result()
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        job.cancel()
+        results = [f.result() for f in futs]
+    except BaseException:  # one prompt failed (or the handler was cancelled): the others stop too
+        for job in jobs:
+            job.cancel()
         raise
-    stats = seq.stats
-    if finish == "timeout":
+    if any(finish == "timeout" for _, _, finish in results):
         raise JobTimeout(f"generation exceeded {timeout_s:.0f} s")
     rid, created = response_id(chat)
     text, logprobs = TokenText(server.engine.tokenizer), req.logprobs_count() is not None
-    choices = [final_choice(i, s, chat, text, logprobs) for i, s in enumerate(job.seqs)]
-    completion = sum(s.stats.completion_tokens for s in job.seqs)
+    # choice index = prompt index * n + choice within the prompt, as OpenAI and vLLM number them
+    choices = [final_choice(k * req.n + i, s, chat, text, logprobs)
+               for k, job in enumerate(jobs) for i, s in enumerate(job.seqs)]
+    completion = sum(s.stats.completion_tokens for job in jobs for s in job.seqs)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": server.model_id, "choices": choices,
-                         "usage": usage(stats, completion),
-                         "ragkv": {"stats": stats.to_dict(), "sources": p.sources}})
+                         "usage": usage([seq.stats for _, seq, _ in results], completion),
+                         "ragkv": ragkv_extras(results)})
 
 
-async def stream(request: Request, req, prepared: Prepared, chat: bool):
+async def event_or_gone(request: Request, events: asyncio.Queue):
+    """The next event, or None once the client has disconnected (checked while none comes)."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
     server = server_of(request)
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    job = server.start(prepared, emit=lambda kind, payload: loop.call_soon_threadsafe(
-        events.put_nowait, (kind, payload)))
-    job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(events.put_nowait, ("done", f)))
-    kind, payload = await events.get()
-    if kind == "done":  # failed before the first token: a normal error response
-        job.future.result()
+    events: asyncio.Queue = asyncio.Queue()  # (prompt index, kind, payload)
+    jobs = start_all(server, prepared, emit=lambda k, kind, payload: loop.call_soon_threadsafe(
+        events.put_nowait, (k, kind, payload)))
+    for k, job in enumerate(jobs):
+        job.future.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(events.put_nowait, (k, "done", f)))
+    # every prompt's first event before answering 200: one that fails before its first token is a normal error
+    early, started = [], set()
+    try:
+        while len(started) < len(jobs):
+            got = await event_or_gone(request, events)
+            if got is None:  # the client left before the first token: its queued or prefilling work stops now
+                for job in jobs:
+                    job.cancel()
+                return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+            k, kind, payload = got
+            if kind == "done" and k not in started:
+                payload.result()  # raises the failure
+            started.add(k)
+            early.append((k, kind, payload))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
     rid, created = response_id(chat)
     chunks = Chunks(rid, created, server.model_id, chat, TokenText(server.engine.tokenizer),
                     req.logprobs_count() is not None)
 
+    async def next_event():
+        return early.pop(0) if early else await events.get()
+
     async def body():
+        results: dict[int, tuple] = {}
         try:
             if chat:
                 for i in range(req.n):
                     yield sse(chunks.role(i))
-            while True:
-                kind, payload = await events.get()
+            while len(results) < len(jobs):
+                k, kind, payload = await next_event()
                 if kind == "delta":
-                    yield sse(chunks.delta(*payload))
+                    i, delta = payload
+                    yield sse(chunks.delta(k * req.n + i, delta))
                 elif kind == "done":
                     try:
-                        p, seq, finish = payload.result()
-                        stats = seq.stats
+                        results[k] = payload.result()
                     except Exception as e:  # noqa: BLE001
                         err = to_api_error(e)
                         yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
-                        break
-                    for i, s in enumerate(job.seqs):  # the last one carries the request's statistics
-                        last = chunks.finish(i, s.out.finish_reason)
-                        if i == len(job.seqs) - 1:
-                            last["ragkv"] = {"stats": stats.to_dict(), "sources": p.sources}
+                        return
+                    for i, s in enumerate(jobs[k].seqs):  # the request's last one carries the statistics
+                        last = chunks.finish(k * req.n + i, s.out.finish_reason)
+                        if len(results) == len(jobs) and i == len(jobs[k].seqs) - 1:
+                            last["ragkv"] = ragkv_extras([results[j] for j in range(len(jobs))])
                         yield sse(last)
-                    if req.stream_options and req.stream_options.include_usage:
-                        completion = sum(s.stats.completion_tokens for s in job.seqs)
-                        yield sse(chunks.envelope([]) | {"usage": usage(stats, completion)})
-                    yield "data: [DONE]\n\n"
-                    break
+            if req.stream_options and req.stream_options.include_usage:
+                completion = sum(s.stats.completion_tokens for job in jobs for s in job.seqs)
+                stats = [results[j][1].stats for j in range(len(jobs))]
+                yield sse(chunks.envelope([]) | {"usage": usage(stats, completion)})
+            yield "data: [DONE]\n\n"
         finally:
-            job.cancel()  # a client that went away frees the model at the next token
+            for job in jobs:
+                job.cancel()  # a client that went away frees the model at the next token
+            # a cancelled stream's traceback keeps this frame in a cycle until a full garbage collection: the frame
+            # must not keep the jobs and their sequences
+            jobs.clear()
+            results.clear()
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

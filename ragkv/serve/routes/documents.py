@@ -1,17 +1,15 @@
 """The tenant's document library over HTTP: POST/GET /v1/documents, DELETE /v1/documents/{id}, the ingestion jobs
-(GET/DELETE /v1/documents/jobs/{id}) and POST /v1/retrieve. Ingestion runs on the scheduler as a background job
-that yields to chat requests between short units."""
+(GET /v1/documents/jobs, GET/DELETE /v1/documents/jobs/{id}) and POST /v1/retrieve. Ingestion runs on the scheduler
+as a background job that yields to chat requests between short units (serve/ingest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from dataclasses import dataclass
+import unicodedata
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ragkv.engine.scheduler import Cancelled
 from ragkv.serve.errors import ApiError
 from ragkv.serve.http import answer_off_loop, observed, parse, server_of
 from ragkv.serve.schemas import DocumentsRequest, Retrieval
@@ -24,44 +22,25 @@ class RetrieveRequest(Retrieval):
     query: str
 
 
-@dataclass
-class IngestJob:
-    id: str
-    tenant: str
-    job: object
-    status: dict
-
-    def as_dict(self) -> dict:
-        f = self.job.future
-        state = "running" if not f.done() else "cancelled" if isinstance(f.exception(), Cancelled) else \
-            "failed" if f.exception() is not None else "succeeded"
-        out = {"id": self.id, "object": "ingest.job", "status": state, **self.status}
-        if state == "failed":
-            out["error"] = str(f.exception())
-        if state == "succeeded":
-            r = f.result()
-            out.update(chunks_added=r.chunks_added, chunks_removed=r.chunks_removed, unchanged=r.unchanged)
-        return out
-
-
 @router.post("/v1/documents")
 @observed("documents")
 async def add_documents(request: Request):
-    """Ingestion runs as a background job that yields to chat requests between short units. By default the
-    call waits for it (200 with the report); with `"wait": false` it answers 202 with the job to poll."""
+    """Ingestion runs as a background job that yields to chat requests between short units, recorded in the
+    library before it is queued (a restart resumes it). By default the call waits for it (200 with the report);
+    with `"wait": false` it answers 202 with the job to poll."""
     server = server_of(request)
     req = await parse(request, DocumentsRequest)
-    server.requests.check_documents(len(req.documents), (d.text for d in req.documents), "documents")
+    server.requests.check_documents(len(req.documents), [d.text for d in req.documents], "documents",
+                                    [d.id for d in req.documents], need_text=True)
     tenant = request.state.tenant
     library = await asyncio.to_thread(server.library, tenant)  # the embedder loads once, off the loop
-    docs = [d.model_dump() for d in req.documents]
-    library.parse(docs)  # an empty text is a 400 now, not a failed job later
-    status: dict = {"documents_total": len(docs), "documents_done": 0, "chunks_total": None, "chunks_done": 0}
-    job = server.scheduler.submit_background(lambda: library.add_steps(docs, status), server.limits.ingest_timeout_s)
-    ingest = IngestJob(f"ingest-{uuid.uuid4().hex[:16]}", tenant, job, status)
-    server.ingest_jobs[ingest.id] = ingest
+    # parsed now: ids are final (a hash of title and text where none is given), as the job's record keeps them
+    docs = [{"id": d.doc_id, "title": d.title, "text": d.text}
+            for d in library.parse([d.model_dump() for d in req.documents])]
+    ingest = await asyncio.to_thread(server.ingest.start, tenant, library, docs)
     if not req.wait:
-        return JSONResponse(ingest.as_dict(), status_code=202)
+        return JSONResponse(await asyncio.to_thread(server.ingest.get, tenant, ingest.id), status_code=202)
+    job = ingest.job
     try:
         report = await asyncio.shield(asyncio.wrap_future(job.future))
     except asyncio.CancelledError:
@@ -71,24 +50,32 @@ async def add_documents(request: Request):
             "job": ingest.id, "data": [vars(d) for d in library.documents()]}
 
 
-def own_job(request: Request, job_id: str) -> IngestJob:
-    ingest = server_of(request).ingest_jobs.get(job_id)
-    if ingest is None or ingest.tenant != request.state.tenant:  # another tenant's job does not exist here
-        raise ApiError(404, f"no ingestion job {job_id!r}", code="job_not_found", param="job_id")
-    return ingest
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, f"no ingestion job {job_id!r}", code="job_not_found", param="job_id")
+
+
+@router.get("/v1/documents/jobs")
+async def list_jobs(request: Request):
+    """The tenant's ingestion jobs, newest first, this server's and those it took over after a restart."""
+    jobs = await asyncio.to_thread(server_of(request).ingest.list, request.state.tenant)
+    return {"object": "list", "data": jobs}
 
 
 @router.get("/v1/documents/jobs/{job_id}")
 async def job_status(request: Request, job_id: str):
-    return own_job(request, job_id).as_dict()
+    found = await asyncio.to_thread(server_of(request).ingest.get, request.state.tenant, job_id)
+    if found is None:  # another tenant's job does not exist here
+        raise not_found(job_id)
+    return found
 
 
 @router.delete("/v1/documents/jobs/{job_id}")
 async def cancel_job(request: Request, job_id: str):
     """Cancel between two units: documents already committed stay (each is added atomically)."""
-    ingest = own_job(request, job_id)
-    ingest.job.cancel()
-    return {**ingest.as_dict(), "cancel_requested": True}
+    found = await asyncio.to_thread(server_of(request).ingest.cancel, request.state.tenant, job_id)
+    if found is None:
+        raise not_found(job_id)
+    return {**found, "cancel_requested": True}
 
 
 @router.get("/v1/documents")
@@ -111,6 +98,7 @@ async def retrieve(request: Request):
 
 @router.delete("/v1/documents/{doc_id:path}")
 async def delete_document(request: Request, doc_id: str):
+    doc_id = unicodedata.normalize("NFC", doc_id)  # ids are kept in NFC: `café` typed either way is one document
     library = await asyncio.to_thread(server_of(request).library, request.state.tenant)
     removed = library.remove(doc_id)
     if not removed:

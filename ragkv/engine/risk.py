@@ -1,0 +1,29 @@
+"""Cheap signals that an approximate answer may be far from `full`'s, computed by the approximate run itself.
+
+`shift`: KL(first-token distribution after stage 2 || after stage 1), how far recomputing r of the tokens moved
+the answer; `entropy`: the final first-token distribution's entropy (nats); `margin`: 1 - (top-1 minus top-2
+probability), high when the model is unsure between two tokens; `uncovered`: the share of the query's stage-1
+attention to the block tokens that falls on tokens left reused (ProphetKV's score mass not recomputed). Which one ranks the real distance to `full` best,
+and the threshold on it, are measured on held-out data by `ragkv calibrate --target auto` (ragkv/eval/risk.py)."""
+
+from __future__ import annotations
+
+from ragkv.ops.divergence import confidence, first_token_kl
+
+SIGNALS = ("shift", "entropy", "margin", "uncovered")
+DEFAULT_SIGNAL = "shift"
+
+
+def measure(logits, previous_logits, uncovered: float | None) -> dict:
+    """Every signal's value for one stage-2 answer (`logits`) recomputed from `previous_logits`; `uncovered` comes
+    from the selection (None where nothing scored the tokens)."""
+    conf = confidence(logits)
+    return {"shift": round(first_token_kl(logits, previous_logits), 6), "entropy": round(conf["entropy"], 6),
+            "margin": round(1.0 - conf["margin"], 6),
+            "uncovered": None if uncovered is None else round(uncovered, 6)}
+
+
+def check_signal(name: str) -> str:
+    if name not in SIGNALS:
+        raise ValueError(f"unknown risk signal {name!r}; one of {', '.join(SIGNALS)}")
+    return name

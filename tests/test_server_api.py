@@ -1,0 +1,342 @@
+"""Answers that match the API, jobs that survive a restart, a store that starts degraded and metrics that tell the
+truth (issue 30, items 3-6), each through a real HTTP client against the real app (uvicorn on 127.0.0.1, in this
+process, over the default model loaded once; one test starts `ragkv serve` itself)."""
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import unicodedata
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ragkv.net import free_port
+from ragkv.rag.catalog import Catalog
+from ragkv.rag.jobs import INTERRUPTED, MAX_RESUMES, JobBook
+from ragkv.serve.app import create_app
+from ragkv.serve.server import Server
+from ragkv.store.spec import open_store
+from tiny import default_model_available
+
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(not default_model_available(), reason="default model not converted")]
+
+DOCS = ["Lintwick Tower was built in 1893 from red sandstone by Ada Morrow.",
+        "The Alpaca Farm in Lintwick keeps forty-two alpacas named after rivers."]
+
+
+@contextlib.contextmanager
+def serving(server: Server):
+    """`server`'s app behind uvicorn on 127.0.0.1: its base URL while the block runs."""
+    import uvicorn
+
+    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=free_port(),
+                                         log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{http.config.port}"
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+
+
+def make_server(engine, store_spec="memory:256MiB", index_dir=None, worker_thread=True, **kw) -> Server:
+    return Server(engine.with_store(open_store(store_spec, must_reach=False)), "smollm2", index_dir,
+                  max_batch=4, worker_thread=worker_thread, **kw)
+
+
+@pytest.fixture(scope="module")
+def api(default_engine, tmp_path_factory):
+    server = make_server(default_engine, index_dir=tmp_path_factory.mktemp("api-index"))
+    with serving(server) as url:
+        yield url
+    server.scheduler.stop()
+
+
+def post(url, path, body, timeout=300):
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+# -- completions as the API defines them ------------------------------------------------------------------------
+PROMPTS = ["The capital of France is", " Once upon a time"]
+
+
+def test_a_list_of_prompts_answers_one_choice_per_prompt_with_n_each(api):
+    alone = [post(api, "/v1/completions", {"prompt": p, "max_tokens": 4}).json()["choices"][0]["text"]
+             for p in PROMPTS]
+    r = post(api, "/v1/completions", {"prompt": PROMPTS, "max_tokens": 4, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # index = prompt index * n + choice, as OpenAI and vLLM number them; greedy: each prompt's own answer
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == [alone[0], alone[0], alone[1], alone[1]]
+    assert 0 < body["usage"]["completion_tokens"] <= 4 * 4
+    assert len(body["ragkv"]["prompts"]) == 2
+    single = post(api, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4}).json()
+    assert body["usage"]["prompt_tokens"] > single["usage"]["prompt_tokens"]
+    streamed: dict[int, str] = {}
+    with httpx.stream("POST", api + "/v1/completions", timeout=300,
+                      json={"prompt": PROMPTS, "max_tokens": 4, "n": 2, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {i: c["text"] for i, c in enumerate(body["choices"])}
+
+
+def test_token_id_prompts_work_and_wrong_shapes_say_what_prompt_takes(api):
+    ids = httpx.post(api + "/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    text = post(api, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4}).json()["choices"][0]["text"]
+    r = post(api, "/v1/completions", {"prompt": ids, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text and len(r.json()["choices"]) == 1
+    two = post(api, "/v1/completions", {"prompt": [ids, ids], "max_tokens": 4}).json()
+    assert [c["text"] for c in two["choices"]] == [text, text]
+    for bad in ([1.5, 2], {"a": 1}, [["x"], [1]], [True, 3]):
+        err = post(api, "/v1/completions", {"prompt": bad, "max_tokens": 1})
+        assert err.status_code == 400, (bad, err.text)
+        e = err.json()["error"]
+        assert e["param"] == "prompt" and "token ids" in e["message"] and "valid string" not in e["message"], e
+    e = post(api, "/v1/completions", {"prompt": [10 ** 9], "max_tokens": 1}).json()["error"]
+    assert e["param"] == "prompt" and "vocabulary" in e["message"]
+    e = post(api, "/v1/completions", {"prompt": ids, "max_tokens": 1, "documents": DOCS}).json()["error"]
+    assert e["param"] == "prompt" and "as text" in e["message"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens_even_at_zero(api):
+    def chat(**kw):
+        r = post(api, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story."}], **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    zero = chat(max_tokens=6, max_completion_tokens=0)
+    # 0 means what max_tokens 0 means: the prompt is read, no token is generated, the choice ends for its length
+    assert zero["usage"]["completion_tokens"] == 0 and zero["choices"][0]["message"]["content"] == ""
+    assert zero["choices"][0]["finish_reason"] == "length"
+    assert chat(max_tokens=0)["usage"]["completion_tokens"] == 0
+    assert chat(max_tokens=8, max_completion_tokens=2)["usage"]["completion_tokens"] == 2
+    assert chat(max_tokens=2, max_completion_tokens=5)["usage"]["completion_tokens"] == 5
+
+
+def test_every_error_is_in_the_api_error_format(api):
+    def error_of(r, status):
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert set(body) == {"error"} and body["error"]["message"] and body["error"]["type"], body
+        return body["error"]
+
+    e = error_of(httpx.get(api + "/v1/nothing"), 404)
+    assert e["code"] == "not_found" and "/v1/nothing" in e["message"]
+    r = httpx.get(api + "/v1/chat/completions")
+    e = error_of(r, 405)
+    assert e["code"] == "method_not_allowed" and "POST" in e["message"] and r.headers["allow"] == "POST"
+    error_of(httpx.put(api + "/v1/documents/jobs", json={}), 405)
+    error_of(httpx.get(api + "/v1/documents/jobs/ingest-nope"), 404)
+    listed = httpx.get(api + "/v1/documents/jobs")  # the tenant's jobs: a list now, not a 405
+    assert listed.status_code == 200 and listed.json()["object"] == "list"
+
+
+# -- ids users can trust ------------------------------------------------------------------------------------------
+def test_document_ids_are_nfc_refuse_invisible_characters_and_errors_name_the_document(api):
+    nfc, nfd = unicodedata.normalize("NFC", "café-notes"), unicodedata.normalize("NFD", "café-notes")
+    assert nfc != nfd
+    for text, doc_id in ((DOCS[0], nfc), (DOCS[1], nfd)):
+        r = post(api, "/v1/documents", {"documents": [{"text": text, "id": doc_id}]})
+        assert r.status_code == 200, r.text
+    ids = [d["doc_id"] for d in httpx.get(api + "/v1/documents").json()["data"]]
+    assert ids.count(nfc) == 1 and nfd not in ids  # one document, the second version replaced the first
+
+    r = post(api, "/v1/documents", {"documents": [{"text": "x", "id": "ok"}, {"text": "y", "id": "a\u200bb"}]})
+    assert r.status_code == 400
+    e = r.json()["error"]
+    assert e["param"] == "documents[1].id" and "U+200B" in e["message"] and "ZERO WIDTH SPACE" in e["message"]
+    e = post(api, "/v1/documents", {"documents": [{"text": "x", "id": "rtl\u202eid"}]}).json()["error"]
+    assert e["param"] == "documents[0].id" and "U+202E" in e["message"]
+
+    r = post(api, "/v1/documents", {"documents": [{"text": "x", "id": "a"}, {"text": "y"},
+                                                  {"text": "  ", "id": "the-empty-one"}]})
+    assert r.status_code == 400
+    e = r.json()["error"]
+    assert e["param"] == "documents[2].text" and "the-empty-one" in e["message"] and "api" not in e["message"]
+
+    # a delete by either spelling finds the one document
+    assert httpx.delete(api + f"/v1/documents/{nfd}", timeout=60).json()["deleted"]
+    assert nfc not in [d["doc_id"] for d in httpx.get(api + "/v1/documents").json()["data"]]
+
+
+# -- jobs survive the process -------------------------------------------------------------------------------------
+def job_docs(n: int, tag: str) -> list[dict]:
+    return [{"id": f"{tag}-{i}", "text": f"Note {i} of {tag}: the harbour of Lintwick had {i + 3} boats. " * 12}
+            for i in range(n)]
+
+
+def wait_for(url: str, job_id: str, states=("succeeded",), timeout_s=300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = httpx.get(f"{url}/v1/documents/jobs/{job_id}", timeout=60)
+        assert got.status_code == 200, got.text
+        if got.json()["status"] in states:
+            return got.json()
+        assert time.monotonic() < deadline, got.json()
+        time.sleep(0.1)
+
+
+def test_an_accepted_job_survives_a_restart_and_resumes(default_engine, tmp_path):
+    index = tmp_path / "index"
+    first = make_server(default_engine, index_dir=index, worker_thread=False)  # its model thread: driven below
+    with serving(first) as url:
+        accepted = post(url, "/v1/documents", {"documents": job_docs(4, "kill"), "wait": False})
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["id"]
+        assert accepted.json()["status"] == "running" and accepted.json()["documents_done"] == 0
+        while len(first.ingest.live[job_id].record["committed"]) < 2:  # some units, then the process "dies"
+            first.scheduler._background_unit()
+        committed = list(first.ingest.live[job_id].record["committed"])
+    # kill -9: no shutdown ran, the record still says running; a new server over the same library
+    second = make_server(default_engine, index_dir=index)
+    try:
+        with serving(second) as url:
+            seen = httpx.get(f"{url}/v1/documents/jobs/{job_id}", timeout=60)
+            assert seen.status_code == 200, seen.text  # known, not "no ingestion job"
+            assert seen.json()["status"] in ("interrupted", "running", "succeeded")
+            assert set(committed) <= set(seen.json()["documents_committed"])
+            done = wait_for(url, job_id)
+            assert done["restarts"] == 1 and done["documents_done"] == 4 and done["documents_total"] == 4
+            assert sorted(done["documents_committed"]) == [f"kill-{i}" for i in range(4)]
+            ids = {d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]}
+            assert {f"kill-{i}" for i in range(4)} <= ids  # no accepted document dropped
+            assert [j["id"] for j in httpx.get(url + "/v1/documents/jobs").json()["data"]] == [job_id]
+    finally:
+        second.scheduler.stop()
+
+
+def test_a_job_stopped_by_a_shutdown_reads_interrupted_then_resumes(default_engine, tmp_path):
+    index = tmp_path / "index"
+    first = make_server(default_engine, index_dir=index, worker_thread=False)
+    with serving(first) as url:
+        job_id = post(url, "/v1/documents", {"documents": job_docs(3, "term"), "wait": False}).json()["id"]
+        first.scheduler.stop()
+        first.scheduler.serve_forever()  # SIGTERM: the worker ends every job it holds
+        state = httpx.get(f"{url}/v1/documents/jobs/{job_id}").json()
+        assert state["status"] == "interrupted" and state["documents_uncommitted"] == [f"term-{i}" for i in range(3)]
+    second = make_server(default_engine, index_dir=index)
+    try:
+        with serving(second) as url:
+            done = wait_for(url, job_id)
+            assert done["restarts"] == 1 and done["documents_done"] == 3
+    finally:
+        second.scheduler.stop()
+
+
+def test_a_job_interrupted_too_often_lists_its_documents_to_resend(tmp_path):
+    catalog = Catalog(tmp_path)
+    dead = JobBook(catalog, owner=f"{socket.gethostname()}|{2 ** 22 + 12345}|gone")  # no such process
+    docs = [{"id": f"d{i}", "title": "", "text": f"text {i}"} for i in range(3)]
+    record = dead.open("ingest-x", "default", docs)
+    record["restarts"] = MAX_RESUMES
+    dead.committed(record, "d0")
+    book = JobBook(catalog)
+    assert book.get("default", "ingest-x")["state"] == INTERRUPTED  # its server is gone: not "running"
+    assert book.get("other-tenant", "ingest-x") is None
+    assert book.recover() == []  # not resumed a fourth time
+    given_up = book.get("default", "ingest-x")
+    assert given_up["state"] == INTERRUPTED and given_up["uncommitted"] == ["d1", "d2"]
+    assert "again" in given_up["error"] and catalog.job_documents("ingest-x") == []
+
+
+# -- the store: degraded at start, metrics from the tiers' real state ---------------------------------------------
+def metrics(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("ragkv_store")}
+
+
+def ask(url: str, docs: list[str]) -> None:
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Who built the tower?"}],
+                                           "max_tokens": 1, "ragkv": {"mode": "reuse", "documents": docs}})
+    assert r.status_code == 200, r.text
+
+
+def test_disk_tier_metrics_follow_deleted_files_and_count_failed_writes(default_engine, tmp_path, monkeypatch):
+    kv = tmp_path / "kv"
+    server = make_server(default_engine, f"disk:{kv}:1GiB")
+    tier = f"disk:{kv}:1GiB"
+    try:
+        with serving(server) as url:
+            ask(url, DOCS)
+            assert metrics(url)[("ragkv_store_bytes", tier)] > 0
+            shutil.rmtree(kv)  # someone deletes the tier's files, directory and all
+            m = metrics(url)
+            assert m[("ragkv_store_bytes", tier)] == 0 and m[("ragkv_store_tier_faults_total", tier)] == 0
+            for code in (errno.ENOSPC, errno.EROFS):
+                def refuse(*a, code=code, **k):
+                    raise OSError(code, os.strerror(code))
+                monkeypatch.setattr(tempfile, "mkstemp", refuse)
+                time.sleep(1.1)  # past the backoff of the previous fault
+                ask(url, [f"A new passage number {code} about the harbour."])
+            m = metrics(url)
+            assert m[("ragkv_store_tier_faults_total", tier)] >= 2  # each refused write is a fault
+            monkeypatch.undo()
+            time.sleep(2.5)
+            ask(url, ["Yet another passage, written once the disk is back."])
+            assert metrics(url)[("ragkv_store_bytes", tier)] > 0 and kv.is_dir()  # the directory is made again
+    finally:
+        server.scheduler.stop()
+
+
+def redis_on(port: int, workdir) -> subprocess.Popen:
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+            return proc
+        except redis.exceptions.ConnectionError:
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_serve_starts_with_its_redis_tier_down_and_uses_it_once_it_answers(tmp_path):
+    from ragkv.bench.serve import ServerProcess
+
+    port = free_port()  # nothing listens there: Redis is down at start
+    redis_tier = f"redis://127.0.0.1:{port}/0"
+    with ServerProcess(dtype="float32", device="cpu", store=f"memory:64MiB,{redis_tier}", startup_s=180,
+                       cache_dir=tmp_path) as s:
+        ask(s.url, DOCS)  # served from the other tiers
+        m = metrics(s.url)
+        assert m[("ragkv_store_tier_faults_total", redis_tier)] >= 1  # counted from the start
+        assert m[("ragkv_store_bytes", redis_tier)] == 0 and m[("ragkv_store_tier_up", redis_tier)] == 0
+        proc = redis_on(port, tmp_path)
+        try:
+            deadline = time.monotonic() + 120
+            i = 0
+            while metrics(s.url).get(("ragkv_store_bytes", redis_tier), 0) == 0:  # retried after its backoff
+                assert time.monotonic() < deadline, metrics(s.url)
+                ask(s.url, [f"Passage {i} about the harbour of Lintwick."])
+                i += 1
+                time.sleep(0.5)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        log = s.log_path.read_text()
+    assert log.count("failed on start") == 1, log[-3000:]  # logged once, not once per request
