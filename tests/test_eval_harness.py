@@ -370,8 +370,10 @@ def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine
             "--results-dir", str(tmp_path / "runs"), "--no-progress", "--json"]
     assert main(argv) == 0
     cal = json.loads(capsys.readouterr().out)
-    assert cal["n"] == 4 and cal["escalation_rate"] == 0.5 and cal["signal"] in ("shift", "entropy", "margin")
-    assert set(cal["spearman"]) == {"shift", "entropy", "margin"}
+    from ragkv.engine.risk import SIGNALS
+
+    assert cal["n"] == 4 and cal["escalation_rate"] == 0.5 and cal["signal"] in SIGNALS
+    assert set(cal["spearman"]) == set(SIGNALS)  # the query-aware selection gives every signal
     assert load_auto_params(default_engine.fingerprint)[:2] == (cal["signal"], cal["threshold"])
     records = next((tmp_path / "runs").glob("sweep-calibrate-auto-*.jsonl"))
     # the same records, read back instead of run again, give the same choice
