@@ -131,7 +131,7 @@ def register(sub) -> None:
     c.add_argument("--max-escalation", type=float, default=0.15,
                    help="auto: the most answers escalated to a full recompute, a fraction (default 0.15)")
     c.add_argument("--records", default=None, help="auto: eval records (JSONL) of full and blend:sel=query,r=R on "
-                   "held-out data to calibrate from instead of running them")
+                   "held-out data to calibrate from instead of running them (for the model that wrote them)")
     c.add_argument("--allow-eval-data", action="store_true", help="calibrate on an evaluation data set anyway")
     c.add_argument("--output-dir", default="runs/calibration", help="where the grid JSON and heatmap go")
     c.add_argument("--results-dir", default="runs", help="where the resumable JSONL records go")
@@ -412,17 +412,18 @@ def _calibrate_auto(args) -> int:
     if not 0 < args.ratio < 1 or args.target_kl < 0 or not 0 <= args.max_escalation <= 1:
         raise RagkvError("--ratio wants (0, 1), --target-kl >= 0 and --max-escalation [0, 1]")
     key = f"blend:sel=query,r={args.ratio:g}"
-    engine = _engine(args)
-    if args.records:
+    if args.records:  # the records' own model is the one calibrated: no model to load
         config, records = read_results(Path(args.records))
         label = config.get("dataset") or Path(args.records).stem
         if label in EVAL_DATASETS and not args.allow_eval_data:
             raise RagkvError(f"{args.records} holds {label!r}, evaluation data: calibrate on held-out records "
                              "(or --allow-eval-data)")
-        if config.get("fingerprint") not in (None, engine.fingerprint):
-            raise RagkvError(f"{args.records} was recorded with model {config.get('model')!r}, not {args.model!r}: "
-                             "calibrate on records of the model it is for")
+        if not config.get("fingerprint"):
+            raise RagkvError(f"{args.records} does not say which model wrote it (no fingerprint in its header)")
+        fingerprint, model, dtype = config["fingerprint"], config.get("model"), config.get("dtype")
     else:
+        engine = _engine(args)
+        fingerprint, model, dtype = engine.fingerprint, engine.model_name, engine.dtype_name
         label, desc, kw = _dataset(args, "hotpotqa-train")
         examples = _load(kw, args.limit)
         if args.passage_order != "as-given":
@@ -433,10 +434,10 @@ def _calibrate_auto(args) -> int:
         cal = calibrate_auto(records, key, args.target_kl, args.max_escalation, args.signal)
     except ValueError as e:
         raise RagkvError(str(e)) from None
-    cal.update(data=label, model=engine.model_name, dtype=engine.dtype_name)
-    path = save_auto_params(engine.fingerprint, cal["signal"], cal["threshold"], **{
+    cal.update(data=label, model=model, dtype=dtype)
+    path = save_auto_params(fingerprint, cal["signal"], cal["threshold"], **{
         k: v for k, v in cal.items() if k not in ("signal", "threshold")})
-    out = Path(args.output_dir) / f"calibration-auto-{label}-{engine.model_name}.json"
+    out = Path(args.output_dir) / f"calibration-auto-{label}-{model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**cal, "saved_to": str(path)}, indent=2) + "\n")
     if args.json:
