@@ -45,6 +45,9 @@ class ServeDefaults:
     max_prompt_tokens: int | None = None  # --max-prompt-tokens: prompt tokens (None: the model's positions)
     ingest_timeout_s: float = 1800.0   # --ingest-timeout: deadline of a document ingestion job
     kv_memory_bytes: int = 4 << 30     # --kv-memory: KV the running generations may reserve (prompt + n x max_tokens)
+    # --history-mode: the mode of a chat whose earlier turns are blocks, when the request names none (exact while
+    # the conversation is only extended; after an edit the turns behind it are fused by this mode)
+    history_mode: str = "auto"
 
 
 SERVE = ServeDefaults()

@@ -340,3 +340,49 @@ def test_serve_starts_with_its_redis_tier_down_and_uses_it_once_it_answers(tmp_p
             proc.wait(timeout=10)
         log = s.log_path.read_text()
     assert log.count("failed on start") == 1, log[-3000:]  # logged once, not once per request
+
+
+# -- chat history as blocks (issue 29) --------------------------------------------------------------------------
+def idle(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the server has no background work left (the turns of the last chat encoded as blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(url + "/health", timeout=10).json().get("background_jobs", 0):
+        assert time.monotonic() < deadline, "background work did not finish"
+        time.sleep(0.1)
+
+
+def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit(api):
+    facts = ["my cat Tom is orange and sleeps on the piano", "I live in Lisbon by the river Tagus",
+             "I cook grilled sardines every Sunday", "I play the cello in an amateur orchestra"]
+    msgs = [{"role": "system", "content": "Answer in one short sentence."}]
+    for fact in facts:
+        msgs.append({"role": "user", "content": f"Remember this: {fact}. " + "Please keep it in mind. " * 20})
+        r = post(api, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12})
+        assert r.status_code == 200, r.text
+        msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        usage = r.json()["usage"]
+        if len(msgs) > 3:  # earlier turns: blocks, but nothing was edited, so the answer is exact
+            assert usage["fidelity"]["exact"] is True and usage["history"]["exact"] is True
+            assert usage["history"]["turns"] == len(msgs) - 3 and usage["fidelity"]["mode"] == "auto"
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    idle(api)
+    # a client compacts its history: the first two exchanges become one summary; a tool message joins in
+    edited = (msgs[:1] + [{"role": "user", "content": "Summary: my cat Tom is orange."},
+                          {"role": "assistant", "content": "Noted."}] + msgs[5:]
+              + [{"role": "tool", "content": '{"weather": "rain in Lisbon"}'},
+                 {"role": "user", "content": "What colour is my cat?"}])
+    r = post(api, "/v1/chat/completions", {"messages": edited, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    h, fid = r.json()["usage"]["history"], r.json()["usage"]["fidelity"]
+    assert h["exact"] is False and h["exact_turns"] == 2 and h["fused_turns"] >= 4, h
+    # fused by `auto`: exact only where its risk signal escalated it to a full recompute of the turns
+    assert fid["history"] == h and fid["exact"] is (fid["escalations"] > 0), fid
+    # the next turn is exact again: the server prefilled the edited history in the background
+    idle(api)
+    follow = edited + [{"role": "assistant", "content": "Orange."}, {"role": "user", "content": "And its name?"}]
+    r = post(api, "/v1/chat/completions", {"messages": follow, "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["history"]["exact"] is True, r.json()["usage"]
+    # `prefix` keeps it exact: the same request, prefilled after the edit
+    r = post(api, "/v1/chat/completions", {"messages": edited, "max_tokens": 8, "ragkv": {"mode": "prefix"}})
+    assert r.status_code == 200 and r.json()["usage"]["fidelity"]["exact"] is True
+    assert r.json()["usage"]["history"] is None

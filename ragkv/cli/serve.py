@@ -49,6 +49,10 @@ def register(sub) -> None:
                      help="KV memory the running generations may reserve, e.g. 4GiB (default: "
                           f"{SERVE.kv_memory_bytes >> 30}GiB): each reserves its prompt's rows plus n x max_tokens "
                           "rows; one that does not fit waits, one that never could gets a 400")
+    p.add_argument("--history-mode", default=SERVE.history_mode,
+                   help="mode of a chat without documents when the request names none: earlier turns are blocks, "
+                        "exact while the conversation only grows; after an edit the turns behind it are fused by "
+                        f"this mode (default {SERVE.history_mode}; `prefix` keeps every answer exact)")
     add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
@@ -84,6 +88,11 @@ def check_flags(args) -> None:
         if not name.strip():
             raise InvalidRequestError("--served-model-name must not be empty")
     check_namespace(args.namespace)
+    from ragkv.engine.modes import mode_names
+
+    if args.history_mode not in mode_names():
+        raise InvalidRequestError(f"--history-mode {args.history_mode!r} is not a mode; choose one of "
+                                  f"{', '.join(mode_names())}")
     parse_spec(args.store)
     library_location(args)
 
@@ -108,7 +117,7 @@ def run_serve(args) -> int:
                     args.ingest_timeout, args.kv_memory)
     server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                     args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
-                    served_names=tuple(dict.fromkeys(args.served_model_name)))
+                    served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode)
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,

@@ -20,13 +20,15 @@ from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.blocks import BlockCache
 from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
 from ragkv.engine.generate import Delta, Sequence, step_sequences
+from ragkv.engine.history import settle_history
 from ragkv.engine.kvcache import DECODE_HEADROOM
 from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
 from ragkv.engine.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.risk import DEFAULT_SIGNAL
-from ragkv.engine.request import Passage, PromptFormat, Segments, build_segments, chat_segments, tokenize
+from ragkv.engine.request import (Passage, PromptFormat, Segments, build_segments, chat_segments,
+                                  history_segments, tokenize)
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
@@ -240,6 +242,11 @@ class Engine:
         """A chat without passages (a prompt, or turns [{"role", "content"}]) as one query segment."""
         return chat_segments(self.tokenizer, prompt, system)
 
+    def history_segments(self, turns: list[dict], system: str | None = None) -> Segments:
+        """A chat as blocks: the system message the prefix, each earlier message a block, the last the query; the
+        same tokens as `chat_segments` (engine/history.py says how block modes run it)."""
+        return history_segments(self.tokenizer, turns, system)
+
     def text_segments(self, text: str) -> Segments:
         """Raw text (no chat template) as one query segment: what /v1/completions without documents runs."""
         return Segments([], [], self.tokenize(text))
@@ -259,6 +266,14 @@ class Engine:
         """Precompute and store what `fusion.mode` would reuse for `segs` (its blocks, or its prefix chunks)
         without answering; returns the keys and what was encoded."""
         return get_mode(fusion.mode).warm(self, segs, fusion, namespace or self.namespace)
+
+    def settle_history_steps(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32,
+                             chunk=None) -> Steps[dict]:
+        """After a chat reply (`history_segments`), in units: encode its turns the store lacks as blocks (a later
+        edit fuses them) and prefill its history exactly into the prefix cache if a fused reply left it out (the
+        next turn is exact again); engine/history.py. The server runs it in the background while idle."""
+        return settle_history(self.model, self._blocks, self.fingerprint, segs, namespace or self.namespace,
+                              prefix_chunk, chunk)
 
     # -- prefill ----------------------------------------------------------------------------------------
     def _check_length(self, positions: int, what: str = "fused prompt") -> None:
@@ -305,6 +320,10 @@ class Engine:
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
         stats.fidelity = mode.fidelity(fusion, stats)
+        history = stats.extra.get("history")
+        if history is not None:  # chat turns: exact when nothing was fused (engine/history.py)
+            stats.fidelity = {**stats.fidelity, "exact": bool(history["exact"] or stats.fidelity.get("exact")),
+                              "history": history}
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
 

@@ -57,10 +57,13 @@ def write_context_layer(cache: KVCache, layer: int, parts: list[tuple[torch.Tens
     (cos_h/sin_h: half tables [N, D/2] of those positions, ragkv.ops.rope.half_tables)."""
     off = 0
     dev = cache.keys[layer].device
-    for k, v in parts:
+    for k, v, *rotated in parts:  # a third element: K already rotated at these positions (an exact prefix)
         n = k.shape[1]
-        rope_into(cache.keys[layer][:, :, off:off + n], k.unsqueeze(0).to(dev), cos_h[off:off + n],
-                  sin_h[off:off + n])
+        if rotated:
+            cache.keys[layer][0, :, off:off + n] = k
+        else:
+            rope_into(cache.keys[layer][:, :, off:off + n], k.unsqueeze(0).to(dev), cos_h[off:off + n],
+                      sin_h[off:off + n])
         cache.values[layer][0, :, off:off + n] = v
         off += n
 

@@ -42,6 +42,7 @@ class Segments:
     blocks: list[list[int]]
     query: list[int]
     block_titles: list[str] = field(default_factory=list)
+    history: bool = False  # the blocks are earlier chat turns, in order (engine/history.py: exact prefix first)
 
     def all_ids(self) -> list[int]:
         return self.prefix + [t for b in self.blocks for t in b] + self.query
@@ -107,3 +108,41 @@ def chat_segments(tokenizer, prompt: str | list[dict], system: str | None = None
     else:
         text = (system + "\n\n" if system else "") + "\n".join(t["content"] for t in turns)
     return Segments(prefix=[], blocks=[], query=tokenize(tokenizer, text))
+
+
+def _render(tokenizer, msgs: list[dict], generation_prompt: bool = False) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception:  # noqa: BLE001 - some templates refuse a conversation without a user message
+        return None
+
+
+def history_segments(tokenizer, turns: list[dict], system: str | None = None) -> Segments:
+    """A chat as blocks: the prefix is the system message's rendering, each earlier message (user, assistant, tool)
+    one block, the query the last user message with the generation prompt. The pieces are cut from the template's
+    own rendering of ever longer conversations, so their concatenation is exactly `chat_segments`' text; where a
+    template does not render a conversation as an extension of its start (Qwen merges consecutive tool messages
+    into one user turn) the messages on both sides of the cut share one block."""
+    turns = list(turns)
+    if not turns or not str(turns[-1].get("content") or "").strip():
+        raise InvalidRequestError("the prompt is empty; pass a non-empty prompt")
+    if not getattr(tokenizer, "chat_template", None):
+        head = system + "\n\n" if system else ""
+        pieces = [t["content"] + "\n" for t in turns[:-1]] + [turns[-1]["content"]]
+    else:
+        sys_msgs = [{"role": "system", "content": system}] if system else []
+        full = _render(tokenizer, sys_msgs + turns, generation_prompt=True)
+        head = (_render(tokenizer, sys_msgs) or "") if sys_msgs else ""
+        if not full.startswith(head):
+            head = ""
+        cuts, done = [len(head)], len(head)
+        for k in range(1, len(turns)):
+            text = _render(tokenizer, sys_msgs + turns[:k])
+            if text is not None and len(text) > done and full.startswith(text):
+                cuts.append(len(text))
+                done = len(text)
+        cuts.append(len(full))
+        pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+    ids = [tokenize(tokenizer, p) for p in pieces]
+    return Segments(prefix=tokenize(tokenizer, head), blocks=[b for b in ids[:-1] if b], query=ids[-1],
+                    block_titles=[], history=True)

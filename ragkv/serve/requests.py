@@ -18,7 +18,7 @@ from ragkv.engine.request import Passage, Segments
 from ragkv.errors import RagkvError
 from ragkv.rag.order import order_passages
 from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, RagkvExtras
-from ragkv.settings import DEFAULT_TENANT
+from ragkv.settings import DEFAULT_TENANT, SERVE
 
 
 class NamespaceForbidden(RagkvError):
@@ -49,10 +49,11 @@ class RequestBuilder:
     `library(tenant)` gives a tenant's document library (retrieval)."""
 
     def __init__(self, engine, keys, limits, default_fusion: FusionOptions, max_batch: int,
-                 library: Callable[[str], object]):
+                 library: Callable[[str], object], history_mode: str = SERVE.history_mode):
         self.engine, self.keys, self.limits = engine, keys, limits
         self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
         self.max_batch, self.library = max_batch, library
+        self.history_mode = history_mode  # a chat's turns as blocks, when the request names no mode
 
     def namespace(self, extras: RagkvExtras | None, tenant: str, cache_salt: str | None = None) -> str | None:
         """The KV namespace of a request: its tenant's when keys are configured (naming another is refused),
@@ -115,10 +116,11 @@ class RequestBuilder:
             raise FieldError("max_tokens", f"max_tokens {gen.max_new_tokens} exceeds the model's "
                                            f"{self.engine.max_positions} positions")
 
-    def fusion(self, extras: RagkvExtras | None, has_blocks: bool) -> FusionOptions:
+    def fusion(self, extras: RagkvExtras | None, has_blocks: bool, history: bool = False) -> FusionOptions:
         e = extras or RagkvExtras()
         given = e.fusion_fields()
-        given.setdefault("mode", self.default_fusion.mode if has_blocks else "prefix")
+        default = self.history_mode if history else self.default_fusion.mode if has_blocks else "prefix"
+        given.setdefault("mode", default)
         return replace(self.default_fusion, **given)  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...
 
     def generation(self, req, default_max: int) -> GenerationOptions:
@@ -142,19 +144,22 @@ class RequestBuilder:
     def chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         msgs = req.messages
         system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
-        turns = [m for m in msgs if m.role in ("user", "assistant")]
+        turns = [m for m in msgs if m.role in ("user", "assistant", "tool")]
         if not turns or turns[-1].role != "user":
             raise FieldError("messages", "the last message must come from the user")
         question = turns[-1].text()
         passages, sources = self.passages(req, question, tenant)
-        fusion = self.fusion(req.ragkv, bool(passages))
         if passages:
+            fusion = self.fusion(req.ragkv, True)
             history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
             segs = self.engine.segments((history + question) if history else question, passages, system=system)
         else:
             if not question.strip():
                 raise FieldError("messages", "the last user message is empty")
-            segs = self.engine.chat_segments([{"role": m.role, "content": m.text()} for m in turns], system)
+            # earlier turns (user, assistant, tool) are blocks: exact while the conversation only grows, fused
+            # behind an edit (engine/history.py)
+            segs = self.engine.history_segments([{"role": m.role, "content": m.text()} for m in turns], system)
+            fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)
         self.check_prompt(segs, gen)
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)

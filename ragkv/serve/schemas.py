@@ -110,7 +110,7 @@ class TextPart(_Loose):
 
 
 class Message(_Loose):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # a tool's output is a block like any turn
     content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:

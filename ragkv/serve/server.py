@@ -4,13 +4,15 @@ knows no HTTP: requests are built by `RequestBuilder` (serve/requests.py), answe
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 from ragkv.engine.kvbudget import KVBudget, kv_need
 from ragkv.engine.kvcache import bytes_per_token
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.scheduler import Job, Scheduler
+from ragkv.engine.modes import get_mode
+from ragkv.engine.scheduler import Job, QueueFull, Scheduler
 from ragkv.serve.auth import ApiKeys
 from ragkv.serve.ingest import IngestJobs
 from ragkv.serve.metrics import Metrics
@@ -18,6 +20,8 @@ from ragkv.serve.requests import Prepared, RequestBuilder
 from ragkv.serve.schemas import FieldError
 from ragkv.settings import DEFAULT_TENANT, SERVE
 from ragkv.store.sizes import human_size
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Server:
                  timeout_s: float = SERVE.timeout_s, default_fusion: FusionOptions = FusionOptions(),
                  max_batch: int = SERVE.max_batch, prefill_chunk: int = SERVE.prefill_chunk,
                  worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
-                 served_names: tuple[str, ...] = ()):
+                 served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -52,7 +56,7 @@ class Server:
         self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
                                    lock=engine.lock, thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes))
         self._library, self._library_lock = None, threading.Lock()
-        self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library)
+        self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode)
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
         # that a tokenizer resetting its truncation or padding settings on first use does it before any race
         engine.tokenize("ragkv")
@@ -83,7 +87,23 @@ class Server:
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
             return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
-        return self.scheduler.submit_generation(begin, emit, kv_bytes=need)
+        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need)
+        if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
+            self.warm_turns(p)
+        return job
+
+    def warm_turns(self, p: Prepared) -> None:
+        """In the background while the server is idle: encode the chat's turns the block store lacks (a later
+        edit of this conversation fuses them instead of prefilling them) and prefill a fused history exactly into
+        the prefix cache (the next turn is exact again); engine/history.py. Skipped when the background queue is
+        full: the next turn then prefills what it lacks, as without blocks."""
+        try:
+            self.scheduler.submit_background(
+                lambda: self.engine.settle_history_steps(p.segs, p.namespace, p.fusion.prefix_chunk,
+                                                         self.prefill_chunk),
+                timeout_s=self.scheduler.timeout_s, idle_only=True)
+        except QueueFull:
+            log.info("background queue full: this chat's turns are not encoded as blocks")
 
     def kv_refusal(self, p: Prepared, need: int) -> FieldError:
         """The 400 of a request whose KV could never fit: what it needs, from what, and the limit with its flag."""

@@ -10,10 +10,12 @@ ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult
 from ragkv.engine.flops import head_flops, rows_flops
+from ragkv.engine.history import prefill_history, with_exact_prefix
 from ragkv.engine.layout import Layout, make_layout
 from ragkv.engine.request import Segments
 from ragkv.engine.state import DecodeState
@@ -100,16 +102,25 @@ class BlockMode(FusionMode):
         return drain(self.ensure_steps(engine._blocks, segs, ns))
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
+        if segs.history and self.conditioning(segs) == NO_CONDITIONING and self.layout_kind(fusion) == "sequential":
+            # chat turns: the exactly computable start of the conversation first (engine/history.py)
+            return (yield from prefill_history(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks))
+        return (yield from self.prefill_blocks(engine, segs, fusion, capacity, stats, ns, chunk, blocks))
+
+    def prefill_blocks(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks, exact=None):
+        """Fetch (or encode) the prefix and the blocks, then `fuse`. `exact`: a cache already holding the prefix
+        computed exactly (rotated K), used in place of the prefix's block."""
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
         engine._check_length(layout.query_start + len(segs.query))
-        res = yield from self.ensure_steps(blocks, segs, ns)
+        res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), ns)
         stats.cache_hits, stats.cache_misses = res.hits, res.misses
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
         if res.uncached:
             stats.extra["uncached_blocks"] = len(res.uncached)  # computed and used, but the store did not keep them
         fusion, tiers = self.load_schedule(engine, res, fusion, stats)
         layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
-        state = self.fuse(engine, segs, fusion, layout, layer_iter, capacity, stats)
+        parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
+        state = self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state

@@ -42,6 +42,8 @@ def usage(stats, completion_tokens: int | None = None) -> dict:
             # compute everything without the cache
             "uncached_blocks": sum(s.extra.get("uncached_blocks", 0) for s in all_stats),
             "store_fault": any("store_fault" in s.extra for s in all_stats),
+            # a chat's earlier turns as blocks: how many were computed exactly (prefix cache) and how many fused
+            "history": all_stats[0].extra.get("history"),
             # how the prompt was computed and how close to `full` it is believed to be (the mode's own statement)
             "fidelity": all_stats[0].fidelity}
 

@@ -1,0 +1,116 @@
+"""Chat history as blocks: the longest start of a conversation that can be computed exactly, then the other turns
+fused at their new offsets by the request's block mode.
+
+A conversation sent statelessly (the whole `messages` list every turn) repeats its earlier turns. The turns the
+hash-chained prefix cache (engine/prefix_cache.py) already holds, and new turns right after them, are prefilled
+exactly over that prefix, and their chunks stored: an unedited conversation is computed exactly as `prefix` would.
+After an edit (a summary replacing ten turns, a dropped message) the prefix cache stops at the edit; the turns after
+it that the block store holds (each encoded alone, in the background after an earlier reply: `Engine.warm_turns`)
+are fused with the mode (reuse, blend, auto) instead of prefilled again, so the edit costs the edited part.
+"""
+
+from __future__ import annotations
+
+from ragkv.engine.blocks import NO_CONDITIONING
+from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.request import Segments
+from ragkv.engine.stats import RequestStats
+from ragkv.engine.state import DecodeState
+from ragkv.engine.stepwise import Steps
+
+# a run of stored turns shorter than this is prefilled exactly: fusing it would save little and leave every later
+# token approximate (a repeated short answer such as "OK." must not end the exact prefix)
+MIN_FUSED_TOKENS = 128
+
+
+def cached_prefix_tokens(store, ids: list[int], chunk: int, fingerprint: str, namespace: str) -> int:
+    """Tokens at the start of `ids` the prefix cache holds (whole chunks)."""
+    n = 0
+    for key in chunk_keys(ids, chunk, fingerprint, namespace):
+        if not store.contains(key):
+            break
+        n += chunk
+    return n
+
+
+def exact_turns(segs: Segments, covered: int, stored: list[bool], min_fused: int = MIN_FUSED_TOKENS) -> int:
+    """How many leading turns are computed exactly: those the prefix cache reaches (`covered` tokens), then turns
+    the block store lacks (encoding one alone would cost as much as prefilling it) and runs of stored turns shorter
+    than `min_fused` tokens, up to the first run of stored turns worth fusing."""
+    start, j, n = len(segs.prefix), 0, len(segs.blocks)
+    while j < n:
+        if start < covered or not stored[j]:
+            start += len(segs.blocks[j])
+            j += 1
+            continue
+        k, run = j, 0
+        while k < n and stored[k]:
+            run += len(segs.blocks[k])
+            k += 1
+        if run >= min_fused:
+            break
+        start, j = start + run, k
+    return j
+
+
+def with_exact_prefix(cache, n: int, layer_iter):
+    """Each layer's cached parts behind the exact prefix's first `n` rows, K already rotated at their positions."""
+    for layer, parts in enumerate(layer_iter):
+        yield [(cache.keys[layer][0, :, :n], cache.values[layer][0, :, :n], "rotated")] + list(parts)
+
+
+def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: RequestStats, ns: str, chunk,
+                    blocks) -> Steps[DecodeState]:
+    """`mode.prefill_blocks` behind the exactly computed start of the conversation (see the module docstring)."""
+    store, chunk_size = blocks.store, fusion.prefix_chunk
+    covered = cached_prefix_tokens(store, segs.all_ids(), chunk_size, engine.fingerprint, ns)
+    stored = [store.contains(blocks.key(b, NO_CONDITIONING, ns)) for b in segs.blocks]
+    j = exact_turns(segs, covered, stored)
+    exact_ids = segs.prefix + [t for b in segs.blocks[:j] for t in b]
+    info = {"turns": len(segs.blocks), "exact_turns": j, "exact_tokens": len(exact_ids),
+            "fused_turns": len(segs.blocks) - j, "prefix_cached_tokens": 0}
+    stats.extra["history"] = info
+    if j == len(segs.blocks):  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
+        state = yield from prefill_prefix(engine.model, store, engine.fingerprint, ns, segs.all_ids(), chunk_size,
+                                          capacity, stats, chunk)
+        info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
+        return state
+    info["exact"] = False
+    rest = Segments(exact_ids, segs.blocks[j:], segs.query, history=True)
+    if not exact_ids:  # the first turn was edited and there is no system message: all of it fused
+        return (yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks))
+    part = RequestStats(mode="prefix")
+    exact = yield from prefill_prefix(engine.model, store, engine.fingerprint, ns, exact_ids, chunk_size,
+                                      len(exact_ids), part, chunk)
+    state = yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks,
+                                           exact=exact.cache)
+    # the fused path counted the exact prefix as reused context: its prefilled rows were computed
+    prefilled = part.recomputed_tokens
+    stats.reused_tokens -= prefilled
+    stats.recomputed_tokens += prefilled
+    stats.recomputed_token_layers += prefilled * engine.num_layers
+    stats.cache_hits += part.cache_hits
+    stats.cache_misses += part.cache_misses
+    stats.cached_tokens += part.cached_tokens
+    stats.fetch_ms += part.fetch_ms
+    stats.query_prefill_ms += part.query_prefill_ms
+    info["prefix_cached_tokens"] = part.cached_tokens
+    return state
+
+
+def settle_history(model, blocks, fingerprint: str, segs: Segments, ns: str, prefix_chunk: int,
+                   prefill_chunk=None) -> Steps[dict]:
+    """What follows a chat reply while the server is idle, so that the next turn is cheap whatever the client
+    sends: the turns the block store lacks are encoded alone (a later edit fuses them instead of prefilling them),
+    and a history the prefix cache does not hold (the reply fused turns behind an edit) is prefilled exactly into
+    it (the next turn is exact again). Yields between blocks and between `prefill_chunk`-token units."""
+    res = yield from blocks.ensure_steps(segs.blocks, NO_CONDITIONING, namespace=ns)
+    ids = segs.prefix + [t for b in segs.blocks for t in b]
+    healed = 0
+    whole_chunks = len(ids) // prefix_chunk * prefix_chunk
+    if cached_prefix_tokens(blocks.store, ids, prefix_chunk, fingerprint, ns) < whole_chunks:
+        stats = RequestStats(mode="prefix")
+        yield from prefill_prefix(model, blocks.store, fingerprint, ns, ids, prefix_chunk, len(ids), stats,
+                                  prefill_chunk)
+        healed = stats.recomputed_tokens
+    return {"encoded_turns": res.misses, "prefilled_tokens": healed}

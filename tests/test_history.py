@@ -1,0 +1,128 @@
+"""Chat history as blocks (engine/history.py): an unedited conversation is exact, an edited one fuses the stored
+turns behind the edit, and every selection keeps its invariants there (r=1 equals full, r=0 equals reuse)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import default_model_available, rand_ids
+
+from ragkv.engine.history import MIN_FUSED_TOKENS, exact_turns
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request import Segments, chat_segments, history_segments
+from ragkv.engine.stepwise import drain
+
+TOL = 1e-4
+
+
+def chat(turn_lens=(30, 41, 28, 57, 63, 45), seed=0) -> Segments:
+    return Segments(rand_ids(9, seed), [rand_ids(n, seed + 10 + i) for i, n in enumerate(turn_lens)],
+                    rand_ids(7, seed + 99), history=True)
+
+
+def first_logits(engine, segs, **kw):
+    state, stats = engine.prefill(segs, FusionOptions(**kw))
+    return state.logits.float(), stats
+
+
+def test_exact_turns_follow_the_prefix_cache_then_misses_then_stop_at_a_run_worth_fusing():
+    segs = Segments([1] * 10, [[2] * 50, [3] * 60, [4] * 70, [5] * 80], [6])
+    assert exact_turns(segs, covered=0, stored=[False] * 4) == 4  # nothing stored: all exact (prefix's path)
+    assert exact_turns(segs, covered=0, stored=[True] * 4) == 0  # all stored, 260 tokens: fused
+    assert exact_turns(segs, covered=70, stored=[True] * 4) == 2  # the cache reaches into turn 1
+    assert exact_turns(segs, covered=0, stored=[False, True, True, True]) == 1  # an edited first turn
+    # a stored run shorter than MIN_FUSED_TOKENS (turn 1 alone) is prefilled: a later miss keeps the prefix exact
+    assert 60 < MIN_FUSED_TOKENS
+    assert exact_turns(segs, covered=0, stored=[False, True, False, False]) == 4
+
+
+def test_an_unedited_conversation_is_exact_and_fills_the_prefix_cache(tiny_engine):
+    engine = tiny_engine("llama")
+    segs = chat()
+    full, _ = first_logits(engine, segs, mode="full")
+    for mode in ("reuse", "blend", "auto"):
+        logits, stats = first_logits(engine, segs, mode=mode)
+        assert (logits - full).abs().max().item() < TOL, mode
+        assert stats.fidelity["exact"] is True and stats.extra["history"]["exact"] is True
+        assert stats.fidelity["history"]["fused_turns"] == 0
+    assert stats.cached_tokens >= segs.num_tokens - 32  # the first request stored its chunks
+
+
+def test_an_edit_fuses_the_stored_turns_behind_it_with_the_mode_invariants(tiny_engine):
+    engine = tiny_engine("llama")
+    segs = chat()
+    # what the server runs in the background after a reply (here none came first: the history is prefilled too)
+    history_len = segs.num_tokens - len(segs.query)
+    assert drain(engine.settle_history_steps(segs)) == {"encoded_turns": 6, "prefilled_tokens": history_len}
+    edited = Segments(segs.prefix, [rand_ids(25, 500)] + segs.blocks[3:], segs.query, history=True)
+    full, _ = first_logits(engine, edited, mode="full")
+    reuse, stats = first_logits(engine, edited, mode="reuse")
+    h = stats.extra["history"]
+    assert h == {**h, "exact": False, "exact_turns": 1, "fused_turns": 3}  # the new summary exact, the rest fused
+    assert stats.fidelity["exact"] is False and (reuse - full).abs().max().item() > 1e-2
+    assert stats.reused_tokens + stats.recomputed_tokens == edited.num_tokens
+    # the fused path equals reuse over the exact start taken as the prefix (its K computed once, not re-rotated)
+    exact_ids = edited.prefix + edited.blocks[0]
+    ref, _ = first_logits(engine, Segments(exact_ids, edited.blocks[1:], edited.query), mode="reuse")
+    assert (reuse - ref).abs().max().item() < TOL
+    for select in ("deviation", "query", "sinks"):
+        whole, st = first_logits(engine, edited, mode="blend", ratio=1.0, select=select, sink_tokens=10 ** 6)
+        assert (whole - full).abs().max().item() < TOL, select
+        assert st.fidelity["exact"] is True
+        if select != "sinks":
+            none, _ = first_logits(engine, edited, mode="blend", ratio=0.0, select=select)
+            assert (none - reuse).abs().max().item() < TOL, select
+    some, st = first_logits(engine, edited, mode="blend", ratio=0.3, select="query")
+    assert 0 < st.recomputed_token_layers < edited.num_tokens * engine.num_layers
+    # settling after the fused reply prefills the edited history exactly: the next turn is exact again
+    assert drain(engine.settle_history_steps(edited))["prefilled_tokens"] > 0
+    follow = Segments(edited.prefix, edited.blocks + [edited.query, rand_ids(20, 600)], rand_ids(6, 601), history=True)
+    again, st = first_logits(engine, follow, mode="blend", ratio=0.3, select="query")
+    assert st.fidelity["exact"] is True and st.extra["history"]["fused_turns"] == 0
+    assert (again - first_logits(engine, follow, mode="full")[0]).abs().max().item() < TOL
+
+
+class MergingTemplate:
+    """A tokenizer whose template merges consecutive tool messages into one turn (as Qwen2.5's does): the cut
+    between them is not a rendering boundary, so both share one block."""
+    chat_template = "merging"
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):
+        out, prev = "", None
+        for m in msgs:
+            if m["role"] == "tool":
+                out += ("" if prev == "tool" else "<u>") + f"[{m['content']}]"
+            else:
+                out += ("</u>" if prev == "tool" else "") + f"<{m['role']}>{m['content']}</>"
+            prev = m["role"]
+        out += "</u>" if prev == "tool" else ""
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_history_segments_cut_at_rendering_boundaries_and_share_a_block_where_the_template_merges():
+    tok = MergingTemplate()
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+             {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}, {"role": "user", "content": "q"}]
+    segs = history_segments(tok, turns, system="S")
+    text = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    assert text(segs.prefix) == "<system>S</>"
+    assert [text(b) for b in segs.blocks] == ["<user>hi</>", "<assistant>yo</>", "<u>[a][b]</u>"]
+    assert text(segs.query) == "<user>q</><assistant>"
+    assert segs.all_ids() == chat_segments(tok, turns, "S").query
+
+
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_history_segments_are_the_chat_prompt_on_the_default_model(default_engine):
+    turns = [{"role": "user", "content": "My cat is Tom."}, {"role": "assistant", "content": "Nice cat!"},
+             {"role": "tool", "content": '{"weather": "rain"}'}, {"role": "user", "content": "Name my cat."}]
+    for system in (None, "Be brief."):
+        segs = default_engine.history_segments(turns, system)
+        assert segs.history and len(segs.blocks) == 3
+        assert segs.all_ids() == default_engine.chat_segments(turns, system).query
+        if system:
+            assert default_engine.tokenizer.decode(segs.prefix).count("Be brief.") == 1
+    logits = [first_logits(default_engine, segs, mode=m)[0] for m in ("full", "reuse")]
+    assert torch.allclose(logits[0], logits[1], atol=TOL)  # unedited: exact
