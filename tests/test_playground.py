@@ -9,6 +9,7 @@ import http.client
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -181,3 +182,59 @@ def test_two_modes_side_by_side_in_headless_chromium(server, browser, tmp_path):
                       {"width": 1400, "height": height, "deviceScaleFactor": 1, "mobile": False})
     shot = Path(SCREENSHOT) if SCREENSHOT else tmp_path / "playground.png"
     assert d.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+
+
+def send_and_wait(driver, text: str, timeout_s: float = 300) -> dict:
+    """Send one chat message; the reply's transcript entry once its figures are there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    box = driver.find_element(By.ID, "chat-input")
+    box.clear()
+    box.send_keys(text)
+    driver.find_element(By.ID, "chat-send").click()
+    WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(
+        lambda d: d.find_element(By.ID, "chat-status").get_attribute("data-state") == "done"
+        and not d.find_element(By.ID, "chat-send").get_attribute("disabled"))
+    status = driver.find_element(By.ID, "chat-status").text
+    assert not status, status
+    last = driver.find_elements(By.CSS_SELECTOR, "#transcript .message")[-1]
+    return {"role": last.get_attribute("data-role"), "exact": last.get_attribute("data-exact"),
+            "fused": last.get_attribute("data-fused"),
+            "figures": last.find_element(By.CLASS_NAME, "turn-figures").text}
+
+
+@pytest.mark.model
+@needs_model
+def test_a_multi_turn_chat_shows_per_turn_reuse_and_an_edit_in_headless_chromium(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d = browser
+    d.get(server.url + "/")
+    WebDriverWait(d, 60).until(lambda d: "smollm2" in d.find_element(By.ID, "server-info").text)
+    key = d.find_element(By.ID, "api-key")
+    key.clear()
+    key.send_keys(KEY)
+    tokens = d.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys("6")
+    first = send_and_wait(d, "My cat is called Tom. " * 12)
+    assert first["role"] == "assistant" and "mode prefix" in first["figures"] and first["exact"] == "true"
+    second = send_and_wait(d, "I live in Lisbon by the river. " * 30)
+    assert "of 2 earlier turns exact" in second["figures"] and second["exact"] == "true", second
+    assert "from the cache" in second["figures"]
+    third = send_and_wait(d, "What is my cat called?")
+    assert "4 of 4 earlier turns exact" in third["figures"], third
+    # drop the first exchange: the history no longer starts as before, and the turns after it (encoded as blocks
+    # while the server was idle) are fused by the server's history mode
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health").json()["background_jobs"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for _ in range(2):
+        d.find_elements(By.CSS_SELECTOR, "#transcript .message .remove")[0].click()
+    assert len(d.find_elements(By.CSS_SELECTOR, "#transcript .message")) == 4
+    after = send_and_wait(d, "And where do I live?")
+    assert "0 of 4 earlier turns exact, 4 fused by auto" in after["figures"], after
+    assert after["fused"] == "4" and after["exact"] == ("true" if "escalated" in after["figures"] else "false")

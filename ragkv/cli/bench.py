@@ -168,6 +168,18 @@ def register(sub) -> None:
     _output_args(k)
     add_model_args(k, decode_weights=False)
     k.set_defaults(func=run_soak)
+    h = bsub.add_parser("chat", help="a long stateless chat as it is, compacted and with a dropped exchange: TTFT "
+                                     "per turn of full, prefix and chat turns as blocks, with KL to full")
+    h.add_argument("--turns", type=int, default=20, help="user turns of the conversation")
+    h.add_argument("--edit-at", type=int, default=12, help="the turn at which the history is compacted or cut")
+    h.add_argument("--words", type=int, default=80, help="words of each user turn (a MuSiQue passage's start)")
+    h.add_argument("--paths", default="prefix,auto,blend:sel=query,r=0.3",
+                   help="mode keys beside full, the reference (comma-separated; a key keeps its own parameters)")
+    h.add_argument("--scenarios", default="unedited,compacted,dropped")
+    _output_args(h)
+    add_model_args(h)
+    h.set_defaults(func=run_chat)
+
     c = bsub.add_parser("controller", help="blend's loading controller vs every fixed (r, tier) choice: TTFT and "
                                            "first-token KL, blocks spread over memory, disk, Redis and a throttled "
                                            "tier")
@@ -204,6 +216,22 @@ def _finish(args, result: dict, markdown: str) -> int:
 
 def _modes(text: str) -> tuple[str, ...]:
     return tuple(m for m in text.split(",") if m)
+
+
+def run_chat(args) -> int:
+    from ragkv.bench.chat import SCENARIOS, ChatBenchConfig, run_chat_bench
+    from ragkv.eval.modes import split_mode_list
+
+    scenarios = tuple(s for s in args.scenarios.split(",") if s)
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown or not scenarios:
+        raise InvalidRequestError(f"--scenarios takes {', '.join(SCENARIOS)}; got {args.scenarios!r}")
+    if not 2 <= args.edit_at <= args.turns:
+        raise InvalidRequestError(f"--edit-at must be in 2..--turns ({args.turns}), got {args.edit_at}")
+    cfg = ChatBenchConfig(turns=args.turns, edit_at=args.edit_at, words=args.words,
+                          paths=tuple(split_mode_list(args.paths)), scenarios=scenarios)
+    result = run_chat_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
+    return _finish(args, result, "chat.md")
 
 
 def run_ttft(args) -> int:

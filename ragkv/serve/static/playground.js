@@ -360,6 +360,113 @@ async function showServer() {
   }
 }
 
+// ---- the chat: the whole conversation every turn, each reply with how its history was computed -------------
+
+const chat = {messages: []};  // {role, content, figures}: the transcript, as the user may have edited it
+
+function renderTranscript() {
+  const list = $("#transcript");
+  list.textContent = "";
+  chat.messages.forEach((m, i) => {
+    const item = document.createElement("li");
+    item.className = "message";
+    item.dataset.role = m.role;
+    const role = document.createElement("span");
+    role.className = "role";
+    role.textContent = m.role;
+    const text = document.createElement("textarea");
+    text.className = "message-text";
+    text.rows = 2;
+    text.value = m.content;
+    text.addEventListener("input", () => { m.content = text.value; });
+    const drop = document.createElement("button");
+    drop.type = "button";
+    drop.className = "remove";
+    drop.textContent = "✕";
+    drop.title = "drop this message from the history";
+    drop.addEventListener("click", () => { chat.messages.splice(i, 1); renderTranscript(); });
+    item.append(role, drop, text);
+    if (m.figures) {
+      const fig = document.createElement("p");
+      fig.className = "turn-figures muted";
+      fig.textContent = m.figures.text;
+      item.dataset.exact = String(m.figures.exact);
+      item.dataset.fused = String(m.figures.fused);
+      item.append(fig);
+    }
+    list.append(item);
+  });
+}
+
+function describeTurn(usage, ttftMs) {
+  const h = usage.history, fid = usage.fidelity || {};
+  const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;
+  const parts = [`TTFT ${ms(ttftMs)}`, `${cached} of ${usage.prompt_tokens} prompt tokens from the cache`];
+  if (h) {
+    parts.push(`${h.exact_turns} of ${h.turns} earlier turns exact` +
+               (h.fused_turns ? `, ${h.fused_turns} fused by ${fid.mode}` : ""));
+  } else {
+    parts.push(`mode ${fid.mode}`);
+  }
+  let verdict = fid.exact ? "exact" : "approximate";
+  if (!fid.exact && fid.signal !== null && fid.signal !== undefined) {
+    verdict += ` (risk ${fid.signal_name} ${Number(fid.signal).toFixed(3)})`;
+  }
+  if (fid.escalations) verdict += `, escalated ${fid.escalations}x`;
+  parts.push(verdict);
+  return {text: parts.join(" · "), exact: Boolean(fid.exact), fused: h ? h.fused_turns : 0};
+}
+
+async function sendChat() {
+  const input = $("#chat-input");
+  const text = input.value.trim();
+  if (!text) return;
+  const status = $("#chat-status");
+  chat.messages.push({role: "user", content: text});
+  input.value = "";
+  const reply = {role: "assistant", content: "", figures: null};
+  chat.messages.push(reply);
+  renderTranscript();
+  $("#chat-send").disabled = true;
+  status.textContent = "…";
+  delete status.dataset.state;
+  const system = $("#chat-system").value.trim();
+  const messages = (system ? [{role: "system", content: system}] : [])
+    .concat(chat.messages.slice(0, -1).map((m) => ({role: m.role, content: m.content})));
+  const body = {messages, max_tokens: Number($("#max-tokens").value) || 48, stream: true,
+                stream_options: {include_usage: true}};
+  if ($("#chat-mode").value) body.ragkv = {mode: $("#chat-mode").value};
+  const started = performance.now();
+  let ttft = null, usage = null;
+  try {
+    const response = await fetch("/v1/chat/completions",
+      {method: "POST", headers: apiHeaders(), body: JSON.stringify(body)});
+    if (!response.ok) throw new Error(await errorMessage(response));
+    await readEvents(response, (chunk) => {
+      if (chunk.error) throw new Error(`the server stopped this answer: ${chunk.error.message}`);
+      const choice = (chunk.choices || [])[0];
+      const delta = choice && choice.delta ? choice.delta.content : null;
+      if (delta) {
+        if (ttft === null) ttft = performance.now() - started;
+        reply.content += delta;
+        const last = $("#transcript").lastElementChild;
+        if (last) last.querySelector("textarea").value = reply.content;
+      }
+      if (chunk.usage) usage = chunk.usage;
+    });
+    if (usage) reply.figures = describeTurn(usage, ttft === null ? performance.now() - started : ttft);
+    status.textContent = "";
+  } catch (e) {
+    chat.messages.pop();  // no reply: the user's message stays, to send again
+    status.textContent = e.message || String(e);
+    status.classList.add("error");
+  } finally {
+    $("#chat-send").disabled = false;
+    status.dataset.state = "done";
+    renderTranscript();
+  }
+}
+
 // ---- wiring ------------------------------------------------------------------------------------------------
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -372,6 +479,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#pick-files").addEventListener("change", pickFiles);
   $("#list-library").addEventListener("click", listLibrary);
   $("#run").addEventListener("click", runAll);
+  $("#chat-send").addEventListener("click", sendChat);
+  $("#chat-clear").addEventListener("click", () => { chat.messages = []; renderTranscript(); });
   showServer();
   loadExamples();
 });
