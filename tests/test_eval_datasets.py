@@ -296,3 +296,20 @@ def test_real_nq_is_cut_into_evaluation_heldout_and_training_records():
     assert "nq-distractors" in EVAL_DATASETS and "nq-train" not in EVAL_DATASETS
     with pytest.raises(RagkvError, match=f"limit {NQ_EVAL + 1} is larger.*records 0..{NQ_EVAL - 1}.*--limit {NQ_EVAL}"):
         load_dataset("nq-distractors", limit=NQ_EVAL + 1)
+
+
+@needs_data
+def test_icl_sets_give_every_question_the_same_solved_training_questions():
+    from ragkv.eval.datasets import dataset_prompt
+
+    evals = load_dataset("nq", limit=20)
+    held_back = {ex.question for name in ("nq", "nq-distractors-heldout") for ex in load_dataset(name)}
+    for k in (8, 32, 128):
+        examples = load_dataset(f"nq-icl-{k}", limit=20)
+        assert [ex.question for ex in examples] == [ex.question for ex in evals]  # the evaluation questions
+        demos = examples[0].passages
+        assert len(demos) == k and all(ex.passages == demos for ex in examples)  # one set: blocks encoded once
+        assert all(p.text.startswith("Question: ") and "\nAnswer: " in p.text for p in demos)
+        asked = {p.text.split("\n")[0][len("Question: "):] for p in demos}
+        assert not asked & held_back  # never an evaluation or calibration question
+        assert dataset_prompt(f"nq-icl-{k}").query_template.endswith("Answer:")

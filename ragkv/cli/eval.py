@@ -268,12 +268,17 @@ def run_eval_cmd(args) -> int:
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         _say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
-    results = ResultsFile(output, results_config(engine, desc, max_new), args.overwrite)
+    from ragkv.eval.datasets import DATASETS, dataset_prompt
+
+    prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
+    results = ResultsFile(output, results_config(engine, desc, max_new, prompt), args.overwrite)
     done = len(results.done_keys())
     if done:
         _say(f"resuming {output}: {done} records already there")
     run = run_eval(engine, examples, modes, results, max_new_tokens=max_new, progress=not args.no_progress,
-                   desc=label)
+                   desc=label, prompt_format=prompt,
+                   # in-context examples are the same blocks for every question: encoded once, kept
+                   keep_cache=bool(DATASETS[kw["name"]].shots) if kw["name"] in DATASETS else False)
     summary = summarize(run["records"], keys)
     if run["skipped"]:
         _say(f"skipped {len(run['skipped'])} examples longer than the model's {engine.max_positions} positions")

@@ -7,12 +7,12 @@ import gzip
 import json
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from ragkv.config import data_dir
-from ragkv.engine.request import Passage  # one definition: frozen (text, title="")
+from ragkv.engine.request import Passage, PromptFormat  # Passage: one definition, frozen (text, title="")
 from ragkv.errors import RagkvError
 
 
@@ -56,12 +56,17 @@ class DatasetInfo:
     #                             calibrations | "train": fine-tuning only
     records: tuple[int, int | None] = (0, None)  # the file's records [start, stop) that make up this data set
     own_distractors: bool = False  # nq with distractors: draw them only from these records (not the whole file)
+    shots: int = 0              # nq: closed book with this many solved questions from the training records as blocks
+    prompt: PromptFormat | None = None  # the prompt these examples need (None: the engine's RAG prompt)
 
 
 # NQ-open (Lost in the Middle's oracle file, 2,655 questions) is cut in three: the first NQ_EVAL questions are
 # evaluated, the next ones up to NQ_HELDOUT choose checkpoints and calibrations, the rest may be trained on.
 _NQ = "lost_in_the_middle/nq-open-oracle.jsonl.gz"
 NQ_EVAL, NQ_HELDOUT = 500, 700
+# in-context learning (APE section 5.2): each demonstration one block, the question after them
+ICL_PROMPT = PromptFormat(system="Answer each question with a few words, as in the examples.",
+                          untitled_block_template="{text}\n\n", query_template="Question: {question}\nAnswer:")
 
 DATASETS = {
     "musique": DatasetInfo("cacheblend/musique_s.json", "cacheblend", "MuSiQue as CacheBlend ships it (token F1)"),
@@ -79,6 +84,10 @@ DATASETS = {
     "nq-train": DatasetInfo(_NQ, "nq", "NQ-10 from the remaining questions, distractors drawn among them only: "
                             "fine-tuning only", num_passages=10, role="train", records=(NQ_HELDOUT, None),
                             own_distractors=True),
+    **{f"nq-icl-{k}": DatasetInfo(_NQ, "nq", f"NQ-open closed book after {k} solved NQ questions (from the "
+                                  "training records, the same for every question, each one block: in-context "
+                                  "examples encoded once)", records=(0, NQ_EVAL), shots=k, prompt=ICL_PROMPT)
+       for k in (8, 32, 128)},
     "kv-retrieval": DatasetInfo("lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz", "kv",
                                 "synthetic key-value retrieval, 75 pairs"),
 }
@@ -143,6 +152,9 @@ def load_dataset(name: str | None = None, data_file: str | Path | None = None, f
         if distract:  # the pool is this data set's records only
             examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed,
                                            limit=limit)
+    if info.shots:
+        demos = icl_demonstrations(path, info.shots, seed)
+        examples = [replace(ex, passages=demos, meta={"shots": info.shots}) for ex in examples]
     if limit is not None and len(examples) < limit:
         where = (f"{path} holds" if info.records == (0, None)
                  else f"{name} is records {start}..{start + len(examples) - 1} of {path}:")
@@ -150,6 +162,22 @@ def load_dataset(name: str | None = None, data_file: str | Path | None = None, f
                            + (f" in split {split or 'test'!r}" if fmt == "samsum" else "")
                            + f"; pass --limit {len(examples)} or less")
     return examples[:limit] if limit is not None else examples
+
+
+def icl_demonstrations(path: Path, shots: int, seed: int = 0) -> list[Passage]:
+    """`shots` solved questions ("Question: ...\nAnswer: ...") drawn from NQ's training records (after
+    NQ_HELDOUT: no evaluation or calibration uses them), deterministically per seed."""
+    pool = [rec for i, rec in enumerate(_records(path)) if i >= NQ_HELDOUT]
+    if len(pool) < shots:
+        raise DatasetError(f"{path}: {len(pool)} training records, fewer than {shots} examples")
+    chosen = random.Random(f"nq-icl:{seed}").sample(range(len(pool)), shots)
+    return [Passage(text=f"Question: {ex.question}\nAnswer: {ex.answers[0]}")
+            for ex in (_parse_nq(pool[j]) for j in chosen)]
+
+
+def dataset_prompt(name: str | None) -> PromptFormat | None:
+    """The prompt a named data set needs, or None for the engine's (the RAG prompt)."""
+    return DATASETS[name].prompt if name in DATASETS else None
 
 
 def _resolve(name: str | None, data_file: str | Path | None, fmt: str | None) -> DatasetInfo:

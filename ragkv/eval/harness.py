@@ -53,7 +53,7 @@ def fidelity(ref, ans, n: int = FIDELITY_TOKENS) -> dict:
     return out
 
 
-def results_config(engine, dataset: dict, max_new_tokens: int) -> dict:
+def results_config(engine, dataset: dict, max_new_tokens: int, prompt_format=None) -> dict:
     """What every record of one results file shares (modes and limit excluded: they may grow on resume)."""
     import torch
 
@@ -61,7 +61,7 @@ def results_config(engine, dataset: dict, max_new_tokens: int) -> dict:
             "fingerprint": engine.fingerprint, "dtype": engine.dtype_name,
             "device": engine.device.type, "threads": torch.get_num_threads(),
             "max_new_tokens": max_new_tokens,
-            "prompt_format": asdict(engine.prompt_format)}
+            "prompt_format": asdict(prompt_format or engine.prompt_format)}
 
 
 def check_mode_params(records: Iterable[dict], modes: list[ModeSpec]) -> None:
@@ -118,9 +118,11 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
 
 
 def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: ResultsFile | None = None, *,
-             max_new_tokens: int = 32, progress: bool = True, desc: str = "eval", keep_cache: bool = False) -> dict:
+             max_new_tokens: int = 32, progress: bool = True, desc: str = "eval", keep_cache: bool = False,
+             prompt_format=None) -> dict:
     """Evaluate `modes` on `examples`, skipping (example, mode) pairs already in `results`.
 
+    `prompt_format`: the data set's own prompt (datasets.dataset_prompt), else the engine's.
     Returns {"records": this run's records of these examples and modes, old and new, "skipped": ids of examples
     too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume}.
     """
@@ -140,7 +142,7 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
     for ex, pending in todo:
         if not pending:
             continue
-        segs = engine.segments(ex.question, ex.passages)
+        segs = engine.segments(ex.question, ex.passages, prompt_format=prompt_format)
         if segs.num_tokens + max_new_tokens > engine.max_positions:
             skipped.append(ex.id)
             bar.update(len(pending))
