@@ -126,3 +126,48 @@ def test_history_segments_are_the_chat_prompt_on_the_default_model(default_engin
             assert default_engine.tokenizer.decode(segs.prefix).count("Be brief.") == 1
     logits = [first_logits(default_engine, segs, mode=m)[0] for m in ("full", "reuse")]
     assert torch.allclose(logits[0], logits[1], atol=TOL)  # unedited: exact
+
+
+# -- documents longer than the window (APE section 6.3) ---------------------------------------------------------
+def test_ape_answers_a_prompt_longer_than_the_window_where_sequential_modes_are_refused(tiny_engine):
+    from ragkv.engine.request import split_blocks
+    from ragkv.errors import PromptTooLongError
+
+    engine = tiny_engine("llama")  # 512 positions
+    segs = Segments(rand_ids(12, 1), [rand_ids(400, 2 + i) for i in range(3)], rand_ids(9, 3))  # 1,221 tokens
+    assert engine.positions_needed(segs, FusionOptions(mode="reuse")) == segs.num_tokens
+    assert engine.positions_needed(segs, FusionOptions(mode="ape")) == 12 + 400 + 9
+    state, stats = engine.prefill(segs, FusionOptions(mode="ape"))
+    assert state.logits.isfinite().all() and stats.prompt_tokens == 1221
+    with pytest.raises(PromptTooLongError):
+        engine.prefill(segs, FusionOptions(mode="reuse"))
+    # one document of 1,500 tokens: cut into pieces that fit beside the prefix, the query and the answer
+    long = Segments(segs.prefix, [rand_ids(1500, 7)], segs.query)
+    fitted = engine.fit_to_window(long, FusionOptions(mode="ape"), max_new_tokens=16)
+    room = 512 - 12 - 9 - 16
+    assert [len(b) for b in fitted.blocks] == [room, room, room, 1500 - 3 * room]
+    assert fitted.all_ids() == long.all_ids()  # the same tokens, only cut
+    assert engine.positions_needed(fitted, FusionOptions(mode="ape")) + 16 <= 512
+    assert engine.fit_to_window(long, FusionOptions(mode="reuse"), 16) is long  # sequential: nothing to gain
+    assert split_blocks(segs, 1000).blocks == segs.blocks
+    engine.prefill(fitted, FusionOptions(mode="ape"))
+
+
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_the_server_takes_a_document_longer_than_the_window_with_ape_and_says_why_not_without(default_engine):
+    from ragkv.engine.options import FusionOptions as FO
+    from ragkv.serve.requests import RequestBuilder
+    from ragkv.serve.schemas import ChatRequest, FieldError
+    from ragkv.serve.server import Limits
+
+    builder = RequestBuilder(default_engine, {}, Limits(), FO(), 8, library=None)
+    words = " ".join(f"word{i}" for i in range(6000))  # ~ 2x smollm2's 8,192 positions
+    body = {"messages": [{"role": "user", "content": "What is the last word?"}], "max_tokens": 8,
+            "documents": [{"title": "long", "text": words}]}
+    p = builder.chat(ChatRequest.model_validate({**body, "ragkv": {"mode": "ape"}}))
+    window = default_engine.max_positions
+    assert p.segs.num_tokens > 1.5 * window and len(p.segs.blocks) >= 2
+    assert default_engine.positions_needed(p.segs, p.fusion) + 8 <= window
+    with pytest.raises(FieldError) as e:
+        builder.chat(ChatRequest.model_validate({**body, "ragkv": {"mode": "reuse"}}))
+    assert e.value.code == "context_length_exceeded" and "mode `ape`" in str(e.value) and str(window) in str(e.value)

@@ -28,7 +28,7 @@ from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.risk import DEFAULT_SIGNAL
 from ragkv.engine.request import (Passage, PromptFormat, Segments, build_segments, chat_segments,
-                                  history_segments, tokenize)
+                                  history_segments, split_blocks, tokenize)
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
@@ -274,6 +274,23 @@ class Engine:
         next turn is exact again); engine/history.py. The server runs it in the background while idle."""
         return settle_history(self.model, self._blocks, self.fingerprint, segs, namespace or self.namespace,
                               prefix_chunk, chunk)
+
+    def positions_needed(self, segs: Segments, fusion: FusionOptions = FusionOptions()) -> int:
+        """Positions `fusion.mode` lays `segs` out on before the first generated token: the token count, except
+        where blocks share positions (ape: prefix + the longest block + query)."""
+        return get_mode(fusion.mode).positions(segs, fusion)
+
+    def fit_to_window(self, segs: Segments, fusion: FusionOptions, max_new_tokens: int = 0) -> Segments:
+        """With a mode whose blocks share positions (ape), blocks too long for the window are cut into pieces that
+        fit beside the prefix, the query and `max_new_tokens` (APE section 6.3: a document longer than the window
+        as parallel segments); unchanged otherwise, or when the prompt already fits."""
+        if self.positions_needed(segs, fusion) + max_new_tokens <= self.max_positions or not segs.blocks:
+            return segs
+        mode = get_mode(fusion.mode)
+        if not hasattr(mode, "layout_kind") or mode.layout_kind(fusion) != "shared":
+            return segs
+        room = self.max_positions - len(segs.prefix) - len(segs.query) - max_new_tokens
+        return split_blocks(segs, room) if room >= 1 else segs
 
     # -- prefill ----------------------------------------------------------------------------------------
     def _check_length(self, positions: int, what: str = "fused prompt") -> None:

@@ -52,6 +52,20 @@ class Segments:
         return len(self.prefix) + sum(len(b) for b in self.blocks) + len(self.query)
 
 
+def split_blocks(segs: Segments, max_tokens: int) -> Segments:
+    """Blocks longer than `max_tokens` cut into consecutive pieces of at most that many tokens (a document longer
+    than the window as APE section 6.3 encodes it: segments that each fit, sharing one position range)."""
+    if max_tokens < 1:
+        raise InvalidRequestError(f"cannot cut blocks into pieces of {max_tokens} tokens")
+    blocks, titles = [], []
+    for i, ids in enumerate(segs.blocks):
+        title = segs.block_titles[i] if i < len(segs.block_titles) else ""
+        for a in range(0, len(ids), max_tokens):
+            blocks.append(ids[a:a + max_tokens])
+            titles.append(title)
+    return Segments(segs.prefix, blocks, segs.query, titles, segs.history)
+
+
 def chat_template_parts(tokenizer, system: str | None) -> tuple[str, str]:
     """Text before and after the user message in the tokenizer's chat template (empty without one)."""
     if not getattr(tokenizer, "chat_template", None):

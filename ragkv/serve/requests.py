@@ -106,12 +106,21 @@ class RequestBuilder:
                 raise FieldError(f"{field}[{i}].text", f"{name} contains no text; send its text or leave it out",
                                  "empty_document")
 
-    def check_prompt(self, segs: Segments, gen: GenerationOptions, field: str = "messages") -> None:
-        lim = self.limits.max_prompt_tokens or self.engine.max_positions
-        if segs.num_tokens > lim:
-            raise FieldError(field, f"the prompt has {segs.num_tokens} tokens; the limit is {lim}"
-                             f"{' (--max-prompt-tokens)' if self.limits.max_prompt_tokens else ' (the model)'}",
-                             "context_length_exceeded")
+    def check_prompt(self, segs: Segments, gen: GenerationOptions, fusion: FusionOptions,
+                     field: str = "messages") -> None:
+        """The prompt's tokens within --max-prompt-tokens, and the positions its mode lays it out on within the
+        model's window (with `ape`, blocks share positions: a prompt longer than the window may fit)."""
+        lim = self.limits.max_prompt_tokens
+        if lim and segs.num_tokens > lim:
+            raise FieldError(field, f"the prompt has {segs.num_tokens} tokens; the limit is {lim} "
+                                    "(--max-prompt-tokens)", "context_length_exceeded")
+        window, needed = self.engine.max_positions, self.engine.positions_needed(segs, fusion)
+        if needed > window:
+            shared = "" if needed == segs.num_tokens else f" of its {segs.num_tokens} tokens"
+            hint = ("; mode `ape` encodes documents side by side (sharing positions) and serves documents longer "
+                    "than the window" if fusion.mode != "ape" and segs.blocks else "")
+            raise FieldError(field, f"the prompt needs {needed} positions{shared} in mode {fusion.mode!r}; the "
+                                    f"model has {window}{hint}", "context_length_exceeded")
         if gen.max_new_tokens > self.engine.max_positions:
             raise FieldError("max_tokens", f"max_tokens {gen.max_new_tokens} exceeds the model's "
                                            f"{self.engine.max_positions} positions")
@@ -161,7 +170,8 @@ class RequestBuilder:
             segs = self.engine.history_segments([{"role": m.role, "content": m.text()} for m in turns], system)
             fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)
-        self.check_prompt(segs, gen)
+        segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
+        self.check_prompt(segs, gen, fusion)
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
@@ -182,7 +192,8 @@ class RequestBuilder:
                 passages, sources = self.passages(req, prompt, tenant)
                 fusion = self.fusion(req.ragkv, bool(passages))
                 segs = self.engine.segments(prompt, passages) if passages else self.engine.text_segments(prompt)
-            self.check_prompt(segs, gen, field)
+            segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
+            self.check_prompt(segs, gen, fusion, field)
             out.append(Prepared(segs, fusion, gen, namespace, sources, req.n))
         return out
 

@@ -44,6 +44,10 @@ class FusionMode:
         """How many leading `cache_keys` belong to the shared prefix (the system prompt), which `forget` keeps."""
         return 0
 
+    def positions(self, segs: Segments, fusion: "FusionOptions") -> int:
+        """Positions the prompt occupies before the first generated token (the model's window bounds them)."""
+        return segs.num_tokens
+
     def warm(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> EnsureResult:
         """Precompute and store what a later request over `segs`' context would reuse."""
         return EnsureResult([], 0, 0, 0.0)
@@ -78,6 +82,10 @@ class BlockMode(FusionMode):
 
     def layout_kind(self, fusion: "FusionOptions") -> str:
         return "sequential"
+
+    def positions(self, segs, fusion):
+        layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
+        return layout.query_start + len(segs.query)  # shared (APE): the longest block, not the sum
 
     def cache_keys(self, engine, segs, fusion, ns):
         pre = [engine._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
