@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ragkv.bench.common import markdown_table, real_passages, save_json
+from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.stepwise import drain
 from ragkv.eval.modes import parse_mode_key
@@ -88,7 +89,7 @@ def run_chat_bench(engine, cfg: ChatBenchConfig, out_dir: Path, say=print) -> di
                        "top1_agrees": bool(torch.argmax(logits) == torch.argmax(full_logits)),
                        "recompute_vs_full": stats.to_dict().get("recompute_vs_full"),
                        "history": stats.extra.get("history")}
-                if segs.blocks and fusion.mode not in ("prefix", "full"):
+                if segs.blocks and get_mode(fusion.mode).reads_blocks:
                     t0 = time.perf_counter()  # the server's idle-time work after this reply
                     with eng.lock:
                         settled = drain(eng.settle_history_steps(segs, prefix_chunk=fusion.prefix_chunk))

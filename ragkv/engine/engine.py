@@ -286,8 +286,7 @@ class Engine:
         as parallel segments); unchanged otherwise, or when the prompt already fits."""
         if self.positions_needed(segs, fusion) + max_new_tokens <= self.max_positions or not segs.blocks:
             return segs
-        mode = get_mode(fusion.mode)
-        if not hasattr(mode, "layout_kind") or mode.layout_kind(fusion) != "shared":
+        if not get_mode(fusion.mode).shares_positions:
             return segs
         room = self.max_positions - len(segs.prefix) - len(segs.query) - max_new_tokens
         return split_blocks(segs, room) if room >= 1 else segs

@@ -13,6 +13,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
 from ragkv.errors import RagkvError
@@ -117,8 +118,10 @@ class RequestBuilder:
         window, needed = self.engine.max_positions, self.engine.positions_needed(segs, fusion)
         if needed > window:
             shared = "" if needed == segs.num_tokens else f" of its {segs.num_tokens} tokens"
-            hint = ("; mode `ape` encodes documents side by side (sharing positions) and serves documents longer "
-                    "than the window" if fusion.mode != "ape" and segs.blocks else "")
+            wide = [m for m in mode_names() if get_mode(m).shares_positions]
+            hint = (f"; mode {' or '.join(f'`{m}`' for m in wide)} encodes documents side by side (sharing "
+                    "positions) and serves documents longer than the window"
+                    if wide and fusion.mode not in wide and segs.blocks else "")
             raise FieldError(field, f"the prompt needs {needed} positions{shared} in mode {fusion.mode!r}; the "
                                     f"model has {window}{hint}", "context_length_exceeded")
         if gen.max_new_tokens > self.engine.max_positions:

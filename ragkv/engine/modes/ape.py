@@ -16,6 +16,7 @@ class Ape(BlockMode):
     name = "ape"
     summary = "blocks encoded after a shared prefix, sharing one position range; context attention scaled by T, S"
     option_fields = ("ape_temperature", "ape_scale")
+    shares_positions = True
 
     def conditioning(self, segs):
         return prefix_conditioning(segs.prefix)
