@@ -111,6 +111,7 @@ def test_history_segments_cut_at_rendering_boundaries_and_share_a_block_where_th
     assert text(segs.prefix) == "<system>S</>"
     assert [text(b) for b in segs.blocks] == ["<user>hi</>", "<assistant>yo</>", "<u>[a][b]</u>"]
     assert text(segs.query) == "<user>q</><assistant>"
+    assert text(segs.next_turn) == "<user>q</>"  # the block this question becomes in the next request
     assert segs.all_ids() == chat_segments(tok, turns, "S").query
 
 
@@ -121,6 +122,9 @@ def test_history_segments_are_the_chat_prompt_on_the_default_model(default_engin
     for system in (None, "Be brief."):
         segs = default_engine.history_segments(turns, system)
         assert segs.history and len(segs.blocks) == 3
+        follow = default_engine.history_segments(turns + [{"role": "assistant", "content": "Tom."},
+                                                          {"role": "user", "content": "Thanks."}], system)
+        assert follow.blocks[3] == segs.next_turn  # encoded after this reply, found by the next request
         assert segs.all_ids() == default_engine.chat_segments(turns, system).query
         if system:
             assert default_engine.tokenizer.decode(segs.prefix).count("Be brief.") == 1

@@ -104,7 +104,9 @@ def settle_history(model, blocks, fingerprint: str, segs: Segments, ns: str, pre
     sends: the turns the block store lacks are encoded alone (a later edit fuses them instead of prefilling them),
     and a history the prefix cache does not hold (the reply fused turns behind an edit) is prefilled exactly into
     it (the next turn is exact again). Yields between blocks and between `prefill_chunk`-token units."""
-    res = yield from blocks.ensure_steps(segs.blocks, NO_CONDITIONING, namespace=ns)
+    # the question just answered is a turn of the next request: encoded now, it is not a miss after an edit
+    turns = segs.blocks + ([segs.next_turn] if segs.next_turn else [])
+    res = yield from blocks.ensure_steps(turns, NO_CONDITIONING, namespace=ns)
     ids = segs.prefix + [t for b in segs.blocks for t in b]
     healed = 0
     whole_chunks = len(ids) // prefix_chunk * prefix_chunk

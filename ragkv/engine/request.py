@@ -43,6 +43,7 @@ class Segments:
     query: list[int]
     block_titles: list[str] = field(default_factory=list)
     history: bool = False  # the blocks are earlier chat turns, in order (engine/history.py: exact prefix first)
+    next_turn: list[int] = field(default_factory=list)  # history: the last user message as the block it becomes
 
     def all_ids(self) -> list[int]:
         return self.prefix + [t for b in self.blocks for t in b] + self.query
@@ -143,6 +144,7 @@ def history_segments(tokenizer, turns: list[dict], system: str | None = None) ->
     if not getattr(tokenizer, "chat_template", None):
         head = system + "\n\n" if system else ""
         pieces = [t["content"] + "\n" for t in turns[:-1]] + [turns[-1]["content"]]
+        last = turns[-1]["content"] + "\n"
     else:
         sys_msgs = [{"role": "system", "content": system}] if system else []
         full = _render(tokenizer, sys_msgs + turns, generation_prompt=True)
@@ -157,6 +159,8 @@ def history_segments(tokenizer, turns: list[dict], system: str | None = None) ->
                 done = len(text)
         cuts.append(len(full))
         pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+        plain = _render(tokenizer, sys_msgs + turns) or ""  # no generation prompt: the last message as a turn
+        last = plain[cuts[-2]:] if plain.startswith(full[:cuts[-2]]) and len(plain) > cuts[-2] else ""
     ids = [tokenize(tokenizer, p) for p in pieces]
     return Segments(prefix=tokenize(tokenizer, head), blocks=[b for b in ids[:-1] if b], query=ids[-1],
-                    block_titles=[], history=True)
+                    block_titles=[], history=True, next_turn=tokenize(tokenizer, last))
