@@ -52,8 +52,7 @@ def test_an_edit_fuses_the_stored_turns_behind_it_with_the_mode_invariants(tiny_
     engine = tiny_engine("llama")
     segs = chat()
     # what the server runs in the background after a reply (here none came first: the history is prefilled too)
-    history_len = segs.num_tokens - len(segs.query)
-    assert drain(engine.settle_history_steps(segs)) == {"encoded_turns": 6, "prefilled_tokens": history_len}
+    assert drain(engine.settle_history_steps(segs)) == {"encoded_turns": 6, "prefilled_tokens": segs.num_tokens}
     edited = Segments(segs.prefix, [rand_ids(25, 500)] + segs.blocks[3:], segs.query, history=True)
     full, _ = first_logits(engine, edited, mode="full")
     reuse, stats = first_logits(engine, edited, mode="reuse")

@@ -107,7 +107,9 @@ def settle_history(model, blocks, fingerprint: str, segs: Segments, ns: str, pre
     # the question just answered is a turn of the next request: encoded now, it is not a miss after an edit
     turns = segs.blocks + ([segs.next_turn] if segs.next_turn else [])
     res = yield from blocks.ensure_steps(turns, NO_CONDITIONING, namespace=ns)
-    ids = segs.prefix + [t for b in segs.blocks for t in b]
+    # the whole prompt, its question too: the next request repeats it as a turn, so the prefix cache then reaches
+    # into the new exchange and only that is prefilled
+    ids = segs.all_ids()
     healed = 0
     whole_chunks = len(ids) // prefix_chunk * prefix_chunk
     if cached_prefix_tokens(blocks.store, ids, prefix_chunk, fingerprint, ns) < whole_chunks:
