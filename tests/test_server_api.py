@@ -385,3 +385,4 @@ def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit
     r = post(api, "/v1/chat/completions", {"messages": edited, "max_tokens": 8, "ragkv": {"mode": "prefix"}})
     assert r.status_code == 200 and r.json()["usage"]["fidelity"]["exact"] is True
     assert r.json()["usage"]["history"] is None
+    idle(api)  # the follow-up's idle-time work done before the module's server stops
