@@ -115,11 +115,31 @@ def test_changed_mode_parameters_refuse_to_resume(engine, tmp_path):
 
 def test_too_long_examples_are_skipped_and_first_token_only_runs(engine):
     long_ex = Example("long", "q ?", [Passage(" ".join(["x"] * 600))], ["a"], "qa", "accuracy")
-    run = run_eval(engine, _examples(1) + [long_ex], _modes(engine, "full,ape"), max_new_tokens=0, progress=False)
+    run = run_eval(engine, _examples(1) + [long_ex], _modes(engine, "full,reuse"), max_new_tokens=0, progress=False)
     assert run["skipped"] == ["long"] and len(run["records"]) == 2
+    run = run_eval(engine, _examples(1), _modes(engine, "full,ape"), max_new_tokens=0, progress=False)
     rec = next(r for r in run["records"] if r["mode_key"] == "ape")
     assert rec["scores"] == {} and "greedy_agreement" not in rec["fidelity"] and rec["params"] == {
         "ape_temperature": 0.9, "ape_scale": 0.9}
+
+
+def test_beyond_the_window_ape_runs_without_a_reference_and_truncation_is_the_baseline(engine):
+    from ragkv.eval.harness import truncate_to_window
+
+    # 3 passages of 300 words: 900+ tokens on a 512-position model; the gold passage (the answer) is the first
+    passages = [Passage(" ".join([f"p{j}w{k}" for k in range(300)])) for j in range(3)]
+    ex = Example("wide", "what ?", passages, ["w10"], "qa", "accuracy", {"gold_index": 0})
+    run = run_eval(engine, [ex], _modes(engine, "full,reuse,ape"), max_new_tokens=4, progress=False)
+    assert run["skipped"] == [] and [r["mode_key"] for r in run["records"]] == ["ape"]  # full and reuse cannot
+    rec = run["records"][0]
+    assert rec["fidelity"] == {} and "accuracy" in rec["scores"] and rec["num_passages"] == 3
+    table = summarize(run["records"])
+    assert table["ape"]["n"] == 1 and table["ape"]["first_token_kl"] is None
+    cut = truncate_to_window(engine, [ex], max_new_tokens=4)[0]
+    assert cut.passages == passages[2:] and cut.meta == {"gold_index": -1, "truncated_passages": 2}
+    run = run_eval(engine, [cut], _modes(engine, "full,reuse"), max_new_tokens=4, progress=False)
+    assert {r["mode_key"] for r in run["records"]} == {"full", "reuse"}
+    assert all(r["truncated_passages"] == 2 and r["gold_index"] == -1 for r in run["records"])
 
 
 def _rec(ex, mode, kl, top1, greedy, ttft, scores):

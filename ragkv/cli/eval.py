@@ -87,6 +87,9 @@ def register(sub) -> None:
                    help="evaluate every N-th example starting at the K-th (of those --limit keeps), into its own "
                    "file (default name: runs/eval-<dataset>-shardKofN-<model>.jsonl), to run N processes side by "
                    "side; `ragkv report` merges the shards of one run")
+    e.add_argument("--truncate", action="store_true",
+                   help="drop each example's passages farthest from the question until the prompt and the answer "
+                        "fit the model's window: the baseline for sets longer than the window (nq-long)")
     e.set_defaults(func=run_eval_cmd)
 
     s = sub.add_parser("sweep", help="blend ratio, APE T x S grid or passage-count sweep: JSON + PNG")
@@ -257,6 +260,15 @@ def run_eval_cmd(args) -> int:
         label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
     engine = _engine(args)
+    from ragkv.eval.datasets import DATASETS, dataset_prompt
+
+    prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
+    if args.truncate:
+        from ragkv.eval.harness import truncate_to_window
+
+        examples = truncate_to_window(engine, examples, max_new, prompt)
+        desc["truncate"] = True  # only when set: files written before the flag still resume
+        label += "-truncated"
     from ragkv.engine.calibration import load_ape_params
 
     # APE's T and S: calibrated for this data set's task when that was done, else the model's
@@ -268,9 +280,6 @@ def run_eval_cmd(args) -> int:
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         _say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
-    from ragkv.eval.datasets import DATASETS, dataset_prompt
-
-    prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
     results = ResultsFile(output, results_config(engine, desc, max_new, prompt), args.overwrite)
     done = len(results.done_keys())
     if done:

@@ -84,6 +84,9 @@ DATASETS = {
     "nq-train": DatasetInfo(_NQ, "nq", "NQ-10 from the remaining questions, distractors drawn among them only: "
                             "fine-tuning only", num_passages=10, role="train", records=(NQ_HELDOUT, None),
                             own_distractors=True),
+    "nq-long": DatasetInfo(_NQ, "nq", "NQ gold passage among 149 gold passages of other questions, ~19K tokens: "
+                           "twice an 8K window (ape shares positions; full needs --truncate)", num_passages=150,
+                           records=(0, NQ_EVAL)),
     **{f"nq-icl-{k}": DatasetInfo(_NQ, "nq", f"NQ-open closed book after {k} solved NQ questions (from the "
                                   "training records, the same for every question, each one block: in-context "
                                   "examples encoded once)", records=(0, NQ_EVAL), shots=k, prompt=ICL_PROMPT)

@@ -14,7 +14,7 @@ earlier examples left in the cache (the shared system prompt) can hit, as in ser
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Iterable
 
 from ragkv.config import cpu_name
@@ -44,7 +44,10 @@ def task_scores(ex: Example, text: str) -> dict[str, float]:
 
 
 def fidelity(ref, ans, n: int = FIDELITY_TOKENS) -> dict:
-    """Distance of an Answer to the `full` reference Answer on the same example."""
+    """Distance of an Answer to the `full` reference Answer on the same example ({} without one: an example
+    longer than `full` can take)."""
+    if ref is None:
+        return {}
     out = {"first_token_kl": first_token_kl(ref.first_logits, ans.first_logits),
            "top1_agreement": top1_agreement(ref.first_logits, ans.first_logits)}
     if ref.token_ids or ans.token_ids:
@@ -89,6 +92,25 @@ def _warm_group(engine, segs, fusion) -> tuple | None:
     return tuple(engine.cache_keys(segs, fusion)) if get_mode(fusion.mode).reads_blocks else None
 
 
+def truncate_to_window(engine, examples: list[Example], max_new_tokens: int, prompt_format=None) -> list[Example]:
+    """Each example with its passages farthest from the question (the first ones) dropped until the prompt and the
+    answer fit the model's window: the baseline a longer-than-window set is compared with. `meta` says how many
+    were dropped; `gold_index` follows the gold passage, -1 where it was dropped."""
+    out = []
+    for ex in examples:
+        segs = engine.segments(ex.question, ex.passages, prompt_format=prompt_format)
+        over = segs.num_tokens + max_new_tokens - engine.max_positions
+        drop = 0
+        while over > 0 and drop < len(segs.blocks):
+            over -= len(segs.blocks[drop])
+            drop += 1
+        meta = {**ex.meta, "truncated_passages": drop}
+        if "gold_index" in meta:
+            meta["gold_index"] = meta["gold_index"] - drop if meta["gold_index"] >= drop else -1
+        out.append(replace(ex, passages=ex.passages[drop:], meta=meta))
+    return out
+
+
 def forget_example(engine, segs, chunk: int = FusionOptions().prefix_chunk) -> None:
     """Drop the example's blocks and prefix-cache chunks from the store (keeping the shared system prompt's), so
     memory stays flat over hundreds of examples."""
@@ -109,7 +131,7 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra,
            "mode_fidelity": s.fidelity,  # how the mode says it computed the answer (exact or not, signal)
            "cpu": cpu_name()}  # per record: a resumed run may go on on another machine
-    for k in ("gold_index", "retrieved_gold_rank"):  # where the gold passage sat, and the retriever's rank of it
+    for k in ("gold_index", "retrieved_gold_rank", "truncated_passages"):  # where the gold passage sat, and the retriever's rank of it
         if k in ex.meta:
             rec[k] = ex.meta[k]
     if ex.task != "summary":
@@ -143,30 +165,41 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
         if not pending:
             continue
         segs = engine.segments(ex.question, ex.passages, prompt_format=prompt_format)
-        if segs.num_tokens + max_new_tokens > engine.max_positions:
+        # each mode's layout: with blocks sharing positions (ape), a prompt longer than the window may still fit
+        laid = {m.key: engine.fit_to_window(segs, m.fusion, max_new_tokens) for m in pending}
+        fits = {m.key for m in pending
+                if engine.positions_needed(laid[m.key], m.fusion) + max_new_tokens <= engine.max_positions}
+        if not fits:
             skipped.append(ex.id)
             bar.update(len(pending))
             continue
         bar.set_postfix_str(f"{ex.id[:12]} full")
-        ref = _answer(engine, segs, FULL, max_new_tokens)
+        # the reference where `full` fits; beyond the window, the other modes run without one (no fidelity)
+        fits_full = segs.num_tokens + max_new_tokens <= engine.max_positions
+        ref = _answer(engine, segs, FULL, max_new_tokens) if fits_full else None
         rerun += any((ex.id, m.key) in done for m in modes if get_mode(m.mode).is_reference)
         encode: dict[tuple, float] = {}  # blocks read (cache keys) -> their encoding time
         for spec in pending:
+            if spec.key not in fits:
+                bar.update(1)
+                continue
             bar.set_postfix_str(f"{ex.id[:12]} {spec.key}")
-            group = _warm_group(engine, segs, spec.fusion)
+            mode_segs = laid[spec.key]
+            group = _warm_group(engine, mode_segs, spec.fusion)
             if get_mode(spec.mode).is_reference:
                 ans = ref  # the reference run is the `full` row: fidelity exactly zero by construction
             else:
                 if group and group not in encode:
-                    encode[group] = engine.warm(segs, spec.fusion).encode_ms
-                ans = _answer(engine, segs, spec.fusion, max_new_tokens)
-            rec = make_record(ex, spec, ans, ref, segs, encode.get(group, 0.0), n_fid)
+                    encode[group] = engine.warm(mode_segs, spec.fusion).encode_ms
+                ans = _answer(engine, mode_segs, spec.fusion, max_new_tokens)
+            rec = make_record(ex, spec, ans, ref, mode_segs, encode.get(group, 0.0), n_fid)
             if results is not None:
                 results.append(rec)
             new.append(rec)
             bar.update(1)
         if not keep_cache:
-            forget_example(engine, segs)
+            for laid_segs in {id(s): s for s in [segs, *laid.values()]}.values():
+                forget_example(engine, laid_segs)
     bar.close()
     ids = {ex.id for ex in examples}
     keys = {m.key for m in modes}

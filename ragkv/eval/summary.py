@@ -63,11 +63,13 @@ def summarize_mode(records: list[dict]) -> dict:
         if vals:
             out[k] = _mean(vals)
             out[f"{k}_ci"] = list(bootstrap_ci(vals))
-    kl = [r["fidelity"]["first_token_kl"] for r in records]
+    # examples longer than `full` can take have no reference: no fidelity (eval/harness.py)
+    kl = [r["fidelity"]["first_token_kl"] for r in records if "first_token_kl" in r["fidelity"]]
     out["first_token_kl"] = _mean(kl)
     out["first_token_kl_median"] = round(statistics.median(kl), 6) if kl else None
     out["first_token_kl_max"] = round(max(kl), 6) if kl else None
-    out["top1_agreement"] = _mean([r["fidelity"]["top1_agreement"] for r in records])
+    out["top1_agreement"] = _mean([r["fidelity"]["top1_agreement"] for r in records
+                                   if "top1_agreement" in r["fidelity"]])
     for k in ("greedy_agreement", "prefix_agreement"):
         vals = [r["fidelity"][k] for r in records if k in r["fidelity"]]
         if vals:
