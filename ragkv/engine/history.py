@@ -5,7 +5,7 @@ A conversation sent statelessly (the whole `messages` list every turn) repeats i
 hash-chained prefix cache (engine/prefix_cache.py) already holds, and new turns right after them, are prefilled
 exactly over that prefix, and their chunks stored: an unedited conversation is computed exactly as `prefix` would.
 After an edit (a summary replacing ten turns, a dropped message) the prefix cache stops at the edit; the turns after
-it that the block store holds (each encoded alone, in the background after an earlier reply: `Engine.warm_turns`)
+it that the block store holds (each encoded alone, in the background after an earlier reply: `settle_history`)
 are fused with the mode (reuse, blend, auto) instead of prefilled again, so the edit costs the edited part.
 """
 
