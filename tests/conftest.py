@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import ARCHS, default_model_available, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
+# RAGKV_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (the engine's CUDA check); CI runs them on the CPU.
+TEST_DEVICE = os.environ.get("RAGKV_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +28,7 @@ def _load_tiny(path):
     real = loader.load_tokenizer
     loader.load_tokenizer = lambda p: None  # tiny models carry no tokenizer; tests feed token ids
     try:
-        return loader.load_model(str(path))
+        return loader.load_model(str(path), device=TEST_DEVICE)
     finally:
         loader.load_tokenizer = real
 

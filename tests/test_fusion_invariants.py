@@ -24,7 +24,7 @@ TOL = 1e-4
 
 
 def maxdiff(a, b):
-    return (a - b).abs().max().item()
+    return (a.cpu() - b.cpu()).abs().max().item()
 
 
 def test_rope_of_raw_k_equals_model_k_at_any_position(tiny_loaded):
@@ -34,9 +34,10 @@ def test_rope_of_raw_k_equals_model_k_at_any_position(tiny_loaded):
     raw = encode_block(model, ids)  # encoded at positions 0..23
     for p in (0, 37, 300):
         cache = KVCache.for_model(model)
-        model(torch.tensor([ids]), positions=torch.arange(p, p + 24), cache=cache)
+        positions = torch.arange(p, p + 24, device=model.device)
+        model(torch.tensor([ids], device=model.device), positions=positions, cache=cache)
         for layer in range(model.args.num_layers):
-            rotated = model.rope(raw.keys[layer].unsqueeze(0), torch.arange(p, p + 24))
+            rotated = model.rope(raw.keys[layer].unsqueeze(0), positions)
             assert maxdiff(rotated, cache.layer(layer)[0]) <= TOL
             assert maxdiff(raw.values[layer].unsqueeze(0), cache.layer(layer)[1]) <= TOL
 
@@ -68,8 +69,8 @@ def block_mask_forward(model, segs, extra=()):
         seg += [i + 1] * len(b)
     open_id = len(segs.blocks) + 1
     seg += [open_id] * (len(segs.query) + len(extra))
-    mask = block_attention_mask(torch.tensor(seg), torch.tensor([open_id]))
-    return model(torch.tensor([ids]), mask=mask, all_logits=True)[0]
+    mask = block_attention_mask(torch.tensor(seg, device=model.device), torch.tensor([open_id], device=model.device))
+    return model(torch.tensor([ids], device=model.device), mask=mask, all_logits=True)[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])
@@ -302,8 +303,8 @@ def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
     from ragkv.ops.rope import apply_rope, half_tables, rope_into
 
     model = tiny_loaded["llama3"].model
-    x = torch.randn(1, 2, 300, 16).to(dtype)
-    cos, sin = model.rotary.lookup(torch.arange(100, 400))
+    x = torch.randn(1, 2, 300, 16).to(model.device, dtype)
+    cos, sin = model.rotary.lookup(torch.arange(100, 400, device=model.device))
     out = torch.empty_like(x)
     rope_into(out, x, *half_tables(cos, sin), chunk=128)
     tol = 1e-6 if dtype == torch.float32 else 1e-2

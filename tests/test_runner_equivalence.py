@@ -12,14 +12,15 @@ def test_logits_match_transformers(arch, tiny_dirs, tiny_loaded):
     ids = torch.randint(0, 320, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf_model(tiny_dirs[arch])(ids).logits
-    ours = tiny_loaded[arch].model(ids, all_logits=True)
+    model = tiny_loaded[arch].model
+    ours = model(ids.to(model.device), all_logits=True).cpu()
     assert (ref - ours).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_incremental_decoding_equals_full_forward(arch, tiny_loaded):
     model = tiny_loaded[arch].model
-    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(2)).to(model.device)
     full = model(ids, all_logits=True)[0]
     cache = KVCache.for_model(model, capacity=8)  # forces growth while decoding
     model(ids[:, :40], cache=cache)
@@ -44,7 +45,8 @@ def test_sliding_window_matches_transformers_past_the_window(tiny_dirs, tiny_loa
         unwindowed = hf_model(tiny_dirs["mistral"])(ids).logits[0]
     assert (ref - unwindowed).abs().max().item() > 1e-2  # the window really changes the result
     cache = KVCache.for_model(model, capacity=8)
-    first = model(ids[:, :60], cache=cache, all_logits=True)[0]
+    ref = ref.to(model.device)
+    first = model(ids[:, :60].to(model.device), cache=cache, all_logits=True)[0]
     assert (first - ref[:60]).abs().max().item() <= 1e-4
     state = DecodeState(cache, 60, first[-1])
     for t in range(60, 80):

@@ -19,8 +19,9 @@ from ragkv.eval.datasets import Example
 from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
                                     prepare_output)
 from ragkv.train.config import TrainConfig, TrainConfigError
-from ragkv.train.data import (IGNORE, Batch, TrainingDataError, build_examples, collate, example_from_segments,
+from ragkv.train.data import (IGNORE, Batch, TrainingDataError, build_examples, example_from_segments,
                               example_mask, load_training_examples, local_positions)
+from ragkv.train.data import collate as collate_on_cpu
 from ragkv.train.loop import Trainer, answer_loss_sum, data_order, forward_logits, lr_factor, token_loss_sum
 
 from tiny import make_segs, rand_ids
@@ -40,7 +41,12 @@ def toy_examples(n=6, seed=0):
 
 
 def maxdiff(a, b):
-    return (a - b).abs().max().item()
+    return (a.cpu() - b.cpu()).abs().max().item()
+
+
+def collate(*args, **kw):
+    """Batches where the tiny models are (RAGKV_TEST_DEVICE), as the Trainer moves them."""
+    return collate_on_cpu(*args, **kw).to(os.environ.get("RAGKV_TEST_DEVICE", "cpu"))
 
 
 def fresh_model(tiny_loaded, arch="llama"):
@@ -451,8 +457,8 @@ def test_saved_folder_loads_as_a_model(tiny_loaded, tiny_dirs, tmp_path, monkeyp
     Trainer(model, toy_examples(2), TrainConfig(steps=2, lr=1e-3), tmp_path / "ft", tiny_dirs["qwen2"]).run(
         progress=False)
     monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
-    back = loader.load_model(str(tmp_path / "ft"))
-    ids = torch.tensor([rand_ids(20, 9)])
+    back = loader.load_model(str(tmp_path / "ft"), device=model.device)
+    ids = torch.tensor([rand_ids(20, 9)], device=model.device)
     with torch.no_grad():
         assert maxdiff(back.model(ids, all_logits=True), model(ids, all_logits=True)) == 0
     assert back.fingerprint != tiny_loaded["qwen2"].fingerprint

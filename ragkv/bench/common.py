@@ -13,13 +13,23 @@ from pathlib import Path
 from ragkv.config import machine
 
 
+def _sync() -> None:
+    """Wait for queued GPU work, so a timing covers the kernels and not only their launch."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times), times
 

@@ -71,7 +71,7 @@ def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink
                   per_block: bool) -> torch.Tensor:
     """Cache indices (ascending) of the block tokens to recompute: the top r by `score` (over all blocks, or per
     block), plus each block's first `sink_tokens`. The shared prefix is never chosen (it is computed exactly)."""
-    dev = layout.context_positions.device
+    dev = score.device if score is not None else layout.context_positions.device  # the layout lives on the CPU
     chosen = torch.zeros(layout.context_len, dtype=torch.bool, device=dev)
     blocks = list(zip(layout.block_offsets(), layout.block_lens))
     groups = blocks if per_block else [(layout.prefix_len, layout.context_len - layout.prefix_len)]
@@ -130,7 +130,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     logits, chosen, risks = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
     t0 = time.perf_counter()
     for ratio in ratios:
-        chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block)
+        chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block).to(model.device)
         if not len(chosen):  # nothing to recompute: stage 1's answer is `reuse`'s
             continue
         rows = torch.cat([chosen, torch.arange(N, total, device=chosen.device)])

@@ -1,0 +1,23 @@
+#!/bin/bash
+# The engine's CUDA check, for a machine with an NVIDIA GPU (never CI): the tiny-model equivalence tests on the GPU,
+# then `ragkv bench ttft` on a random-weight model shaped like MODEL_DIR's config (no weights travel; timings only).
+# Usage: scripts/gpu_check.sh OUT_DIR MODEL_DIR   (MODEL_DIR: config.json + tokenizer files of a converted model)
+set -uo pipefail
+out=${1:?OUT_DIR}; model=${2:?MODEL_DIR}
+mkdir -p "$out"
+nvidia-smi -L
+RAGKV_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/test_fusion_invariants.py tests/test_history.py tests/test_batched_decode.py tests/test_runner_equivalence.py \
+    tests/test_generation.py tests/test_layers.py tests/test_scheduler.py tests/test_kv_memory.py tests/test_risk.py \
+    tests/test_quant.py tests/test_sampling.py tests/test_modes.py tests/test_store_compress.py tests/test_train.py \
+    2>&1 | tee "$out/tests.log" | tail -40
+python3 - "$model" <<'PY'
+import sys, torch, transformers
+cfg = transformers.AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[1])
+print("random weights saved:", sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
+PY
+timeout 240 python3 -m ragkv.cli bench ttft --model "$model" --dtype bfloat16 --device cuda \
+    --contexts 1024,4096,8192 --modes full,prefix,reuse,ape,blend --repeats 5 --output-dir "$out" 2>&1 | tail -30
