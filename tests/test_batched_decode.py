@@ -10,7 +10,7 @@ from tiny import default_model_available, make_segs
 
 MODES = [FusionOptions(mode="full"), FusionOptions(mode="prefix", prefix_chunk=8), FusionOptions(mode="reuse"),
          FusionOptions(mode="ape", ape_temperature=0.8, ape_scale=0.9), FusionOptions(mode="blend", ratio=0.3),
-         FusionOptions(mode="reuse")]
+         FusionOptions(mode="reuse", kv_layout="shared")]
 SHAPES = [dict(blocks=(20, 17, 25), query=9), dict(prefix=5, blocks=(11,), query=4),
           dict(blocks=(30, 8), query=12, seed=3), dict(blocks=(14, 22, 9), query=6, seed=4),
           dict(prefix=0, blocks=(40, 12), query=7, seed=5), dict(blocks=(), query=15, seed=6)]

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
+from ragkv.engine.block_pool import BlockPool
 from ragkv.engine.blocks import BlockCache
 from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
 from ragkv.engine.generate import Delta, Sequence, step_sequences
@@ -106,6 +107,7 @@ class Engine:
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
         self._store = store if store is not None else MemoryStore()
         self._blocks = BlockCache(self.model, loaded.fingerprint, self._store, namespace)
+        self._pool = BlockPool(self.model)  # blocks read in place (kv_layout=shared); its own, like its store
         self.namespace = namespace
         self.prompt_format = prompt_format
         self.eos_ids = _eos_ids(loaded)
@@ -202,6 +204,7 @@ class Engine:
             fusion = FusionOptions(mode=name, prefix_chunk=prefix_chunk)
             own = self.cache_keys(segs, fusion, namespace)[get_mode(name).shared_key_count(segs, fusion):]
             keys.update(dict.fromkeys(own))
+        self._pool.discard(keys)
         return sum(bool(self._store.delete(k)) for k in keys)
 
     def profile_store(self, refresh: bool = False) -> dict:

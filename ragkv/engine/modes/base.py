@@ -10,6 +10,7 @@ ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import ClassVar
 
@@ -18,6 +19,7 @@ from ragkv.engine.flops import head_flops, rows_flops
 from ragkv.engine.history import prefill_history, with_exact_prefix
 from ragkv.engine.layout import Layout, make_layout
 from ragkv.engine.request import Segments
+from ragkv.engine.shared_attention import prefill_shared
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
@@ -126,6 +128,12 @@ class BlockMode(FusionMode):
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
         if res.uncached:
             stats.extra["uncached_blocks"] = len(res.uncached)  # computed and used, but the store did not keep them
+        if exact is None and self.reads_in_place(fusion):  # shared block attention: no copy, no re-rotation
+            t0 = time.perf_counter()
+            pooled = engine._pool.blocks(res.keys, lambda keys: engine._layer_stream(keys, res.uncached,
+                                                                                    blocks.store))
+            stats.fetch_ms += (time.perf_counter() - t0) * 1000
+            return prefill_shared(engine.model, pooled, layout, segs.query, capacity, stats)
         fusion, tiers = self.load_schedule(engine, res, fusion, stats)
         layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
@@ -133,6 +141,11 @@ class BlockMode(FusionMode):
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         return state
+
+    def reads_in_place(self, fusion: "FusionOptions") -> bool:
+        """Whether the query attends to the pooled blocks in place (ragkv.engine.shared_attention) rather than to
+        a re-rotated copy in its own cache."""
+        return False
 
     def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""

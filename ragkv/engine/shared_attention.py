@@ -1,0 +1,101 @@
+"""Shared block attention (issue 28): a sequence attends to pooled blocks in place instead of to its own re-rotated
+copy of them.
+
+RoPE is relative: a query at position m and a key j of a block placed at offset o meet through
+<R(m) q, R(o + j) k> = <R(m - o) q, R(j) k>. So the pool keeps each block's K rotated once at its own positions j,
+and the query, already rotated at m by the layer, is rotated back by o (one rotation of the query's rows per
+block); scores, and so the attention, are today's. Each block is one attention with its log-sum-exp, the sequence's
+own rows (query, generated tokens) another, causal; the parts merge through their LSEs (ragkv.ops.attention), which
+equals one softmax over the concatenation. The sequence's cache holds only its own rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.engine.block_pool import PooledBlock
+from ragkv.engine.kvcache import KVCache
+from ragkv.engine.layout import Layout
+from ragkv.engine.stats import RequestStats
+from ragkv.engine.state import DecodeState
+from ragkv.errors import InvalidRequestError
+from ragkv.models.loop import run_layers
+from ragkv.ops.attention import attention_with_lse, causal_mask, merge_by_lse
+from ragkv.ops.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class SharedBlocksAttention:
+    """Callable as a decode attention policy (ragkv.engine.state): q [1, Hq, T, D] rotated at its positions, k/v
+    the sequence's own rows [1, Hkv, S, D], the last T of them q's own."""
+    blocks: tuple[PooledBlock, ...]
+    cos: torch.Tensor  # [nb, 1, 1, D] fp32: cos(o_b * f)
+    sin: torch.Tensor  # [nb, 1, 1, D] fp32: -sin(o_b * f), a rotation by -o_b
+
+    @classmethod
+    def at(cls, model, blocks: list[PooledBlock], offsets: list[int]) -> "SharedBlocksAttention":
+        cos, sin = model.rotary.lookup(torch.tensor(offsets, dtype=torch.long, device=model.device))
+        return cls(tuple(blocks), cos[:, None, None], -sin[:, None, None])
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        moved = apply_rope(q, self.cos, self.sin)  # [nb, Hq, T, D]: each block's view of the query, at m - o_b
+        outs, lses = [], []
+        for b, blk in enumerate(self.blocks):
+            o, lse = attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer])
+            outs.append(o), lses.append(lse)
+        T, S = q.shape[2], k.shape[2]
+        o, lse = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device) if T > 1 else None)
+        outs.append(o), lses.append(lse)
+        return merge_by_lse(outs, lses).to(q.dtype)
+
+
+class OwnRowsPlan:
+    """The query's rows: their K/V are the cache's first rows; they attend to the blocks in place and to
+    themselves."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, attention: SharedBlocksAttention):
+        self.cache, self.positions, self.attention = cache, positions, attention
+
+    def begin(self, layer, decoder_layer, x):
+        return x
+
+    def store(self, layer, raw_k, k, v):
+        T = k.shape[2]
+        self.cache.keys[layer][:, :, :T] = k
+        self.cache.values[layer][:, :, :T] = v
+        return self.cache.keys[layer][:, :, :T], self.cache.values[layer][:, :, :T]
+
+    def attend(self, layer, q, kv):
+        return self.attention(layer, q, *kv)
+
+
+def block_offsets(layout: Layout) -> list[int]:
+    """The position of each context segment's first token (the prefix's, then each block's), in cache order."""
+    starts = ([0] if layout.prefix_len else []) + layout.block_offsets()
+    return layout.context_positions[starts].tolist() if starts else []
+
+
+@torch.inference_mode()
+def prefill_shared(model, blocks: list[PooledBlock], layout: Layout, query_ids: list[int], capacity: int,
+                   stats: RequestStats) -> DecodeState:
+    """`reuse`'s prefill with the blocks read in place from the pool: no per-request copy or re-rotation."""
+    N, Tq = layout.context_len, len(query_ids)
+    window = model.args.sliding_window
+    if window is not None and window < layout.query_start + Tq:
+        raise InvalidRequestError("kv_layout=shared does not support a sliding window in reach; use "
+                                  "kv_layout=copied")
+    t0 = time.perf_counter()
+    cache = KVCache.for_model(model, max(capacity - N, Tq))
+    attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout))
+    positions = torch.arange(layout.query_start, layout.query_start + Tq, device=model.device)
+    x = run_layers(model, model.embed(torch.tensor([query_ids], device=model.device)),
+                   OwnRowsPlan(cache, positions, attention))
+    cache.commit(Tq)
+    logits = model.logits(x[:, -1:])[0, -1]
+    stats.query_prefill_ms += (time.perf_counter() - t0) * 1000
+    stats.reused_tokens += N
+    stats.recomputed_tokens += Tq
+    return DecodeState(cache, layout.query_start + Tq, logits, attention)

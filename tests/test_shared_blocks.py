@@ -1,0 +1,114 @@
+"""Shared block attention (issue 28, ragkv.engine.shared_attention): `reuse` reading pooled blocks in place equals
+`reuse` over its own re-rotated copy (fp32, 1e-4), in prefill and decode, alone, forked and batched, with the same
+block at different offsets in different sequences; the pool reads each block from the store once and stays
+bounded."""
+
+import pytest
+import torch
+
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request import Segments
+from ragkv.engine.state import decode_batch, decode_step
+from ragkv.errors import InvalidRequestError, OptionError
+
+from tiny import make_segs, rand_ids
+
+TOL = 1e-4
+COPIED = FusionOptions(mode="reuse")
+SHARED = FusionOptions(mode="reuse", kv_layout="shared")
+
+
+def maxdiff(a, b):
+    return (a.cpu() - b.cpu()).abs().max().item()
+
+
+def greedy(model, state, n):
+    out, logits = [], [state.logits]
+    for _ in range(n):
+        out.append(int(state.logits.argmax()))
+        logits.append(decode_step(model, state, out[-1]))
+    return out, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("positions", ["reencoded", "local"])
+def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine):
+    eng = tiny_engine(arch)
+    segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)
+    copied, s1 = eng.prefill(segs, FusionOptions(mode="reuse", positions=positions))
+    shared, s2 = eng.prefill(segs, FusionOptions(mode="reuse", positions=positions, kv_layout="shared"))
+    assert maxdiff(copied.logits, shared.logits) <= TOL
+    assert (s1.reused_tokens, s1.recomputed_tokens) == (s2.reused_tokens, s2.recomputed_tokens)
+    assert shared.cache.length == len(segs.query)  # the sequence holds only its own rows
+    assert shared.next_position == copied.next_position
+    toks_c, logits_c = greedy(eng.model, copied, 12)
+    toks_s, logits_s = greedy(eng.model, shared, 12)
+    assert toks_c == toks_s
+    assert max(maxdiff(a, b) for a, b in zip(logits_c, logits_s)) <= TOL
+
+
+def test_one_block_at_different_offsets_is_pooled_once_and_read_in_place(tiny_engine):
+    """Two requests hold the same block at offsets 12+20 and 12: both equal their copied path, the pool read the
+    block from the store once, and a batched step over both (beside a copied sequence) equals each alone."""
+    eng = tiny_engine("llama")
+    common, other = rand_ids(26, 5), rand_ids(20, 6)
+    a = Segments(rand_ids(12, 1), [other, common], rand_ids(8, 7))
+    b = Segments(rand_ids(12, 1), [common, rand_ids(15, 8)], rand_ids(11, 9))
+    sa, _ = eng.prefill(a, SHARED)
+    before = eng._pool.stats()
+    sb, _ = eng.prefill(b, SHARED)
+    after = eng._pool.stats()
+    assert after["hits"] - before["hits"] == 2 and after["misses"] - before["misses"] == 1  # prefix + common
+    ref_a, ref_b = eng.prefill(a, COPIED)[0], eng.prefill(b, COPIED)[0]
+    assert maxdiff(sa.logits, ref_a.logits) <= TOL and maxdiff(sb.logits, ref_b.logits) <= TOL
+    plain, _ = eng.prefill(make_segs(seed=4), COPIED)
+    alone = [eng.prefill(make_segs(seed=4), COPIED)[0], eng.prefill(a, COPIED)[0], eng.prefill(b, COPIED)[0]]
+    for tok in (3, 77, 150, 9):
+        batched = decode_batch(eng.model, [plain, sa, sb], [tok, tok, tok])
+        for row, state in zip(batched, alone):
+            assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
+
+
+def test_forked_choices_read_the_blocks_in_place(tiny_engine):
+    eng = tiny_engine("qwen2")
+    segs = make_segs(seed=3)
+    ref, _ = eng.prefill(segs, COPIED)
+    shared, _ = eng.prefill(segs, SHARED)
+    first, second = shared.fork(), shared.fork()
+    assert maxdiff(decode_step(eng.model, first, 11), decode_step(eng.model, ref.fork(), 11)) <= TOL
+    assert maxdiff(decode_step(eng.model, second, 200), decode_step(eng.model, ref.fork(), 200)) <= TOL
+
+
+def test_the_pool_is_bounded_and_an_evicted_block_still_serves_its_sequence(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(seed=5)
+    ref, _ = eng.prefill(segs, COPIED)
+    state, _ = eng.prefill(segs, SHARED)
+    one = max(b.nbytes for b in state.attention.blocks)
+    eng._pool.max_bytes = one  # everything but the newest block goes
+    for seed in (6, 7):
+        eng.prefill(make_segs(seed=seed), SHARED)
+    stats = eng._pool.stats()
+    assert stats["bytes"] <= stats["max_bytes"] and stats["blocks"] == 1
+    assert maxdiff(decode_step(eng.model, state, 42), decode_step(eng.model, ref, 42)) <= TOL
+
+
+def test_forget_drops_the_pooled_blocks(tiny_engine):
+    eng = tiny_engine("llama")
+    segs = make_segs(seed=8)
+    eng.prefill(segs, SHARED)
+    blocks = eng._pool.stats()["blocks"]
+    eng.forget(segs)
+    assert eng._pool.stats()["blocks"] == blocks - len(segs.blocks)  # the shared prefix is kept
+
+
+def test_a_sliding_window_in_reach_is_refused_with_what_to_do(tiny_engine):
+    eng = tiny_engine("mistral_window")
+    with pytest.raises(InvalidRequestError, match="kv_layout=copied"):
+        eng.prefill(make_segs(), SHARED)
+
+
+def test_kv_layout_is_a_declared_option():
+    with pytest.raises(OptionError):
+        FusionOptions(mode="reuse", kv_layout="borrowed")
+    assert FusionOptions(mode="reuse", kv_layout="shared").kv_layout == "shared"
