@@ -6,10 +6,11 @@ set -uo pipefail
 out=${1:?OUT_DIR}; model=${2:?MODEL_DIR}
 mkdir -p "$out"
 nvidia-smi -L
-RAGKV_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/test_fusion_invariants.py tests/test_history.py tests/test_batched_decode.py tests/test_runner_equivalence.py \
-    tests/test_generation.py tests/test_layers.py tests/test_scheduler.py tests/test_kv_memory.py tests/test_risk.py \
-    tests/test_quant.py tests/test_sampling.py tests/test_modes.py tests/test_store_compress.py tests/test_train.py \
+TESTS=${TESTS:-tests/test_fusion_invariants.py tests/test_history.py tests/test_batched_decode.py \
+    tests/test_runner_equivalence.py tests/test_generation.py tests/test_layers.py tests/test_scheduler.py \
+    tests/test_kv_memory.py tests/test_risk.py tests/test_quant.py tests/test_sampling.py tests/test_modes.py \
+    tests/test_store_compress.py tests/test_train.py tests/test_shared_blocks.py}
+RAGKV_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE $TESTS \
     2>&1 | tee "$out/tests.log" | tail -40
 python3 - "$model" <<'PY'
 import sys, torch, transformers
@@ -19,5 +20,10 @@ model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 model.save_pretrained(sys.argv[1])
 print("random weights saved:", sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
 PY
-timeout 240 python3 -m ragkv.cli bench ttft --model "$model" --dtype bfloat16 --device cuda \
-    --contexts 1024,4096,8192 --modes full,prefix,reuse,ape,blend --repeats 5 --output-dir "$out" 2>&1 | tail -30
+common=(--model "$model" --dtype bfloat16 --device cuda)
+timeout 240 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,8192 --modes full,prefix,reuse,ape,blend \
+    --repeats 5 --output-dir "$out" 2>&1 | tail -20
+# reuse with the blocks read in place (issue 28), then its batched decode against the copied layout
+timeout 120 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,8192 --modes reuse --kv-layout shared \
+    --repeats 5 --output-dir "$out/shared_ttft" 2>&1 | tail -6
+timeout 180 python3 -m ragkv.cli bench shared "${common[@]}" --output-dir "$out" 2>&1 | tail -6

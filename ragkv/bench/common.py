@@ -13,7 +13,7 @@ from pathlib import Path
 from ragkv.config import machine
 
 
-def _sync() -> None:
+def sync_device() -> None:
     """Wait for queued GPU work, so a timing covers the kernels and not only their launch."""
     import torch
 
@@ -26,10 +26,10 @@ def median_ms(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
         fn()
     times = []
     for _ in range(repeats):
-        _sync()
+        sync_device()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync_device()
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times), times
 

@@ -21,7 +21,7 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, engine (vs transformers), decode, train-step, store, serve, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, shared, engine (vs transformers), decode, train-step, store, serve, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -33,6 +33,17 @@ def register(sub) -> None:
     add_fusion_args(t, default_mode=None, title="mode parameters")
     add_model_args(t)
     t.set_defaults(func=run_ttft)
+
+    sh = bsub.add_parser("shared", help="reuse with blocks copied per request vs read in place from the pool: TTFT "
+                                        "and batched decode steps")
+    sh.add_argument("--passages", type=int, default=4, help="blocks per request")
+    sh.add_argument("--distinct", type=int, default=12, help="passages the requests draw from")
+    sh.add_argument("--requests", type=int, default=8, help="TTFT samples per layout")
+    sh.add_argument("--batch-sizes", default="1,4,16")
+    sh.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    _output_args(sh)
+    add_model_args(sh)
+    sh.set_defaults(func=run_shared)
 
     e = bsub.add_parser("engine", help="our full prefill vs transformers' forward on the same tokens")
     e.add_argument("--lengths", default="512,1024,2048,4096")
@@ -241,6 +252,14 @@ def run_ttft(args) -> int:
                           query_tokens=args.query_tokens, repeats=args.repeats, fusion=fusion_from_args(args))
     result = run_ttft_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
     return _finish(args, result, "ttft.md")
+
+
+def run_shared(args) -> int:
+    from ragkv.bench.shared_blocks import SharedBenchConfig, run_shared_bench
+
+    cfg = SharedBenchConfig(passages=args.passages, distinct=args.distinct, requests=args.requests,
+                            batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps)
+    return _finish(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
 
 
 def run_engine(args) -> int:

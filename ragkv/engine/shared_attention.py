@@ -23,7 +23,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import attention_with_lse, causal_mask, merge_by_lse
+from ragkv.ops.attention import attention_with_lse, causal_mask, merge_by_lse, unmasked_attention_with_lse
 from ragkv.ops.rope import apply_rope
 
 
@@ -44,10 +44,13 @@ class SharedBlocksAttention:
         moved = apply_rope(q, self.cos, self.sin)  # [nb, Hq, T, D]: each block's view of the query, at m - o_b
         outs, lses = [], []
         for b, blk in enumerate(self.blocks):
-            o, lse = attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer])
+            o, lse = unmasked_attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer])
             outs.append(o), lses.append(lse)
         T, S = q.shape[2], k.shape[2]
-        o, lse = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device) if T > 1 else None)
+        if T > 1:
+            o, lse = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device))
+        else:
+            o, lse = unmasked_attention_with_lse(q, k, v)
         outs.append(o), lses.append(lse)
         return merge_by_lse(outs, lses).to(q.dtype)
 
