@@ -27,3 +27,4 @@ timeout 240 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,
 timeout 120 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,8192 --modes reuse --kv-layout shared \
     --repeats 5 --output-dir "$out/shared_ttft" 2>&1 | tail -6
 timeout 180 python3 -m ragkv.cli bench shared "${common[@]}" --output-dir "$out" 2>&1 | tail -6
+rm -f "$out"/*.png "$out"/*/*.png  # at most 8 files come back from the device
