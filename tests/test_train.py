@@ -82,7 +82,7 @@ def test_block_local_training_forward_equals_reuse_without_reencoding(arch, tiny
     batch = collate([ex], "block-local")
     lens = [len(segs.prefix)] + [len(b) for b in segs.blocks]
     want = torch.cat([torch.arange(n) for n in lens] + [torch.arange(sum(lens), len(ex))])
-    assert torch.equal(batch.positions[0], want)
+    assert torch.equal(batch.positions[0].cpu(), want)
     with torch.no_grad():
         logits = forward_logits(engine.model, batch)[0]
     state, stats = engine.prefill(segs, FusionOptions(mode="reuse", positions="local"))
@@ -124,7 +124,7 @@ def test_block_by_block_attention_equals_the_dense_mask(method, tiny_loaded):
     the same loss and the same gradients, padding included."""
     model = fresh_model(tiny_loaded).requires_grad_(True)
     batch = collate(toy_examples(3), method)
-    dense = Batch(batch.ids, batch.labels, batch.mask.dense(), batch.positions)
+    dense = Batch(batch.ids, batch.labels, batch.mask.dense(batch.ids.device), batch.positions)
     grads = []
     for b in (batch, dense):
         model.zero_grad()
