@@ -115,7 +115,14 @@ def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
         after_second = scrape()
         bad = httpx.post(s.url + "/v1/chat/completions", json={"messages": []}, timeout=30)
         assert bad.status_code == 400
+        shared = httpx.post(s.url + "/v1/chat/completions", timeout=600,
+                            json={**body, "ragkv": {**body["ragkv"], "kv_layout": "shared"}})
+        assert shared.status_code == 200, shared.text
         end = scrape()
+    # blocks read in place from the pool: the same greedy answer (fp32), the pool's bytes on /metrics
+    assert shared.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    assert shared.json()["usage"]["fidelity"]["kv_layout"] == "shared"
+    assert value(before, "ragkv_block_pool_bytes") == 0 and value(end, "ragkv_block_pool_bytes") > 0
 
     hits = [value(x, "ragkv_block_cache_hits_total") for x in (before, after_first, after_second)]
     misses = [value(x, "ragkv_block_cache_misses_total") for x in (before, after_first, after_second)]
@@ -126,7 +133,7 @@ def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
     assert value(after_second, "ragkv_ttft_seconds_count", mode="reuse") == 2
     assert value(after_second, "ragkv_completion_tokens_total") == \
         first.json()["usage"]["completion_tokens"] + second.json()["usage"]["completion_tokens"]
-    assert value(end, "ragkv_requests_total", endpoint="chat", status="200") == 2
+    assert value(end, "ragkv_requests_total", endpoint="chat", status="200") == 3
     assert value(end, "ragkv_requests_total", endpoint="chat", status="400") == 1
     assert value(end, "ragkv_decode_steps_total") > 0
     assert value(before, "ragkv_store_bytes", tier="memory:256MiB") == 0

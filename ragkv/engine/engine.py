@@ -180,6 +180,10 @@ class Engine:
     def store_stats(self) -> dict:
         return self._store.stats() if hasattr(self._store, "stats") else {}
 
+    def pool_stats(self) -> dict:
+        """The block pool that `kv_layout=shared` reads blocks from in place (engine/block_pool.py)."""
+        return self._pool.stats()
+
     def flush_store(self) -> None:
         """Wait for the store's background write-back (new blocks on their way to slower tiers)."""
         getattr(self._store, "flush", lambda: None)()

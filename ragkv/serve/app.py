@@ -30,5 +30,5 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
     mount_playground(app)
     for routes in (chat, tokens, documents, health):
         app.include_router(routes.router)
-    server.metrics.watch(server.scheduler.stats, server.engine.store_stats)
+    server.metrics.watch(server.scheduler.stats, server.engine.store_stats, server.engine.pool_stats)
     return app

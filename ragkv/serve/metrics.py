@@ -70,9 +70,11 @@ class Metrics:
         if "store_fault" in stats.extra:
             self.store_faults.inc()
 
-    def watch(self, scheduler_stats: Callable[[], dict], store_stats: Callable[[], dict]) -> None:
-        """Where the scheduler's and the store's figures are read at each scrape."""
+    def watch(self, scheduler_stats: Callable[[], dict], store_stats: Callable[[], dict],
+              pool_stats: Callable[[], dict] = dict) -> None:
+        """Where the scheduler's, the store's and the block pool's figures are read at each scrape."""
         self.live.scheduler_stats, self.live.store_stats = scheduler_stats, store_stats
+        self.live.pool_stats = pool_stats
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition and its content type: OpenMetrics when the scraper asks for it, else Prometheus text."""
@@ -86,6 +88,7 @@ class LiveStats:
     def __init__(self):
         self.scheduler_stats: Callable[[], dict] = dict
         self.store_stats: Callable[[], dict] = dict
+        self.pool_stats: Callable[[], dict] = dict
 
     def collect(self):
         sched, store = self.scheduler_stats(), self.store_stats()
@@ -116,6 +119,11 @@ class LiveStats:
             for tier, ok in up.items():
                 family.add_metric([tier], 1 if ok else 0)
             yield family
+        pool = self.pool_stats()
+        if pool:  # blocks resident for kv_layout=shared (engine/block_pool.py), bounded apart from --kv-memory
+            yield GaugeMetricFamily("ragkv_block_pool_bytes", "Bytes of blocks the pool keeps for in-place reads "
+                                    "(kv_layout=shared).", pool["bytes"])
+            yield CounterMetricFamily("ragkv_block_pool_hits", "Blocks a request found in the pool.", pool["hits"])
         faults = store.get("faults") or {}
         if faults:
             family = CounterMetricFamily("ragkv_store_tier_faults",
