@@ -69,6 +69,29 @@ def test_one_block_at_different_offsets_is_pooled_once_and_read_in_place(tiny_en
             assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
 
 
+def test_a_batched_step_reads_each_shared_block_once(tiny_engine, monkeypatch):
+    """Three sequences holding the same prefix and block at different offsets: per layer, each distinct block is
+    attended once for all its holders (plus each sequence's own rows), and the rows equal decoding alone."""
+    import ragkv.engine.shared_attention as shared_attention
+
+    eng = tiny_engine("qwen2")
+    common, prefix = rand_ids(30, 11), rand_ids(10, 12)
+    reqs = [Segments(prefix, [common, rand_ids(9 + i, 20 + i)][::1 - 2 * (i % 2)], rand_ids(6 + i, 30 + i))
+            for i in range(3)]
+    states = [eng.prefill(r, SHARED)[0] for r in reqs]
+    alone = [eng.prefill(r, COPIED)[0] for r in reqs]
+    calls = []
+    real = shared_attention.unmasked_attention_with_lse
+    monkeypatch.setattr(shared_attention, "unmasked_attention_with_lse",
+                        lambda q, k, v: calls.append(k.shape[2]) or real(q, k, v))
+    batched = decode_batch(eng.model, states, [5, 6, 7])
+    distinct = {id(b) for s in states for b in s.attention.blocks}
+    assert len(distinct) == 2 + 3  # prefix, common, each request's own block
+    assert len(calls) == eng.model.args.num_layers * (len(distinct) + len(states))
+    for row, state, tok in zip(batched, alone, [5, 6, 7]):
+        assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
+
+
 def test_forked_choices_read_the_blocks_in_place(tiny_engine):
     eng = tiny_engine("qwen2")
     segs = make_segs(seed=3)

@@ -54,6 +54,27 @@ class SharedBlocksAttention:
         outs.append(o), lses.append(lse)
         return merge_by_lse(outs, lses).to(q.dtype)
 
+    @staticmethod
+    def attend_batch(layer: int, rows: list[tuple["SharedBlocksAttention", torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]]) -> list[torch.Tensor]:
+        """One decode step's attention for several sequences (policy, q [1, Hq, 1, D], own k, own v): each block
+        any of them holds is read once, by all its holders' query rows together (each rotated back by its own
+        offset), instead of once per sequence."""
+        parts = []
+        holders: dict[int, tuple[PooledBlock, list[tuple[int, torch.Tensor]]]] = {}
+        for i, (policy, q, k, v) in enumerate(rows):
+            moved = apply_rope(q, policy.cos, policy.sin)  # [nb, Hq, 1, D]
+            for b, blk in enumerate(policy.blocks):
+                holders.setdefault(id(blk), (blk, []))[1].append((i, moved[b]))
+            parts.append([unmasked_attention_with_lse(q, k, v)])
+        for blk, users in holders.values():
+            q_rows = torch.cat([m for _, m in users], dim=1).unsqueeze(0)  # [1, Hq, users, D]: rows are independent
+            o, lse = unmasked_attention_with_lse(q_rows, blk.keys[layer], blk.values[layer])
+            for u, (i, _) in enumerate(users):
+                parts[i].append((o[:, :, u:u + 1], lse[:, :, u:u + 1]))
+        return [merge_by_lse([o for o, _ in p], [lse for _, lse in p]).to(q.dtype)
+                for p, (_, q, _, _) in zip(parts, rows)]
+
 
 class OwnRowsPlan:
     """The query's rows: their K/V are the cache's first rows; they attend to the blocks in place and to

@@ -40,7 +40,9 @@ class DecodePlan:
     """One new token per sequence: rows are sequences, each with its own cache, position and attention policy.
 
     The projections and MLP run batched over all rows (the weights are read once per step); attention runs per
-    sequence over its own cache, so lengths, layouts and policies (APE) can differ within a batch.
+    sequence over its own cache, so lengths, layouts and policies (APE) can differ within a batch. Policies with an
+    `attend_batch` (blocks read in place, engine/shared_attention.py) attend together, so that a block several
+    sequences hold is read once per step.
     """
 
     def __init__(self, states: list[DecodeState], device, window: int | None):
@@ -54,9 +56,16 @@ class DecodePlan:
         return [s.cache.append_parts(layer, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(self.states)]
 
     def attend(self, layer, q, kv):
-        outs = []
+        outs, grouped = [], {}
         for b, (s, parts) in enumerate(zip(self.states, kv)):
             qb = q[b:b + 1]
+            batch = getattr(s.attention, "attend_batch", None)
+            if batch is not None:  # policies that read shared blocks: one call for all their sequences, below
+                keys, values = parts[0] if len(parts) == 1 else (torch.cat([k for k, _ in parts], dim=2),
+                                                                 torch.cat([v for _, v in parts], dim=2))
+                grouped.setdefault(batch, []).append((b, (s.attention, qb, keys, values)))
+                outs.append(None)
+                continue
             if len(parts) > 1:  # a choice over its prompt's shared rows
                 if s.attention is None and self.window is None:
                     outs.append(decode_attention_parts(qb, parts))
@@ -69,6 +78,9 @@ class DecodePlan:
                 if self.window is not None:  # sequential layouts: cache index == position
                     keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
                 outs.append(decode_attention(qb, keys, values))
+        for batch, members in grouped.items():
+            for (b, _), out in zip(members, batch(layer, [row for _, row in members])):
+                outs[b] = out
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
