@@ -376,6 +376,32 @@ def test_lost_in_the_middle_table_and_figure(tmp_path, capsys):
     assert not (tmp_path / "README.md").exists()
 
 
+def test_quality_vs_work_pools_the_runs_and_pairs_with_full(tmp_path, capsys):
+    """`report --vs-work`: per mode, the mean work and the accuracy difference to full paired per question over
+    every run given (the same question id at two gold positions is two questions), only where all modes finished."""
+    def rec(ex, mode, acc, work, kl):
+        return {"example_id": ex, "mode_key": mode, "scores": {"accuracy": acc}, "ttft_ms": 1.0,
+                "recompute_vs_full": work, "fidelity": {"first_token_kl": kl, "top1_agreement": 1.0}}
+
+    paths = []
+    for g in (0, 9):
+        path = tmp_path / f"eval-nq-g{g}.jsonl"
+        rf = ResultsFile(path, {"model": "m", "dtype": "float32", "device": "cpu", "threads": 1, "max_new_tokens": 32,
+                                "dataset": "nq-distractors", "gold_position": g})
+        for i in range(3):
+            rf.append(rec(str(i), "full", 1.0, 1.0, 0.0))
+            rf.append(rec(str(i), "blend:r=0.2", float(i != 0), 0.2 + 0.1 * (g == 9), 0.1))
+        rf.append(rec("3", "full", 1.0, 1.0, 0.0))  # blend still pending: left out
+        paths.append(str(path))
+    png = tmp_path / "work.png"
+    assert main(["report", *paths, "--vs-work", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert png.is_file()
+    row = next(line for line in table.splitlines() if "| blend:r=0.2 |" in line)
+    assert "| m (float32) | 6 | blend:r=0.2 | 0.250 | 0.667 [" in row and "; -0.333 [" in row and row.endswith(
+        "| 0.100 |")
+
+
 def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine, tmp_path, capsys, monkeypatch):
     """`ragkv calibrate --target auto`: runs full and the query-aware blend (first token only), picks a risk
     signal and threshold, stores them per model; `auto` then escalates on them unless a request sets its own."""

@@ -108,3 +108,33 @@ def plot_position_curves(path: Path, panels: dict[str, dict[str, list[tuple]]], 
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def plot_work_tradeoff(path: Path, models: dict[str, dict], metric: str) -> Path:
+    """Two panels, one point per mode and model: x = work (recompute_vs_full), y = the paired difference of
+    `metric` to full with its 95% interval (left) and the mean first-token KL to full (right)."""
+    plt = _plt()
+    fig, (acc, kl) = plt.subplots(1, 2, figsize=(11, 4.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    modes = list(dict.fromkeys(m for v in models.values() for m in v["modes"]))
+    for k, (model, v) in enumerate(models.items()):
+        marker = "osD^v"[k % 5]  # one marker per model, one colour per mode in both panels
+        for mode, s in v["modes"].items():
+            d, ci = s.get(f"{metric}_vs_full"), s.get(f"{metric}_vs_full_ci")
+            if s.get("work") is None or d is None:  # the reference itself has no difference to draw
+                continue
+            style = dict(marker=marker, color=colors[modes.index(mode) % len(colors)],
+                         label=f"{mode} ({model})" if len(models) > 1 else mode)
+            acc.errorbar([s["work"]], [d], yerr=[[d - ci[0]], [ci[1] - d]], capsize=3, **style)
+            if s.get("kl") is not None:
+                kl.plot([s["work"]], [s["kl"]], linestyle="", **style)
+    acc.axhline(0, linestyle="--", color="gray")
+    acc.set_ylabel(f"{metric} minus full (95% interval)")
+    kl.set_ylabel("mean first-token KL to full")
+    for ax in (acc, kl):
+        ax.set_xlabel("work: recompute_vs_full (1 = a full prefill)")
+        ax.grid(True, alpha=0.3)
+    acc.legend(fontsize=7)
+    n = ", ".join(f"{m}: n={v['n']}" for m, v in models.items())
+    fig.suptitle(f"What each mode keeps for the work it does ({n})")
+    return _save(fig, path)

@@ -141,6 +141,45 @@ def lost_in_the_middle(paths: list[Path], png: Path | None = None, metric: str =
     return out
 
 
+def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "accuracy") -> dict:
+    """Per mode and model: the work it did (mean `recompute_vs_full`) against what it kept (the paired difference of
+    `metric` to `full`, pooled over every run given, e.g. the gold positions of NQ-10, with its 95% interval, and
+    the mean first-token KL to full), on the questions every mode finished. The issue-27 comparison at equal work.
+    Returns {"models": {model: {"n", "modes": {mode: {...}}}}, "markdown"}; writes a two-panel figure to `png`."""
+    by_model: dict[str, list[dict]] = {}
+    for files, config, records in read_runs(paths):
+        by_model.setdefault(f"{config['model']} ({config['dtype']})", []).extend(
+            {**r, "example_id": f"{config.get('gold_position')}:{r['example_id']}"} for r in records)
+    out: dict = {"metric": metric, "models": {}}
+    rows = []
+    for model, records in by_model.items():
+        modes = list(dict.fromkeys(r["mode_key"] for r in records))
+        have: dict[str, set] = {}
+        for r in records:
+            have.setdefault(r["example_id"], set()).add(r["mode_key"])
+        done = {ex for ex, ms in have.items() if set(modes) <= ms}
+        kept = [r for r in records if r["example_id"] in done]
+        pooled = _pooled_over_positions(kept, modes, metric)
+        per_mode = {}
+        for m in modes:
+            rs = [r for r in kept if r["mode_key"] == m]
+            kl = [r["fidelity"]["first_token_kl"] for r in rs if "first_token_kl" in r.get("fidelity", {})]
+            per_mode[m] = {"work": sum(r["recompute_vs_full"] for r in rs) / len(rs) if rs else None,
+                           "kl": sum(kl) / len(kl) if kl else None, **pooled.get(m, {})}
+            v = per_mode[m]
+            rows.append([model, str(len(done)), m, "-" if v["work"] is None else f"{v['work']:.3f}",
+                         _cell(v, metric), "-" if v["kl"] is None else f"{v['kl']:.3f}"])
+        out["models"][model] = {"n": len(done), "modes": per_mode}
+    out["markdown"] = markdown_table(["model", "n", "mode", "recompute_vs_full", f"{metric}; minus full",
+                                      "first-token KL"], rows)
+    if png is not None and out["models"]:
+        from ragkv.bench.plots import plot_work_tradeoff
+
+        plot_work_tradeoff(png, out["models"], metric)
+        out["png"] = str(png)
+    return out
+
+
 def _cell(s: dict, metric: str) -> str:
     """'0.400 [0.300, 0.500]; -0.050 [-0.100, +0.000]': the metric and, for a mode other than full, its paired
     difference to full, each with its 95% interval."""

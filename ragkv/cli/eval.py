@@ -152,6 +152,9 @@ def register(sub) -> None:
     r.add_argument("--lost-in-the-middle", metavar="PNG", default=None,
                    help="only the accuracy-vs-gold-position figure and table from runs of one data set at several "
                    "--gold-position values (one or more models): write PNG, print the markdown table")
+    r.add_argument("--vs-work", metavar="PNG", default=None,
+                   help="only the quality-vs-work figure and table: per mode, recompute_vs_full against the paired "
+                   "accuracy difference to full (pooled over the given runs) and the first-token KL")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -486,6 +489,12 @@ def run_report_cmd(args) -> int:
             result = lost_in_the_middle(paths, Path(args.lost_in_the_middle))
         except ValueError as e:
             raise RagkvError(str(e)) from None
+        print(result["markdown"])
+        return 0
+    if args.vs_work:
+        from ragkv.bench.report import quality_vs_work
+
+        result = quality_vs_work(paths, Path(args.vs_work))
         print(result["markdown"])
         return 0
     if args.tables:
