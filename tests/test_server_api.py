@@ -351,7 +351,14 @@ def idle(url: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def history_turns(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {s.labels["kind"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "ragkv_history_turns_total"}
+
+
 def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit(api):
+    counted = history_turns(api)
     facts = ["my cat Tom is orange and sleeps on the piano", "I live in Lisbon by the river Tagus",
              "I cook grilled sardines every Sunday", "I play the cello in an amateur orchestra"]
     msgs = [{"role": "system", "content": "Answer in one short sentence."}]
@@ -376,6 +383,9 @@ def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit
     h, fid = r.json()["usage"]["history"], r.json()["usage"]["fidelity"]
     assert h["exact"] is False and h["exact_turns"] == 2 and h["fused_turns"] >= 4, h
     assert fid["history"] == h and fid["exact"] is False and fid["mode"] == "blend", fid
+    now = history_turns(api)  # /metrics counts the turns by how they were had
+    assert now["fused"] - counted.get("fused", 0) == h["fused_turns"]
+    assert now["exact"] - counted.get("exact", 0) >= h["exact_turns"] + sum(range(1, len(facts))) * 2
     # the next turn is exact again: the server prefilled the edited history in the background
     idle(api)
     follow = edited + [{"role": "assistant", "content": "Orange."}, {"role": "user", "content": "And its name?"}]

@@ -46,6 +46,9 @@ class Metrics:
                                     "Requests answered without the cache after a store fault.", registry=r)
         self.escalations = Counter("ragkv_quality_escalations", "Recomputes a quality-bounded answer added because "
                                    "its fidelity signal exceeded the budget (mode auto).", ["mode"], registry=r)
+        self.history_turns = Counter("ragkv_history_turns", "Earlier chat turns of history requests, by how their KV "
+                                     "was had: exact (the prefix cache or an exact prefill) or fused (stored "
+                                     "turns behind an edit, at new offsets).", ["kind"], registry=r)
         self.live = LiveStats()
         r.register(self.live)
 
@@ -67,6 +70,10 @@ class Metrics:
         self.completion.inc(stats.completion_tokens if completion_tokens is None else completion_tokens)
         self.uncached.inc(stats.extra.get("uncached_blocks", 0))
         self.escalations.labels(stats.mode).inc(stats.fidelity.get("escalations", 0))
+        history = stats.extra.get("history")
+        if history:  # engine/history.py
+            self.history_turns.labels("exact").inc(history.get("exact_turns", 0))
+            self.history_turns.labels("fused").inc(history.get("fused_turns", 0))
         if "store_fault" in stats.extra:
             self.store_faults.inc()
 
