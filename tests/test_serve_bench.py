@@ -46,6 +46,13 @@ def test_bad_config_is_refused():
     with pytest.raises(InvalidRequestError):
         ServeBenchConfig(modes=("warp",))
     with pytest.raises(InvalidRequestError):
+        ServeBenchConfig(modes=("reuse:kv=borrowed",))
+    ServeBenchConfig(modes=("full", "reuse:kv=shared"))  # mode keys name the request's parameters
+    from ragkv.bench.serve.workload import BenchRequest, ragkv_payload
+
+    _, extra = ragkv_payload(BenchRequest("q", ("a", "b")), "reuse:kv=shared", "sys")
+    assert extra == {"ragkv": {"mode": "reuse", "kv_layout": "shared", "documents": ["a", "b"]}}
+    with pytest.raises(InvalidRequestError):
         ServeBenchConfig(passages_per_request=5, pool_size=4)
 
 

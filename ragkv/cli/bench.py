@@ -103,7 +103,8 @@ def register(sub) -> None:
                         "sharing one store: requests go round-robin, only the first is warmed up, and the table "
                         "shows each server's TTFT and hits")
     v.add_argument("--modes", default="full,prefix,reuse,blend",
-                   help="ragkv modes, comma-separated (empty with --peer: the peer only)")
+                   help="ragkv modes or mode keys, comma-separated (reuse:kv=shared; empty with --peer: the "
+                        "peer only)")
     v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
     v.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency) cell")
     v.add_argument("--passages-per-request", type=int, default=4)
@@ -311,7 +312,10 @@ def run_store(args) -> int:
 def run_serve(args) -> int:
     from ragkv.bench.serve import LlamaCppServer, ServeBenchConfig, ServerProcess, run_serve_bench
 
-    cfg = ServeBenchConfig(modes=_modes(args.modes), concurrency=ints(args.concurrency, "--concurrency"),
+    from ragkv.eval.modes import split_mode_list
+
+    cfg = ServeBenchConfig(modes=tuple(split_mode_list(args.modes)),
+                           concurrency=ints(args.concurrency, "--concurrency"),
                            requests=args.requests, passages_per_request=args.passages_per_request,
                            pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
                            seed=args.seed, warmup=not args.no_warmup, peer=args.peer)

@@ -103,6 +103,19 @@ def parse_mode_key(key: str, base: FusionOptions = FusionOptions(mode="full")) -
         raise ModeKeyError(f"mode key {key!r}: {e}") from None
 
 
+def request_fields(key: str) -> dict:
+    """The HTTP `ragkv` fields of a mode key ("reuse:kv=shared" -> {"mode": "reuse", "kv_layout": "shared"}): its
+    mode and the parameters it sets away from their defaults."""
+    opts = parse_mode_key(key)
+    plain = FusionOptions(mode=opts.mode)
+    out = {"mode": opts.mode}
+    for spec in fusion_option_specs():
+        value = getattr(opts, spec.name)
+        if spec.name != "mode" and value != getattr(plain, spec.name):
+            out[spec.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
 def resolve_modes(keys: list[str], base: FusionOptions, defaults: dict) -> list[ModeSpec]:
     """Mode specs with every optional field a mode reads and the key left unset filled from `defaults` (the
     engine's calibrated values: APE's T and S, auto's signal and threshold), so that the record says what ran."""

@@ -24,11 +24,15 @@ class ServeBenchConfig:
     peer: str | None = None           # "llama-cpp": the same requests to llama.cpp's OpenAI server
 
     def __post_init__(self):
-        from ragkv.engine.modes import MODES
+        from ragkv.eval.modes import ModeKeyError, parse_mode_key
 
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not (self.modes or self.peer):
-            raise InvalidRequestError(f"unknown or no mode(s) {bad}; choose from {', '.join(MODES)}")
+        for key in self.modes:  # a mode, or a mode key with parameters (reuse:kv=shared, blend:sel=query,r=0.2)
+            try:
+                parse_mode_key(key)
+            except ModeKeyError as e:
+                raise InvalidRequestError(f"--modes: {e}") from None
+        if not (self.modes or self.peer):
+            raise InvalidRequestError("no mode and no peer to measure; pass --modes or --peer")
         if self.peer is not None and self.peer not in PEERS:
             raise InvalidRequestError(f"unknown peer {self.peer!r}; choose from {', '.join(PEERS)}")
         if not self.concurrency or min(self.concurrency) < 1:

@@ -64,9 +64,12 @@ def system_prompt() -> str:
 
 
 def ragkv_payload(req: BenchRequest, mode: str, system: str) -> tuple[list[dict], dict]:
-    """ragkv: the question as the user message, the passages as blocks in the `ragkv.documents` extra."""
+    """ragkv: the question as the user message, the passages as blocks in the `ragkv.documents` extra; `mode` is a
+    mode or a mode key with parameters (ragkv.eval.modes)."""
+    from ragkv.eval.modes import request_fields
+
     return ([{"role": "system", "content": system}, {"role": "user", "content": req.question}],
-            {"ragkv": {"mode": mode, "documents": list(req.documents)}})
+            {"ragkv": {**request_fields(mode), "documents": list(req.documents)}})
 
 
 def build_workload(cfg: ServeBenchConfig) -> dict:
