@@ -81,6 +81,29 @@ def test_an_edit_fuses_the_stored_turns_behind_it_with_the_mode_invariants(tiny_
     assert (again - first_logits(engine, follow, mode="full")[0]).abs().max().item() < TOL
 
 
+def test_a_chat_with_documents_fuses_the_passages_then_turns_exact_and_is_exact_once_settled(tiny_engine):
+    """Passages first, then the turns, then the question: the first follow-up fuses the stored passages and computes
+    the new turns with the question (the reply equals reuse with the turns as query); once settled, the prefix
+    cache reaches through the passages and every later turn is exact."""
+    engine = tiny_engine("qwen2")
+    passages, turns = [rand_ids(70, 700), rand_ids(80, 701)], [rand_ids(12, 702), rand_ids(20, 703)]
+    question = rand_ids(8, 704)
+    engine.prefill(Segments(rand_ids(9, 705), passages, rand_ids(6, 706)), FusionOptions(mode="reuse"))  # turn 1
+    segs = Segments(rand_ids(9, 705), passages + turns, question, history=True, passages=2)
+    got, st = first_logits(engine, segs, mode="reuse")
+    h = st.extra["history"]
+    assert h == {**h, "turns": 2, "passages": 2, "exact_turns": 2, "fused_turns": 0, "fused_passages": 2,
+                 "exact": False}
+    ref, _ = first_logits(engine, Segments(segs.prefix, passages, turns[0] + turns[1] + question), mode="reuse")
+    assert (got - ref).abs().max().item() < TOL
+    drain(engine.settle_history_steps(segs))
+    follow = Segments(segs.prefix, passages + turns + [question, rand_ids(15, 707)], rand_ids(9, 708),
+                      history=True, passages=2)
+    again, st = first_logits(engine, follow, mode="reuse")
+    assert st.fidelity["exact"] is True and st.extra["history"]["fused_passages"] == 0
+    assert (again - first_logits(engine, follow, mode="full")[0]).abs().max().item() < TOL
+
+
 class MergingTemplate:
     """A tokenizer whose template merges consecutive tool messages into one turn (as Qwen2.5's does): the cut
     between them is not a rendering boundary, so both share one block."""

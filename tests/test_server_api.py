@@ -381,7 +381,8 @@ def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit
     r = post(api, "/v1/chat/completions", {"messages": edited, "max_tokens": 8})
     assert r.status_code == 200, r.text
     h, fid = r.json()["usage"]["history"], r.json()["usage"]["fidelity"]
-    assert h["exact"] is False and h["exact_turns"] == 2 and h["fused_turns"] >= 4, h
+    # exact: the summary exchange at the start, and the new tool message computed with the question
+    assert h["exact"] is False and h["exact_turns"] == 3 and h["fused_turns"] >= 4, h
     assert fid["history"] == h and fid["exact"] is False and fid["mode"] == "blend", fid
     now = history_turns(api)  # /metrics counts the turns by how they were had
     assert now["fused"] - counted.get("fused", 0) == h["fused_turns"]
@@ -396,3 +397,27 @@ def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit
     assert r.status_code == 200 and r.json()["usage"]["fidelity"]["exact"] is True
     assert r.json()["usage"]["history"] is None
     idle(api)  # the follow-up's idle-time work done before the module's server stops
+
+
+def test_a_chat_with_documents_keeps_its_turns_as_blocks_and_is_exact_once_settled(api):
+    """Documents stay the conversation's first blocks: a follow-up fuses them and computes its new turns with the
+    question; after the idle-time settle, the next follow-up with the same documents is exact."""
+    docs = [d + " " + " ".join(["The archive keeps the original drawings, letters and survey notes."] * 6)
+            for d in DOCS[:2]]
+    msgs = [{"role": "user", "content": "Who built Lintwick Tower?"}]
+    body = {"max_tokens": 6, "ragkv": {"mode": "reuse", "documents": docs}}
+    r = post(api, "/v1/chat/completions", {**body, "messages": msgs})
+    assert r.status_code == 200, r.text and r.json()["usage"]["history"] is None  # one message: no history
+    msgs += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "Ada Morrow."},
+             {"role": "user", "content": "In which year?"}]
+    r = post(api, "/v1/chat/completions", {**body, "messages": msgs})
+    assert r.status_code == 200, r.text
+    h = r.json()["usage"]["history"]
+    assert h == {**h, "turns": 2, "passages": 2, "fused_passages": 2, "exact_turns": 2, "exact": False}, h
+    idle(api)
+    msgs += [{"role": "assistant", "content": "1893."}, {"role": "user", "content": "From which stone?"}]
+    r = post(api, "/v1/chat/completions", {**body, "messages": msgs})
+    assert r.status_code == 200, r.text
+    h = r.json()["usage"]["history"]
+    assert h["exact"] is True and h["turns"] == 4 and r.json()["usage"]["fidelity"]["exact"] is True, h
+    idle(api)

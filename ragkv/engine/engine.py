@@ -242,8 +242,11 @@ class Engine:
 
     # -- segments ---------------------------------------------------------------------------------------
     def segments(self, question: str, passages=(), system: str | None = None,
-                 prompt_format: PromptFormat | None = None) -> Segments:
-        return build_segments(self.tokenizer, question, passages, prompt_format or self.prompt_format, system)
+                 prompt_format: PromptFormat | None = None, turns: list[dict] = ()) -> Segments:
+        """A RAG prompt: the prefix, the passages as blocks, the question; with `turns` (earlier messages
+        [{"role", "content"}]), each turn a block before the passages (request.build_segments)."""
+        return build_segments(self.tokenizer, question, passages, prompt_format or self.prompt_format, system,
+                              turns)
 
     def chat_segments(self, prompt, system: str | None = None) -> Segments:
         """A chat without passages (a prompt, or turns [{"role", "content"}]) as one query segment."""

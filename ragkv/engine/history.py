@@ -6,7 +6,12 @@ hash-chained prefix cache (engine/prefix_cache.py) already holds, and new turns 
 exactly over that prefix, and their chunks stored: an unedited conversation is computed exactly as `prefix` would.
 After an edit (a summary replacing ten turns, a dropped message) the prefix cache stops at the edit; the turns after
 it that the block store holds (each encoded alone, in the background after an earlier reply: `settle_history`)
-are fused with the mode (reuse, blend, auto) instead of prefilled again, so the edit costs the edited part.
+are fused with the mode (reuse, blend, auto) instead of prefilled again, so the edit costs the edited part. Turns
+after the last stored one (the newest exchange, an edited turn near the end) join the query: computed exactly over
+everything before them, not encoded alone.
+
+With documents (`Segments.passages`), the passages are the conversation's first blocks (after the system prompt):
+while they stay the same from turn to turn, the prefix cache reaches through them and the history is exact.
 """
 
 from __future__ import annotations
@@ -53,6 +58,16 @@ def exact_turns(segs: Segments, covered: int, stored: list[bool], min_fused: int
     return j
 
 
+def history_counts(segs: Segments, j: int, k: int) -> dict:
+    """What `usage.history` reports when blocks [j, k) are fused: turns and passages, each exact or fused."""
+    P, n = segs.passages, len(segs.blocks)
+    fused = range(j, k)
+    fused_turns = sum(1 for i in fused if i >= P)
+    fused_passages = len(fused) - fused_turns
+    return {"turns": n - P, "exact_turns": n - P - fused_turns, "fused_turns": fused_turns,
+            "passages": P, "fused_passages": fused_passages}
+
+
 def with_exact_prefix(cache, n: int, layer_iter):
     """Each layer's cached parts behind the exact prefix's first `n` rows, K already rotated at their positions."""
     for layer, parts in enumerate(layer_iter):
@@ -65,18 +80,22 @@ def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: 
     store, chunk_size = blocks.store, fusion.prefix_chunk
     covered = cached_prefix_tokens(store, segs.all_ids(), chunk_size, engine.fingerprint, ns)
     stored = [store.contains(blocks.key(b, NO_CONDITIONING, ns)) for b in segs.blocks]
-    j = exact_turns(segs, covered, stored)
+    j, n = exact_turns(segs, covered, stored), len(segs.blocks)
+    k = n  # blocks [j, k) are fused; those after the last stored one join the query
+    while k > j and not stored[k - 1]:
+        k -= 1
     exact_ids = segs.prefix + [t for b in segs.blocks[:j] for t in b]
-    info = {"turns": len(segs.blocks), "exact_turns": j, "exact_tokens": len(exact_ids),
-            "fused_turns": len(segs.blocks) - j, "prefix_cached_tokens": 0}
+    tail = [t for b in segs.blocks[k:] for t in b]
+    info = history_counts(segs, j, k)
+    info.update(exact_tokens=len(exact_ids) + len(tail) + len(segs.query), prefix_cached_tokens=0)
     stats.extra["history"] = info
-    if j == len(segs.blocks):  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
+    if j == n:  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
         state = yield from prefill_prefix(engine.model, store, engine.fingerprint, ns, segs.all_ids(), chunk_size,
                                           capacity, stats, chunk)
         info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
         return state
     info["exact"] = False
-    rest = Segments(exact_ids, segs.blocks[j:], segs.query, history=True)
+    rest = Segments(exact_ids, segs.blocks[j:k], tail + segs.query, history=True)
     if not exact_ids:  # the first turn was edited and there is no system message: all of it fused
         return (yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks))
     part = RequestStats(mode="prefix")

@@ -44,6 +44,7 @@ class Segments:
     block_titles: list[str] = field(default_factory=list)
     history: bool = False  # the blocks are earlier chat turns, in order (engine/history.py: exact prefix first)
     next_turn: list[int] = field(default_factory=list)  # history: the last user message as the block it becomes
+    passages: int = 0  # history with documents: the first `passages` blocks are passages, the rest turns
 
     def all_ids(self) -> list[int]:
         return self.prefix + [t for b in self.blocks for t in b] + self.query
@@ -64,7 +65,8 @@ def split_blocks(segs: Segments, max_tokens: int) -> Segments:
         for a in range(0, len(ids), max_tokens):
             blocks.append(ids[a:a + max_tokens])
             titles.append(title)
-    return Segments(segs.prefix, blocks, segs.query, titles, segs.history)
+    pieces = sum(-(-len(ids) // max_tokens) for ids in segs.blocks[:segs.passages])
+    return Segments(segs.prefix, blocks, segs.query, titles, segs.history, segs.next_turn, pieces)
 
 
 def chat_template_parts(tokenizer, system: str | None) -> tuple[str, str]:
@@ -89,10 +91,20 @@ def render_passage(p: Passage | str, fmt: PromptFormat) -> str:
     return fmt.untitled_block_template.format(text=p.text)
 
 
+def render_turn(turn: dict) -> str:
+    """An earlier chat message in a prompt with passages: "User: ...", "Assistant: ...", "Tool: ..." on its line."""
+    return f"{str(turn['role']).capitalize()}: {turn['content']}\n"
+
+
 def build_segments(tokenizer, question: str | None, passages=(), fmt: PromptFormat = PromptFormat(),
-                   system: str | None = None) -> Segments:
+                   system: str | None = None, turns: list[dict] = ()) -> Segments:
     """Tokenize prefix, passages and query separately; empty passages are skipped with a warning. With
-    `question=None`, the context alone (no query segment): what warming a store caches."""
+    `question=None`, the context alone (no query segment): what warming a store caches.
+
+    `turns`: a conversation's earlier messages, each a block after the passages (`render_turn`), in the order the
+    text had when the history was folded into the question. Such segments are a history (engine/history.py): the
+    start the prefix cache holds is exact, stored blocks after it fused, the newest turns computed with the
+    question."""
     if question is not None and not question.strip():
         raise InvalidRequestError("the question is empty; pass a non-empty question")
     system = fmt.system if system is None else system
@@ -109,7 +121,11 @@ def build_segments(tokenizer, question: str | None, passages=(), fmt: PromptForm
         blocks.append(tokenize(tokenizer, render_passage(p, fmt)))
         titles.append(p.title if isinstance(p, Passage) else "")
     query = [] if question is None else tokenize(tokenizer, fmt.query_template.format(question=question) + tail)
-    return Segments(prefix=tokenize(tokenizer, head), blocks=blocks, query=query, block_titles=titles)
+    history = [tokenize(tokenizer, render_turn(t)) for t in turns]
+    asked = render_turn({"role": "user", "content": question}) if history and question is not None else ""
+    return Segments(prefix=tokenize(tokenizer, head), blocks=blocks + history, query=query,
+                    block_titles=titles + [""] * len(history), history=bool(history),
+                    next_turn=tokenize(tokenizer, asked), passages=len(blocks) if history else 0)
 
 
 def chat_segments(tokenizer, prompt: str | list[dict], system: str | None = None) -> Segments:

@@ -163,8 +163,9 @@ class RequestBuilder:
         passages, sources = self.passages(req, question, tenant)
         if passages:
             fusion = self.fusion(req.ragkv, True)
-            history = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in turns[:-1])
-            segs = self.engine.segments((history + question) if history else question, passages, system=system)
+            # earlier turns: blocks before the passages (exact while the conversation only grows: engine/history.py)
+            segs = self.engine.segments(question, passages, system=system,
+                                        turns=[{"role": m.role, "content": m.text()} for m in turns[:-1]])
         else:
             if not question.strip():
                 raise FieldError("messages", "the last user message is empty")
