@@ -131,6 +131,16 @@ def test_a_sliding_window_in_reach_is_refused_with_what_to_do(tiny_engine):
         eng.prefill(make_segs(), SHARED)
 
 
+def test_a_sequence_reading_in_place_reserves_only_its_own_rows():
+    from ragkv.engine.modes import get_mode
+
+    segs = make_segs()
+    reuse = get_mode("reuse")
+    assert reuse.own_rows(segs, SHARED) == len(segs.query) and reuse.own_rows(segs, COPIED) == segs.num_tokens
+    history = Segments(segs.prefix, segs.blocks, segs.query, history=True)  # its exact start is its own
+    assert reuse.own_rows(history, SHARED) == history.num_tokens
+
+
 def test_kv_layout_is_a_declared_option():
     with pytest.raises(OptionError):
         FusionOptions(mode="reuse", kv_layout="borrowed")

@@ -76,7 +76,8 @@ class Server:
         its `seqs` are the request's n choices (one prefill; they share its KV and each holds only its own tokens).
         It reserves the most KV it can hold: refused here if that could never fit the limit, else it waits in the
         queue until it fits."""
-        need = kv_need(self.kv_bytes_per_token, p.segs.num_tokens, p.gen.max_new_tokens, p.n)
+        need = kv_need(self.kv_bytes_per_token, get_mode(p.fusion.mode).own_rows(p.segs, p.fusion),
+                       p.gen.max_new_tokens, p.n)
         if not self.scheduler.kv.fits_ever(need):
             raise self.kv_refusal(p, need)
 

@@ -51,6 +51,10 @@ class FusionMode:
         """Positions the prompt occupies before the first generated token (the model's window bounds them)."""
         return segs.num_tokens
 
+    def own_rows(self, segs: Segments, fusion: "FusionOptions") -> int:
+        """Prompt rows a sequence keeps in its own cache (what a server's KV budget reserves for the prompt)."""
+        return segs.num_tokens
+
     def warm(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> EnsureResult:
         """Precompute and store what a later request over `segs`' context would reuse."""
         return EnsureResult([], 0, 0, 0.0)
