@@ -47,6 +47,26 @@ def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine
     assert max(maxdiff(a, b) for a, b in zip(logits_c, logits_s)) <= TOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ape_in_place_equals_ape_copied_alone_and_batched(arch, tiny_engine):
+    """APE's context (the blocks after the prefix, sharing one position range) as one part with temperature T and
+    its LSE scaled by S, over pooled blocks: equal to the copied path, in prefill, decode and a batched step."""
+    eng = tiny_engine(arch)
+    ape = dict(mode="ape", ape_temperature=0.8, ape_scale=0.9)
+    segs = [make_segs(prefix=7, blocks=(20, 33, 12), query=9, seed=2), make_segs(prefix=7, blocks=(33, 25), seed=2)]
+    copied = [eng.prefill(s, FusionOptions(**ape))[0] for s in segs]
+    shared = [eng.prefill(s, FusionOptions(**ape, kv_layout="shared"))[0] for s in segs]
+    for c, s in zip(copied, shared):
+        assert maxdiff(c.logits, s.logits) <= TOL and s.cache.length == len(segs[0].query)
+    for tok in (4, 61, 200):
+        batched = decode_batch(eng.model, shared, [tok, tok])
+        for row, c in zip(batched, copied):
+            assert maxdiff(row, decode_step(eng.model, c, tok)) <= TOL
+    none = make_segs(prefix=0, blocks=(20, 12), seed=9)  # no prefix: every block is context
+    assert maxdiff(eng.prefill(none, FusionOptions(**ape))[0].logits,
+                   eng.prefill(none, FusionOptions(**ape, kv_layout="shared"))[0].logits) <= TOL
+
+
 def test_one_block_at_different_offsets_is_pooled_once_and_read_in_place(tiny_engine):
     """Two requests hold the same block at offsets 12+20 and 12: both equal their copied path, the pool read the
     block from the store once, and a batched step over both (beside a copied sequence) equals each alone."""
@@ -83,7 +103,7 @@ def test_a_batched_step_reads_each_shared_block_once(tiny_engine, monkeypatch):
     calls = []
     real = shared_attention.unmasked_attention_with_lse
     monkeypatch.setattr(shared_attention, "unmasked_attention_with_lse",
-                        lambda q, k, v: calls.append(k.shape[2]) or real(q, k, v))
+                        lambda q, k, v, *t: calls.append(k.shape[2]) or real(q, k, v, *t))
     batched = decode_batch(eng.model, states, [5, 6, 7])
     distinct = {id(b) for s in states for b in s.attention.blocks}
     assert len(distinct) == 2 + 3  # prefix, common, each request's own block

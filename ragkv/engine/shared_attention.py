@@ -30,29 +30,47 @@ from ragkv.ops.rope import apply_rope
 @dataclass(frozen=True)
 class SharedBlocksAttention:
     """Callable as a decode attention policy (ragkv.engine.state): q [1, Hq, T, D] rotated at its positions, k/v
-    the sequence's own rows [1, Hkv, S, D], the last T of them q's own."""
+    the sequence's own rows [1, Hkv, S, D], the last T of them q's own.
+
+    With APE (`temperature`, `scale` != 1), the blocks from `context_from` on are its context: attended with the
+    temperature and merged into one part whose LSE is scaled by S * T (ragkv.engine.ape), the blocks before it (the
+    prefix) attended plainly."""
     blocks: tuple[PooledBlock, ...]
     cos: torch.Tensor  # [nb, 1, 1, D] fp32: cos(o_b * f)
     sin: torch.Tensor  # [nb, 1, 1, D] fp32: -sin(o_b * f), a rotation by -o_b
+    context_from: int = 0
+    temperature: float = 1.0
+    scale: float = 1.0
 
     @classmethod
-    def at(cls, model, blocks: list[PooledBlock], offsets: list[int]) -> "SharedBlocksAttention":
+    def at(cls, model, blocks: list[PooledBlock], offsets: list[int], **ape) -> "SharedBlocksAttention":
         cos, sin = model.rotary.lookup(torch.tensor(offsets, dtype=torch.long, device=model.device))
-        return cls(tuple(blocks), cos[:, None, None], -sin[:, None, None])
+        return cls(tuple(blocks), cos[:, None, None], -sin[:, None, None], **ape)
+
+    def _temperature(self, b: int) -> float:
+        return self.temperature if b >= self.context_from else 1.0
+
+    def _combine(self, parts: list, own, dtype) -> torch.Tensor:
+        """Merge the blocks' parts (in block order) and the own rows' part into the attention output."""
+        if (self.temperature == 1.0 and self.scale == 1.0) or len(parts) <= self.context_from:
+            merged = parts + [own]
+        else:  # APE: the context is one part, its joint LSE scaled by S * T
+            ctx = parts[self.context_from:]
+            lses = torch.stack([lse for _, lse in ctx])
+            joint = (merge_by_lse([o for o, _ in ctx], list(lses)), torch.logsumexp(lses, dim=0))
+            merged = parts[:self.context_from] + [(joint[0], joint[1] * (self.scale * self.temperature)), own]
+        return merge_by_lse([o for o, _ in merged], [lse for _, lse in merged]).to(dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         moved = apply_rope(q, self.cos, self.sin)  # [nb, Hq, T, D]: each block's view of the query, at m - o_b
-        outs, lses = [], []
-        for b, blk in enumerate(self.blocks):
-            o, lse = unmasked_attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer])
-            outs.append(o), lses.append(lse)
+        parts = [unmasked_attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer], self._temperature(b))
+                 for b, blk in enumerate(self.blocks)]
         T, S = q.shape[2], k.shape[2]
         if T > 1:
-            o, lse = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device))
+            own = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device))
         else:
-            o, lse = unmasked_attention_with_lse(q, k, v)
-        outs.append(o), lses.append(lse)
-        return merge_by_lse(outs, lses).to(q.dtype)
+            own = unmasked_attention_with_lse(q, k, v)
+        return self._combine(parts, own, q.dtype)
 
     @staticmethod
     def attend_batch(layer: int, rows: list[tuple["SharedBlocksAttention", torch.Tensor, torch.Tensor,
@@ -60,20 +78,19 @@ class SharedBlocksAttention:
         """One decode step's attention for several sequences (policy, q [1, Hq, 1, D], own k, own v): each block
         any of them holds is read once, by all its holders' query rows together (each rotated back by its own
         offset), instead of once per sequence."""
-        parts = []
-        holders: dict[int, tuple[PooledBlock, list[tuple[int, torch.Tensor]]]] = {}
+        parts: list[list] = [[None] * len(policy.blocks) for policy, *_ in rows]
+        holders: dict[tuple[int, float], tuple[PooledBlock, list[tuple[int, int, torch.Tensor]]]] = {}
         for i, (policy, q, k, v) in enumerate(rows):
             moved = apply_rope(q, policy.cos, policy.sin)  # [nb, Hq, 1, D]
             for b, blk in enumerate(policy.blocks):
-                holders.setdefault(id(blk), (blk, []))[1].append((i, moved[b]))
-            parts.append([unmasked_attention_with_lse(q, k, v)])
-        for blk, users in holders.values():
-            q_rows = torch.cat([m for _, m in users], dim=1).unsqueeze(0)  # [1, Hq, users, D]: rows are independent
-            o, lse = unmasked_attention_with_lse(q_rows, blk.keys[layer], blk.values[layer])
-            for u, (i, _) in enumerate(users):
-                parts[i].append((o[:, :, u:u + 1], lse[:, :, u:u + 1]))
-        return [merge_by_lse([o for o, _ in p], [lse for _, lse in p]).to(q.dtype)
-                for p, (_, q, _, _) in zip(parts, rows)]
+                holders.setdefault((id(blk), policy._temperature(b)), (blk, []))[1].append((i, b, moved[b]))
+        for (_, temperature), (blk, users) in holders.items():
+            q_rows = torch.cat([m for *_, m in users], dim=1).unsqueeze(0)  # [1, Hq, users, D]: independent rows
+            o, lse = unmasked_attention_with_lse(q_rows, blk.keys[layer], blk.values[layer], temperature)
+            for u, (i, b, _) in enumerate(users):
+                parts[i][b] = (o[:, :, u:u + 1], lse[:, :, u:u + 1])
+        return [policy._combine(p, unmasked_attention_with_lse(q, k, v), q.dtype)
+                for p, (policy, q, k, v) in zip(parts, rows)]
 
 
 class OwnRowsPlan:
@@ -104,8 +121,9 @@ def block_offsets(layout: Layout) -> list[int]:
 
 @torch.inference_mode()
 def prefill_shared(model, blocks: list[PooledBlock], layout: Layout, query_ids: list[int], capacity: int,
-                   stats: RequestStats) -> DecodeState:
-    """`reuse`'s prefill with the blocks read in place from the pool: no per-request copy or re-rotation."""
+                   stats: RequestStats, **ape) -> DecodeState:
+    """The query's prefill with the blocks read in place from the pool: no per-request copy or re-rotation (`reuse`;
+    `ape` with its temperature and scale over the blocks after the prefix)."""
     N, Tq = layout.context_len, len(query_ids)
     window = model.args.sliding_window
     if window is not None and window < layout.query_start + Tq:
@@ -113,7 +131,7 @@ def prefill_shared(model, blocks: list[PooledBlock], layout: Layout, query_ids: 
                                   "kv_layout=copied")
     t0 = time.perf_counter()
     cache = KVCache.for_model(model, max(capacity - N, Tq))
-    attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout))
+    attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout), **ape)
     positions = torch.arange(layout.query_start, layout.query_start + Tq, device=model.device)
     x = run_layers(model, model.embed(torch.tensor([query_ids], device=model.device)),
                    OwnRowsPlan(cache, positions, attention))

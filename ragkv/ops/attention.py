@@ -52,17 +52,17 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
 
 
-def unmasked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                          torch.Tensor]:
+def unmasked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_with_lse` without a mask (a query over keys that all precede it, e.g. one block). On the CPU,
     torch's fused flash kernel, which returns the LSE too: with no mask the GQA group folds into the rows, so K/V
     are read as they are, not expanded (1.4-1.8x faster than the explicit form at 1-50 rows over 600 keys)."""
     if q.device.type != "cpu" or q.shape[0] != 1:
-        return attention_with_lse(q, k, v)
+        return attention_with_lse(q, k, v, temperature=temperature)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.reshape(B, Hkv, Hq // Hkv * T, D), k, v, 0.0, False)
+        q.reshape(B, Hkv, Hq // Hkv * T, D), k, v, 0.0, False, scale=1.0 / (math.sqrt(D) * temperature))
     return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
 
 

@@ -9,13 +9,14 @@ from ragkv.engine.blocks import prefix_conditioning
 from ragkv.engine.fusion import prefill_over_context
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
+from ragkv.engine.shared_attention import prefill_shared
 
 
 @register
 class Ape(BlockMode):
     name = "ape"
     summary = "blocks encoded after a shared prefix, sharing one position range; context attention scaled by T, S"
-    option_fields = ("ape_temperature", "ape_scale")
+    option_fields = ("ape_temperature", "ape_scale", "kv_layout")
     shares_positions = True
 
     def conditioning(self, segs):
@@ -24,13 +25,28 @@ class Ape(BlockMode):
     def layout_kind(self, fusion):
         return "shared"
 
+    def reads_in_place(self, fusion):
+        return fusion.kv_layout == "shared"
+
+    def own_rows(self, segs, fusion):
+        return len(segs.query) if self.reads_in_place(fusion) else segs.num_tokens
+
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": False, "temperature": stats.extra.get("ape_temperature"),
-                "scale": stats.extra.get("ape_scale"), "signal": None}
+                "scale": stats.extra.get("ape_scale"), "kv_layout": fusion.kv_layout, "signal": None}
 
-    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+    def _params(self, engine, fusion, stats) -> tuple[float, float]:
         T = fusion.ape_temperature if fusion.ape_temperature is not None else engine.ape_temperature
         S = fusion.ape_scale if fusion.ape_scale is not None else engine.ape_scale
-        attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
         stats.extra.update(ape_temperature=T, ape_scale=S)
+        return T, S
+
+    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+        T, S = self._params(engine, fusion, stats)
+        attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
         return prefill_over_context(engine.model, layer_iter, layout, segs.query, capacity, stats, attention)
+
+    def fuse_in_place(self, engine, segs, fusion, layout, pooled, capacity, stats):
+        T, S = self._params(engine, fusion, stats)
+        return prefill_shared(engine.model, pooled, layout, segs.query, capacity, stats,
+                              context_from=1 if segs.prefix else 0, temperature=T, scale=S)

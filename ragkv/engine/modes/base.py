@@ -137,7 +137,7 @@ class BlockMode(FusionMode):
             pooled = engine._pool.blocks(res.keys, lambda keys: engine._layer_stream(keys, res.uncached,
                                                                                     blocks.store))
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
-            return prefill_shared(engine.model, pooled, layout, segs.query, capacity, stats)
+            return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
         fusion, tiers = self.load_schedule(engine, res, fusion, stats)
         layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
@@ -150,6 +150,11 @@ class BlockMode(FusionMode):
         """Whether the query attends to the pooled blocks in place (ragkv.engine.shared_attention) rather than to
         a re-rotated copy in its own cache."""
         return False
+
+    def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
+                      stats: RequestStats) -> DecodeState:
+        """`fuse` over pooled blocks read in place (when `reads_in_place`)."""
+        return prefill_shared(engine.model, pooled, layout, segs.query, capacity, stats)
 
     def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""
