@@ -30,8 +30,8 @@ def greedy(model, state, n):
     return out, logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2"])
-@pytest.mark.parametrize("positions", ["reencoded", "local"])
+@pytest.mark.parametrize("arch,positions", [("llama3", "reencoded"), ("qwen2", "reencoded"), ("mistral", "reencoded"),
+                                            ("llama", "local")])
 def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine):
     eng = tiny_engine(arch)
     segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)
@@ -41,8 +41,8 @@ def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine
     assert (s1.reused_tokens, s1.recomputed_tokens) == (s2.reused_tokens, s2.recomputed_tokens)
     assert shared.cache.length == len(segs.query)  # the sequence holds only its own rows
     assert shared.next_position == copied.next_position
-    toks_c, logits_c = greedy(eng.model, copied, 12)
-    toks_s, logits_s = greedy(eng.model, shared, 12)
+    toks_c, logits_c = greedy(eng.model, copied, 8)
+    toks_s, logits_s = greedy(eng.model, shared, 8)
     assert toks_c == toks_s
     assert max(maxdiff(a, b) for a, b in zip(logits_c, logits_s)) <= TOL
 
