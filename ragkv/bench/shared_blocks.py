@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

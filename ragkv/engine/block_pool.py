@@ -29,7 +29,6 @@ LayerStream = Callable[[list[CacheKey]], Iterator[list[tuple[torch.Tensor, torch
 class PooledBlock:
     keys: tuple[torch.Tensor, ...]    # per layer [1, Hkv, n, D], RoPE at positions 0..n-1
     values: tuple[torch.Tensor, ...]  # per layer [1, Hkv, n, D]
-    length: int
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +68,7 @@ class BlockPool:
                 rope_into(rotated, k.unsqueeze(0).to(dev), cos[:n], sin[:n])
                 ks.append(rotated)
                 vs.append(v.unsqueeze(0).to(dev, self.model.dtype))
-        built = [PooledBlock(tuple(ks), tuple(vs), ks[0].shape[2]) for ks, vs in per_block]
+        built = [PooledBlock(tuple(ks), tuple(vs)) for ks, vs in per_block]
         with self._lock:
             for key, blk in zip(keys, built):
                 if key not in self._blocks:

@@ -244,7 +244,7 @@ class Engine:
     def segments(self, question: str, passages=(), system: str | None = None,
                  prompt_format: PromptFormat | None = None, turns: list[dict] = ()) -> Segments:
         """A RAG prompt: the prefix, the passages as blocks, the question; with `turns` (earlier messages
-        [{"role", "content"}]), each turn a block before the passages (request.build_segments)."""
+        [{"role", "content"}]), each turn a block after the passages (request.build_segments)."""
         return build_segments(self.tokenizer, question, passages, prompt_format or self.prompt_format, system,
                               turns)
 

@@ -59,20 +59,17 @@ class DecodePlan:
         outs, grouped = [], {}
         for b, (s, parts) in enumerate(zip(self.states, kv)):
             qb = q[b:b + 1]
-            batch = getattr(s.attention, "attend_batch", None)
-            if batch is not None:  # policies that read shared blocks: one call for all their sequences, below
-                keys, values = parts[0] if len(parts) == 1 else (torch.cat([k for k, _ in parts], dim=2),
-                                                                 torch.cat([v for _, v in parts], dim=2))
-                grouped.setdefault(batch, []).append((b, (s.attention, qb, keys, values)))
-                outs.append(None)
-                continue
             if len(parts) > 1:  # a choice over its prompt's shared rows
                 if s.attention is None and self.window is None:
                     outs.append(decode_attention_parts(qb, parts))
                     continue
                 parts = [(torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))]
             keys, values = parts[0]
-            if s.attention is not None:
+            batch = getattr(s.attention, "attend_batch", None)
+            if batch is not None:  # policies that read shared blocks: one call for all their sequences, below
+                grouped.setdefault(batch, []).append((b, (s.attention, qb, keys, values)))
+                outs.append(None)
+            elif s.attention is not None:
                 outs.append(s.attention(layer, qb, keys, values))
             else:
                 if self.window is not None:  # sequential layouts: cache index == position

@@ -25,12 +25,6 @@ class Ape(BlockMode):
     def layout_kind(self, fusion):
         return "shared"
 
-    def reads_in_place(self, fusion):
-        return fusion.kv_layout == "shared"
-
-    def own_rows(self, segs, fusion):
-        return len(segs.query) if self.reads_in_place(fusion) else segs.num_tokens
-
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": False, "temperature": stats.extra.get("ape_temperature"),
                 "scale": stats.extra.get("ape_scale"), "kv_layout": fusion.kv_layout, "signal": None}

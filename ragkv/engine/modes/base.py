@@ -148,8 +148,12 @@ class BlockMode(FusionMode):
 
     def reads_in_place(self, fusion: "FusionOptions") -> bool:
         """Whether the query attends to the pooled blocks in place (ragkv.engine.shared_attention) rather than to
-        a re-rotated copy in its own cache."""
-        return False
+        a re-rotated copy in its own cache: a mode that reads `kv_layout` (its `fuse_in_place`), set to shared."""
+        return "kv_layout" in self.option_fields and fusion.kv_layout == "shared"
+
+    def own_rows(self, segs, fusion):
+        # in place, the blocks stay in the pool (bounded apart); a history's exact start is the sequence's own
+        return len(segs.query) if self.reads_in_place(fusion) and not segs.history else segs.num_tokens
 
     def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
                       stats: RequestStats) -> DecodeState:

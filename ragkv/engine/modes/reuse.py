@@ -18,13 +18,6 @@ class Reuse(BlockMode):
     def layout_kind(self, fusion):
         return "local" if fusion.positions == "local" else "sequential"  # local: the no-re-encoding ablation
 
-    def reads_in_place(self, fusion):
-        return fusion.kv_layout == "shared"
-
-    def own_rows(self, segs, fusion):
-        # in place, the blocks stay in the pool (bounded apart); a history's exact start is the sequence's own
-        return len(segs.query) if self.reads_in_place(fusion) and not segs.history else segs.num_tokens
-
     def fidelity(self, fusion, stats):
         # blocks that never saw each other: exact only for one block and no prefix (invariant 5)
         return {"mode": self.name, "exact": False, "positions": fusion.positions, "kv_layout": fusion.kv_layout,
