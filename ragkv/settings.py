@@ -39,6 +39,9 @@ class ServeDefaults:
     timeout_s: float = 300.0           # --timeout: seconds a request may wait and run
     max_batch: int = 16                # --max-batch: sequences decoded together in one batched step
     prefill_chunk: int = 512           # --prefill-chunk: tokens of a full/prefix prefill between two decode steps
+    # --batch-invariant: an answer never depends on what runs beside it (every decode step at max_batch rows,
+    # prefills always chunked): costs the small batches their speed (docs/results/batch_invariance.md)
+    batch_invariant: bool = False
     max_body_bytes: int = 8 << 20      # --max-body: larger bodies get 413 before being read
     max_documents: int = 64            # --max-documents: inline documents per request, or per POST /v1/documents
     max_document_chars: int = 1_000_000  # --max-document-chars: characters of one document

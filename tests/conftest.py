@@ -22,13 +22,13 @@ def tiny_dirs(tmp_path_factory):
     return {arch: make_tiny(arch, root) for arch in ARCHS}
 
 
-def _load_tiny(path):
+def _load_tiny(path, dtype=torch.float32):
     from ragkv.models import loader
 
     real = loader.load_tokenizer
     loader.load_tokenizer = lambda p: None  # tiny models carry no tokenizer; tests feed token ids
     try:
-        return loader.load_model(str(path), device=TEST_DEVICE)
+        return loader.load_model(str(path), dtype, device=TEST_DEVICE)
     finally:
         loader.load_tokenizer = real
 
@@ -45,6 +45,14 @@ def tiny_engine(tiny_loaded):
     def make(arch="llama", **kw):
         return Engine(tiny_loaded[arch], **kw)
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_engine(tiny_dirs):
+    """The tiny llama in bf16 (loaded once)."""
+    from ragkv.engine.engine import Engine
+
+    return Engine(_load_tiny(tiny_dirs["llama"], torch.bfloat16))
 
 
 @pytest.fixture(scope="session")

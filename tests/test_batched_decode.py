@@ -34,21 +34,42 @@ def test_batched_greedy_decode_equals_decoding_alone(arch, tiny_engine):
     eng = tiny_engine(arch)
     segs = [make_segs(**shape) for shape in SHAPES]
     alone = [greedy_alone(eng, s, f, n) for s, f, n in zip(segs, MODES, STEPS)]
+    outs, _ = staggered(eng, segs)
+    assert outs == alone
 
-    states, outs, running = {}, {i: [] for i in range(len(segs))}, []
+
+def staggered(eng, segs, rows=None):
+    """Greedy decode of every request, joining at JOINS and leaving after STEPS: the tokens and the logits each
+    request saw before each of its tokens."""
+    states, outs, seen, running = {}, {i: [] for i in range(len(segs))}, {i: [] for i in range(len(segs))}, []
     for step in range(max(JOINS) + max(STEPS) + 1):
         for i, join in enumerate(JOINS):
             if join == step:
                 states[i], _ = eng.prefill(segs[i], MODES[i], STEPS[i])
                 running.append(i)
-        feed = list(running)
         for i in running:
+            seen[i].append(states[i].logits.clone())
             outs[i].append(int(states[i].logits.argmax()))
-        if feed:
-            decode_batch(eng.model, [states[i] for i in feed], [outs[i][-1] for i in feed])
+        if running:
+            decode_batch(eng.model, [states[i] for i in running], [outs[i][-1] for i in running], rows)
         running = [i for i in running if len(outs[i]) < STEPS[i]]
-    assert [outs[i] for i in range(len(segs))] == alone
     assert not running
+    return [outs[i] for i in range(len(segs))], [seen[i] for i in range(len(segs))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fixed_rows_make_each_answer_bitwise_its_own(dtype, tiny_engine, tiny_bf16_engine):
+    """Batch invariance (serve --batch-invariant): at a fixed row count every request's logits at every step are
+    bitwise those it gets decoded alone at that row count, whatever joins, leaves or shares its blocks beside it
+    (six requests, up to five at once, in groups of 4 rows: padded rows and a split batch both occur)."""
+    eng = tiny_engine("llama") if dtype == "float32" else tiny_bf16_engine
+    segs = [make_segs(**shape) for shape in SHAPES]
+    _, together = staggered(eng, segs, rows=4)
+    for i, (seg, fusion, n) in enumerate(zip(segs, MODES, STEPS)):
+        state, _ = eng.prefill(seg, fusion, n)
+        for step in range(n):
+            assert torch.equal(state.logits, together[i][step]), (i, step)
+            decode_batch(eng.model, [state], [int(state.logits.argmax())], rows=4)
 
 
 def test_batched_logits_match_alone_tightly(tiny_engine):
@@ -84,3 +105,40 @@ def test_engine_step_batches_real_requests_like_alone(default_engine):
         default_engine.step(seqs)
     assert [s.out.text for s in seqs] == alone
     assert all(s.stats.completion_tokens > 0 for s in seqs)
+
+
+def test_batch_invariant_server_answers_under_load_as_alone(tmp_path):
+    """`serve --batch-invariant` over real HTTP (a tiny random model): six greedy requests of four modes sent at
+    once answer, token and logprob for logprob (bitwise), what each answers sent alone; with 4 rows per step and
+    16-token prefill units, steps are padded, split, and prefills interleave with decoding."""
+    import threading
+
+    import httpx
+
+    from ragkv.bench.serve import ServerProcess
+    from tiny import make_tiny_served
+
+    docs = [{"title": "Farm", "text": "The farm in Lintwick keeps forty-two alpacas named after rivers."},
+            {"title": "Tower", "text": "Lintwick Tower was built in 1893 from red sandstone by Ada Morrow."}]
+    bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"Question {i}: who built it?" * (1 + i % 3)}],
+               "max_tokens": 10 + i, "temperature": 0, "logprobs": True,
+               "ragkv": {"mode": mode, "documents": docs[:1 + i % 2]}}
+              for i, mode in enumerate(("reuse", "full", "ape", "blend", "prefix", "reuse"))]
+    extra = ("--served-model-name", "tiny", "--max-batch", "4", "--prefill-chunk", "16", "--batch-invariant")
+    with ServerProcess(model=str(make_tiny_served(tmp_path)), dtype="float32", device="cpu", store="memory:64MiB",
+                       startup_s=300, cache_dir=tmp_path, extra=extra) as server:
+        def ask(body):
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return [(t["token"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+        alone = [ask(b) for b in bodies]
+        together = [None] * len(bodies)
+
+        def one(i):
+            together[i] = ask(bodies[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        [t.start() for t in threads]
+        [t.join(timeout=300) for t in threads]
+    assert together == alone

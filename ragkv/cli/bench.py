@@ -12,7 +12,7 @@ from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, engin
                               ints, print_json, say)
 from ragkv.engine.modes import MODES
 from ragkv.errors import InvalidRequestError, RagkvError
-from ragkv.settings import DEFAULT_MODEL
+from ragkv.settings import DEFAULT_MODEL, SERVE
 
 
 def _output_args(p) -> None:
@@ -21,7 +21,7 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, shared, engine (vs transformers), decode, train-step, store, serve, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -44,6 +44,17 @@ def register(sub) -> None:
     _output_args(sh)
     add_model_args(sh)
     sh.set_defaults(func=run_shared)
+
+    iv = bsub.add_parser("invariance", help="greedy answers decoded in a batch vs alone, with free and fixed row "
+                                            "counts (serve --batch-invariant), and the fixed count's cost")
+    iv.add_argument("--requests", type=int, default=8, help="requests decoded together")
+    iv.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
+    iv.add_argument("--passages", type=int, default=4, help="blocks per request")
+    iv.add_argument("--rows", type=int, default=SERVE.max_batch, help="the fixed row count (serve's --max-batch)")
+    _output_args(iv)
+    add_fusion_args(iv, title="the requests' mode")
+    add_model_args(iv)
+    iv.set_defaults(func=run_invariance)
 
     e = bsub.add_parser("engine", help="our full prefill vs transformers' forward on the same tokens")
     e.add_argument("--lengths", default="512,1024,2048,4096")
@@ -261,6 +272,18 @@ def run_shared(args) -> int:
     cfg = SharedBenchConfig(passages=args.passages, distinct=args.distinct, requests=args.requests,
                             batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps)
     return _finish(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
+
+
+def run_invariance(args) -> int:
+    from ragkv.bench.invariance import InvarianceBenchConfig, run_invariance_bench
+
+    if args.rows < args.requests:
+        raise RagkvError(f"--rows ({args.rows}) must be at least --requests ({args.requests}): the batch is "
+                         "compared at one fixed row count")
+    cfg = InvarianceBenchConfig(requests=args.requests, tokens=args.tokens, passages=args.passages, rows=args.rows,
+                                fusion=fusion_from_args(args))
+    return _finish(args, run_invariance_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
+                   "invariance.md")
 
 
 def run_engine(args) -> int:

@@ -29,6 +29,10 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk,
                    help="while other answers decode, a full/prefix prefill runs this many tokens between two "
                         "decode steps (bounds the pause a new request imposes on them)")
+    p.add_argument("--batch-invariant", action="store_true", default=SERVE.batch_invariant,
+                   help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
+                        "under load): every decode step runs at --max-batch rows and every prefill in "
+                        "--prefill-chunk units; small batches lose their speed")
     a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="accept `Authorization: Bearer KEY`; its tenant (default: default) owns its documents and "
@@ -117,7 +121,8 @@ def run_serve(args) -> int:
                     args.ingest_timeout, args.kv_memory)
     server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                     args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
-                    served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode)
+                    served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
+                    batch_invariant=args.batch_invariant)
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,

@@ -383,10 +383,11 @@ class Engine:
         state, stats = yield from self.prefill_steps(segs, fusion, gen.max_new_tokens, namespace, chunk)
         return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions, segs.all_ids())
 
-    def step(self, seqs: list[Sequence]) -> None:
-        """Advance every unfinished sequence by one token in one batched forward (call `advance()` first)."""
+    def step(self, seqs: list[Sequence], rows: int | None = None) -> None:
+        """Advance every unfinished sequence by one token in one batched forward (call `advance()` first);
+        rows: every forward at this row count, so that an answer does not depend on its neighbours (state.py)."""
         with self.lock:
-            step_sequences(self._decode_model, seqs)
+            step_sequences(self._decode_model, seqs, rows)
 
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:

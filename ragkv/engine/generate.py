@@ -182,9 +182,9 @@ class Sequence:
             self._finish(reason, self.out.text)
 
 
-def step_sequences(model, seqs: list[Sequence]) -> None:
-    """One batched forward for every sequence that has a token to feed."""
+def step_sequences(model, seqs: list[Sequence], rows: int | None = None) -> None:
+    """One batched forward for every sequence that has a token to feed (at a fixed row count: decode_batch)."""
     live = [s for s in seqs if s.feed is not None]
     if live:
-        decode_batch(model, [s.state for s in live], [s.feed for s in live])
+        decode_batch(model, [s.state for s in live], [s.feed for s in live], rows)
 

@@ -42,12 +42,15 @@ class DecodePlan:
     The projections and MLP run batched over all rows (the weights are read once per step); attention runs per
     sequence over its own cache, so lengths, layouts and policies (APE) can differ within a batch. Policies with an
     `attend_batch` (blocks read in place, engine/shared_attention.py) attend together, so that a block several
-    sequences hold is read once per step.
+    sequences hold is read once per step, unless the forward runs at a fixed row count (batch invariance).
     """
 
-    def __init__(self, states: list[DecodeState], device, window: int | None):
-        self.states, self.window = states, window
-        self.positions = torch.tensor([[s.next_position] for s in states], device=device)
+    def __init__(self, states: list[DecodeState], device, window: int | None, rows: int | None = None):
+        """rows: a forward at this fixed row count (decode_batch): the rows after the sequences' attend to
+        nothing, and each sequence attends alone (a row's numbers must not depend on its neighbours)."""
+        self.states, self.window, self.fixed = states, window, rows is not None
+        self.pad = rows - len(states) if rows is not None else 0
+        self.positions = torch.tensor([[s.next_position] for s in states] + [[0]] * self.pad, device=device)
 
     def begin(self, layer, decoder_layer, x):
         return x
@@ -65,7 +68,7 @@ class DecodePlan:
                     continue
                 parts = [(torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))]
             keys, values = parts[0]
-            batch = getattr(s.attention, "attend_batch", None)
+            batch = None if self.fixed else getattr(s.attention, "attend_batch", None)
             if batch is not None:  # policies that read shared blocks: one call for all their sequences, below
                 grouped.setdefault(batch, []).append((b, (s.attention, qb, keys, values)))
                 outs.append(None)
@@ -78,17 +81,35 @@ class DecodePlan:
         for batch, members in grouped.items():
             for (b, _), out in zip(members, batch(layer, [row for _, row in members])):
                 outs[b] = out
+        if self.pad:
+            outs.append(q.new_zeros((self.pad,) + q.shape[1:]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 @torch.inference_mode()
-def decode_batch(model, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+def decode_batch(model, states: list[DecodeState], tokens: list[int], rows: int | None = None) -> torch.Tensor:
     """Feed tokens[b] to states[b] at its next position; returns next-token logits [B, V] fp32 and advances
-    every state (its `logits` included)."""
+    every state (its `logits` included).
+
+    rows: run every forward at exactly this many rows (the batch in groups of `rows`, the last padded with rows
+    that attend to nothing), so that each sequence gets the numbers it gets alone whatever runs beside it (batch
+    invariance: GEMM kernels choose their blocking, and so their summation order, by the row count; measured on
+    Zen 3 fp32, a linear's row computed alone and among others differs by 5e-5; in a fixed shape it does not
+    depend on the other rows or on its own index)."""
+    if rows is None:
+        return _forward(model, states, tokens)
+    return torch.cat([_forward(model, states[i:i + rows], tokens[i:i + rows], rows)
+                      for i in range(0, len(states), rows)])
+
+
+def _forward(model, states: list[DecodeState], tokens: list[int], rows: int | None = None) -> torch.Tensor:
     dev = model.device
     x = model.embed(torch.tensor(tokens, device=dev).unsqueeze(1))
-    x = run_layers(model, x, DecodePlan(states, dev, model.args.sliding_window))
-    logits = model.logits(x)[:, -1]
+    plan = DecodePlan(states, dev, model.args.sliding_window, rows)
+    if plan.pad:
+        x = torch.cat([x, x.new_zeros((plan.pad,) + x.shape[1:])])  # zero rows stay zero through every layer
+    x = run_layers(model, x, plan)
+    logits = model.logits(x)[:len(states), -1]
     for b, s in enumerate(states):
         s.cache.commit(1)
         s.next_position += 1

@@ -40,7 +40,8 @@ class Server:
                  timeout_s: float = SERVE.timeout_s, default_fusion: FusionOptions = FusionOptions(),
                  max_batch: int = SERVE.max_batch, prefill_chunk: int = SERVE.prefill_chunk,
                  worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
-                 served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode):
+                 served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode,
+                 batch_invariant: bool = SERVE.batch_invariant):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -52,8 +53,10 @@ class Server:
         self.default_fusion = default_fusion
         self.metrics = Metrics()
         self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
+        self.batch_invariant = batch_invariant  # every step at max_batch rows, every prefill chunked
         self.kv_bytes_per_token = bytes_per_token(engine.model)
-        self.scheduler = Scheduler(engine.step, max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
+        rows = max_batch if batch_invariant else None
+        self.scheduler = Scheduler(lambda seqs: engine.step(seqs, rows), max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
                                    lock=engine.lock, thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes))
         self._library, self._library_lock = None, threading.Lock()
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode)
@@ -81,8 +84,8 @@ class Server:
         if not self.scheduler.kv.fits_ever(need):
             raise self.kv_refusal(p, need)
 
-        def chunk():  # chunk a full/prefix prefill only while other answers are decoding
-            return self.prefill_chunk if self.scheduler.running else None
+        def chunk():  # chunk a full/prefix prefill while other answers are decoding (always, batch-invariant)
+            return self.prefill_chunk if self.scheduler.running or self.batch_invariant else None
 
         def begin():
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
