@@ -113,6 +113,17 @@ def test_changed_mode_parameters_refuse_to_resume(engine, tmp_path):
         run_eval(engine, _examples(2), other, ResultsFile(path, {}), max_new_tokens=2, progress=False)
 
 
+def test_records_that_stored_a_later_field_at_its_default_still_resume(engine):
+    """Records written while kv_layout was stored at its default ("copied") resume under today's keys, which omit
+    it; a stored non-default still refuses."""
+    from ragkv.eval.harness import check_mode_params
+
+    modes = _modes(engine, "reuse")
+    check_mode_params([{"mode_key": "reuse", "params": {"kv_layout": "copied"}}], modes)
+    with pytest.raises(RagkvError, match="reuse"):
+        check_mode_params([{"mode_key": "reuse", "params": {"kv_layout": "shared"}}], modes)
+
+
 def test_too_long_examples_are_skipped_and_first_token_only_runs(engine):
     long_ex = Example("long", "q ?", [Passage(" ".join(["x"] * 600))], ["a"], "qa", "accuracy")
     run = run_eval(engine, _examples(1) + [long_ex], _modes(engine, "full,reuse"), max_new_tokens=0, progress=False)

@@ -24,7 +24,7 @@ from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
 from ragkv.eval.metrics import (first_token_kl, greedy_agreement, parse_generation, prefix_agreement, score,
                                 top1_agreement)
-from ragkv.eval.modes import ModeSpec
+from ragkv.eval.modes import ModeSpec, without_later_defaults
 from ragkv.eval.results import ResultsFile
 
 HARNESS_VERSION = 1
@@ -72,7 +72,7 @@ def check_mode_params(records: Iterable[dict], modes: list[ModeSpec]) -> None:
     want = {m.key: m.params for m in modes}
     for r in records:
         key = r.get("mode_key")
-        if key in want and r.get("params") != want[key]:
+        if key in want and without_later_defaults(r.get("params")) != want[key]:
             raise RagkvError(f"mode {key!r} was run with {r.get('params')} in this results file but now resolves "
                              f"to {want[key]} (changed flags or APE calibration); name the parameters in the key "
                              "(e.g. ape:T=0.9,S=0.9), pass another --output, or --overwrite")

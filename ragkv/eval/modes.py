@@ -42,6 +42,14 @@ LATER_FIELDS = {"check_rows": "selected", "select_per_block": False, "positions"
                 "select": "deviation", "kv_layout": "copied"}
 
 
+def without_later_defaults(params: dict | None) -> dict | None:
+    """A record's params as they are stored now: records written while a later field was stored at its default
+    (kv_layout, for a while) compare equal to those that omit it."""
+    if params is None:
+        return None
+    return {k: v for k, v in params.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     key: str                 # as the user wrote it: the results' mode_key
