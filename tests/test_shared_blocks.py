@@ -89,25 +89,41 @@ def test_one_block_at_different_offsets_is_pooled_once_and_read_in_place(tiny_en
             assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
 
 
-def test_a_batched_step_reads_each_shared_block_once(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_batched_step_reads_each_shared_block_once(kernel, tiny_engine, monkeypatch):
     """Three sequences holding the same prefix and block at different offsets: per layer, each distinct block is
-    attended once for all its holders (plus each sequence's own rows), and the rows equal decoding alone."""
+    attended once for all its holders (plus each sequence's own rows), and the rows equal decoding alone. With
+    the CPU kernel: one call per layer whose parts are the distinct blocks and the own rows; without it (other
+    devices), one attention per distinct block."""
     import ragkv.engine.shared_attention as shared_attention
+    from ragkv.ops.decode_kernel import kernel as cpp
 
     eng = tiny_engine("qwen2")
+    if kernel and (cpp() is None or eng.device.type != "cpu"):
+        pytest.skip("the CPU parts kernel is not available here")
     common, prefix = rand_ids(30, 11), rand_ids(10, 12)
     reqs = [Segments(prefix, [common, rand_ids(9 + i, 20 + i)][::1 - 2 * (i % 2)], rand_ids(6 + i, 30 + i))
             for i in range(3)]
     states = [eng.prefill(r, SHARED)[0] for r in reqs]
     alone = [eng.prefill(r, COPIED)[0] for r in reqs]
     calls = []
-    real = shared_attention.unmasked_attention_with_lse
-    monkeypatch.setattr(shared_attention, "unmasked_attention_with_lse",
-                        lambda q, k, v, *t: calls.append(k.shape[2]) or real(q, k, v, *t))
+    if kernel:
+        real_parts = shared_attention.parts_attention_cpu
+        monkeypatch.setattr(shared_attention, "parts_attention_cpu",
+                            lambda q, keys, *a: calls.append(len(keys)) or real_parts(q, keys, *a))
+    else:
+        real = shared_attention.unmasked_attention_with_lse
+        monkeypatch.setattr(shared_attention, "parts_attention_cpu", lambda *a: None)
+        monkeypatch.setattr(shared_attention, "unmasked_attention_with_lse",
+                            lambda q, k, v, *t: calls.append(k.shape[2]) or real(q, k, v, *t))
     batched = decode_batch(eng.model, states, [5, 6, 7])
     distinct = {id(b) for s in states for b in s.attention.blocks}
     assert len(distinct) == 2 + 3  # prefix, common, each request's own block
-    assert len(calls) == eng.model.args.num_layers * (len(distinct) + len(states))
+    if kernel:
+        assert calls == [len(distinct) + len(states)] * eng.model.args.num_layers
+    else:
+        assert len(calls) == eng.model.args.num_layers * (len(distinct) + len(states))
+    monkeypatch.undo()
     for row, state, tok in zip(batched, alone, [5, 6, 7]):
         assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
 

@@ -11,6 +11,7 @@ equals one softmax over the concatenation. The sequence's cache holds only its o
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import attention_with_lse, causal_mask, merge_by_lse, unmasked_attention_with_lse
+from ragkv.ops.decode_kernel import parts_attention_cpu
 from ragkv.ops.rope import apply_rope
 
 
@@ -62,6 +64,10 @@ class SharedBlocksAttention:
         return merge_by_lse([o for o, _ in merged], [lse for _, lse in merged]).to(dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] == 1:  # a decode step: every part in one kernel call where there is one
+            out = _attend_in_kernel(layer, [(self, q, k, v)])
+            if out is not None:
+                return out[0]
         moved = apply_rope(q, self.cos, self.sin)  # [nb, Hq, T, D]: each block's view of the query, at m - o_b
         parts = [unmasked_attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer], self._temperature(b))
                  for b, blk in enumerate(self.blocks)]
@@ -77,7 +83,11 @@ class SharedBlocksAttention:
                                                    torch.Tensor]]) -> list[torch.Tensor]:
         """One decode step's attention for several sequences (policy, q [1, Hq, 1, D], own k, own v): each block
         any of them holds is read once, by all its holders' query rows together (each rotated back by its own
-        offset), instead of once per sequence."""
+        offset), instead of once per sequence: on the CPU all of it (blocks, own rows, the merges) in one kernel
+        call per layer (ragkv.ops.decode_kernel), otherwise one attention per distinct block."""
+        out = _attend_in_kernel(layer, rows)
+        if out is not None:
+            return out
         parts: list[list] = [[None] * len(policy.blocks) for policy, *_ in rows]
         holders: dict[tuple[int, float], tuple[PooledBlock, list[tuple[int, int, torch.Tensor]]]] = {}
         for i, (policy, q, k, v) in enumerate(rows):
@@ -91,6 +101,47 @@ class SharedBlocksAttention:
                 parts[i][b] = (o[:, :, u:u + 1], lse[:, :, u:u + 1])
         return [policy._combine(p, unmasked_attention_with_lse(q, k, v), q.dtype)
                 for p, (policy, q, k, v) in zip(parts, rows)]
+
+
+def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]]) -> list[torch.Tensor] | None:
+    """`attend_batch` as one call of the CPU parts kernel: a query row per (sequence, block) rotated back by the
+    block's offset, and one per sequence over its own rows; each distinct block is one part, read once. None where
+    the kernel does not apply (not the CPU, more than one row per sequence, another dtype, no kernel)."""
+    q0 = rows[0][1]
+    if q0.device.type != "cpu" or q0.dtype not in (torch.float32, torch.bfloat16) \
+            or any(q.shape[2] != 1 for _, q, _, _ in rows):
+        return None
+    Hq, D = q0.shape[1], q0.shape[3]
+    base = 1.0 / math.sqrt(D)
+    index: dict[int, int] = {}
+    keys, values, q_rows, part, scale, seq, group, factor = [], [], [], [], [], [], [], []
+    for i, (policy, q, k, v) in enumerate(rows):
+        ape = policy.temperature != 1.0 or policy.scale != 1.0
+        if policy.blocks:
+            q_rows.append(apply_rope(q, policy.cos, policy.sin)[:, :, 0])  # [nb, Hq, D]
+        for b, blk in enumerate(policy.blocks):
+            if id(blk) not in index:
+                index[id(blk)] = len(keys)
+                keys.append(blk.keys[layer][0])
+                values.append(blk.values[layer][0])
+            part.append(index[id(blk)])
+            scale.append(base / policy._temperature(b))
+            group.append(1 if ape and b >= policy.context_from else 0)
+        seq += [i] * (len(policy.blocks) + 1)
+        q_rows.append(q[:, :, 0])  # its own rows, unrotated
+        part.append(len(keys))
+        keys.append(k[0])
+        values.append(v[0])
+        scale.append(base)
+        group.append(0)
+        factor.append(policy.scale * policy.temperature)
+    out = parts_attention_cpu(torch.cat(q_rows), keys, values, torch.tensor(part), torch.tensor(scale),
+                              torch.tensor(seq), torch.tensor(group), torch.tensor(factor), len(rows))
+    if out is None:
+        return None
+    out = out.to(q0.dtype)
+    return [out[i].reshape(1, Hq, 1, D) for i in range(len(rows))]
 
 
 class OwnRowsPlan:
