@@ -27,6 +27,7 @@ DEFAULT_MODEL = "smollm2"
 DEFAULT_DTYPE = "auto"     # bf16 where the hardware runs it fast, else fp32 (ragkv.config.resolve_dtype)
 DEFAULT_NAMESPACE = "default"
 DEFAULT_TENANT = "default"  # the tenant of every request to a server without API keys, and of `ingest`/`ask`
+DEFAULT_BLOCK_POOL_BYTES = 512 << 20  # --block-pool: blocks read in place (kv_layout=shared), kept on the device
 DEFAULT_PASSAGE_ORDER = "best-last"  # retrieved passages in ascending relevance, the best next to the question
 
 

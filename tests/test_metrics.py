@@ -98,7 +98,7 @@ def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
     body = {"messages": [{"role": "user", "content": "Who built Lintwick Tower?"}], "max_tokens": 2,
             "ragkv": {"mode": "reuse", "documents": DOCS}}
     with ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=180,
-                       cache_dir=tmp_path) as s:
+                       cache_dir=tmp_path, extra=("--block-pool", "64MiB")) as s:
         def scrape() -> dict:
             r = httpx.get(s.url + "/metrics", timeout=30)
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -123,6 +123,7 @@ def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
     assert shared.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
     assert shared.json()["usage"]["fidelity"]["kv_layout"] == "shared"
     assert value(before, "ragkv_block_pool_bytes") == 0 and value(end, "ragkv_block_pool_bytes") > 0
+    assert value(end, "ragkv_block_pool_limit_bytes") == 64 << 20  # --block-pool
 
     hits = [value(x, "ragkv_block_cache_hits_total") for x in (before, after_first, after_second)]
     misses = [value(x, "ragkv_block_cache_misses_total") for x in (before, after_first, after_second)]

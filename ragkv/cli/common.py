@@ -8,8 +8,8 @@ import sys
 
 from ragkv.engine.options import FusionOptions, fusion_option_specs
 from ragkv.errors import InvalidRequestError
-from ragkv.settings import (DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_NAMESPACE, default_index_dir,
-                            default_store_spec)
+from ragkv.settings import (DEFAULT_BLOCK_POOL_BYTES, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_NAMESPACE,
+                            default_index_dir, default_store_spec)
 from ragkv.store.spec import SYNTAX
 
 
@@ -36,6 +36,19 @@ def add_store_args(p: argparse.ArgumentParser, namespace: bool = True) -> None:
                         f"the server); {SYNTAX}")
     if namespace:
         g.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="tenant namespace of cached blocks")
+    g.add_argument("--block-pool", type=size_arg, default=DEFAULT_BLOCK_POOL_BYTES, metavar="SIZE",
+                   help="device memory for blocks read in place by kv_layout=shared requests, least recently used "
+                        f"out (default {DEFAULT_BLOCK_POOL_BYTES >> 20}MiB; a block in use outlives its eviction)")
+
+
+def size_arg(text: str) -> int:
+    """A size flag's value (4GiB, 512MiB, bytes), argparse's error naming the flag when it is not one."""
+    from ragkv.store.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except Exception as e:  # noqa: BLE001 - argparse reports it as a bad value of the flag
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_index_arg(p: argparse.ArgumentParser) -> None:
@@ -127,7 +140,8 @@ def engine_from_args(args, store=None, must_reach: bool = True):
         store = make_store(args.store, must_reach)
     return Engine.load(args.model, dtype=args.dtype, device=args.device, store=store,
                        namespace=getattr(args, "namespace", DEFAULT_NAMESPACE),
-                       decode_weights=getattr(args, "decode_weights", "exact"))
+                       decode_weights=getattr(args, "decode_weights", "exact"),
+                       pool_bytes=getattr(args, "block_pool", DEFAULT_BLOCK_POOL_BYTES))
 
 
 def ints(text: str, flag: str) -> tuple[int, ...]:

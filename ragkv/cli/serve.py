@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 
 from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
-                              fusion_from_args, library_location)
+                              fusion_from_args, library_location, size_arg)
 from ragkv.errors import InvalidRequestError
 from ragkv.settings import SERVE
 
@@ -49,7 +48,7 @@ def register(sub) -> None:
                      help="prompt tokens (default: the model's)")
     lim.add_argument("--ingest-timeout", type=float, default=SERVE.ingest_timeout_s,
                      help="seconds a document ingestion job may run")
-    lim.add_argument("--kv-memory", type=_size, default=SERVE.kv_memory_bytes, metavar="SIZE",
+    lim.add_argument("--kv-memory", type=size_arg, default=SERVE.kv_memory_bytes, metavar="SIZE",
                      help="KV memory the running generations may reserve, e.g. 4GiB (default: "
                           f"{SERVE.kv_memory_bytes >> 30}GiB): each reserves its prompt's rows plus n x max_tokens "
                           "rows; one that does not fit waits, one that never could gets a 400")
@@ -61,15 +60,6 @@ def register(sub) -> None:
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve)
-
-
-def _size(text: str) -> int:
-    from ragkv.store.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except Exception as e:  # noqa: BLE001 - argparse reports it as a bad --kv-memory
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_flags(args) -> None:

@@ -17,9 +17,9 @@ from typing import Callable, Iterator
 import torch
 
 from ragkv.ops.rope import half_tables, rope_into
+from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES
 from ragkv.store.base import CacheKey
 
-DEFAULT_POOL_BYTES = 512 << 20
 
 # keys -> per layer, each key's raw (K, V) [Hkv, n, D] (the store's layer stream)
 LayerStream = Callable[[list[CacheKey]], Iterator[list[tuple[torch.Tensor, torch.Tensor]]]]
@@ -36,7 +36,7 @@ class PooledBlock:
 
 
 class BlockPool:
-    def __init__(self, model, max_bytes: int = DEFAULT_POOL_BYTES):
+    def __init__(self, model, max_bytes: int = DEFAULT_BLOCK_POOL_BYTES):
         self.model, self.max_bytes = model, max_bytes
         self._blocks: OrderedDict[CacheKey, PooledBlock] = OrderedDict()
         self._lock = threading.Lock()  # the model thread fills it, /health and /metrics read its size

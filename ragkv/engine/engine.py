@@ -37,7 +37,7 @@ from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
-from ragkv.settings import DEFAULT_MODEL
+from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
 from ragkv.store.errors import MissingBlockError, StoreUnavailableError
 from ragkv.store.memory import MemoryStore
@@ -98,7 +98,8 @@ class Engine:
                  prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact",
                  ape_params: tuple[float, float, str] = (DEFAULT_T, DEFAULT_S, "default"),
                  profiles: StoreProfiles | None = None, _decode_model=None,
-                 auto_params: tuple[str, float, str] = (DEFAULT_SIGNAL, DEFAULT_MAX_RISK, "default")):
+                 auto_params: tuple[str, float, str] = (DEFAULT_SIGNAL, DEFAULT_MAX_RISK, "default"),
+                 pool_bytes: int = DEFAULT_BLOCK_POOL_BYTES):
         self._loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         # the model itself unless quantized (shared when `with_store` makes a sibling engine)
         self._decode_model = _decode_model or decode_copy(self.model, decode_weights)
@@ -107,7 +108,7 @@ class Engine:
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
         self._store = store if store is not None else MemoryStore()
         self._blocks = BlockCache(self.model, loaded.fingerprint, self._store, namespace)
-        self._pool = BlockPool(self.model)  # blocks read in place (kv_layout=shared); its own, like its store
+        self._pool = BlockPool(self.model, pool_bytes)  # blocks read in place (kv_layout=shared); its own, like its store
         self.namespace = namespace
         self.prompt_format = prompt_format
         self.eos_ids = _eos_ids(loaded)
@@ -120,20 +121,22 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-             store: KVStore | None = None, namespace: str = "default", decode_weights: str = "exact") -> "Engine":
+             store: KVStore | None = None, namespace: str = "default", decode_weights: str = "exact",
+             pool_bytes: int = DEFAULT_BLOCK_POOL_BYTES) -> "Engine":
         """Load the model, and the start-up state: APE's calibration and the store's saved load profiles."""
         dev = resolve_device(device)
         loaded = load_model(model, resolve_dtype(dtype, dev), dev)
         return cls(loaded, store=store, namespace=namespace, decode_weights=decode_weights,
                    ape_params=load_ape_params(loaded.fingerprint), profiles=StoreProfiles.load(),
-                   auto_params=load_auto_params(loaded.fingerprint))
+                   auto_params=load_auto_params(loaded.fingerprint), pool_bytes=pool_bytes)
 
     def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
         """An engine over the same model (weights shared) reading and writing another store."""
         return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
                       (self.ape_temperature, self.ape_scale, self.ape_source), self._planner.profiles,
                       _decode_model=self._decode_model,
-                      auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source))
+                      auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
+                      pool_bytes=self._pool.max_bytes)
 
     # -- model facts ------------------------------------------------------------------------------------
     @property

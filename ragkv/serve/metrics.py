@@ -130,6 +130,8 @@ class LiveStats:
         if pool:  # blocks resident for kv_layout=shared (engine/block_pool.py), bounded apart from --kv-memory
             yield GaugeMetricFamily("ragkv_block_pool_bytes", "Bytes of blocks the pool keeps for in-place reads "
                                     "(kv_layout=shared).", pool["bytes"])
+            yield GaugeMetricFamily("ragkv_block_pool_limit_bytes", "The pool's bound (--block-pool).",
+                                    pool["max_bytes"])
             yield CounterMetricFamily("ragkv_block_pool_hits", "Blocks a request found in the pool.", pool["hits"])
         faults = store.get("faults") or {}
         if faults:
