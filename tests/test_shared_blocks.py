@@ -47,6 +47,36 @@ def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine
     assert max(maxdiff(a, b) for a, b in zip(logits_c, logits_s)) <= TOL
 
 
+@pytest.mark.parametrize("blend", [dict(ratio=0.3), dict(ratio=0.3, select="query"), dict(ratio=0.2, select="sinks",
+                                                                                        sink_tokens=3)])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monkeypatch):
+    """blend with kv_layout=shared: prefilled as a copy, then only the rows it recomputed (which override the pooled
+    blocks' rows for this sequence only) and the query's are kept, the rest read in place. Its decode equals blend
+    over its copy (1e-4, 8 steps), alone and in a batch beside a `reuse` sequence that reads the same blocks
+    unmasked at other offsets; with the CPU kernel and with the torch path."""
+    import ragkv.engine.shared_attention as shared_attention
+
+    if not kernel:
+        monkeypatch.setattr(shared_attention, "parts_attention_cpu", lambda *a: None)
+    eng = tiny_engine("qwen2")
+    segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)
+    copied = eng.prefill(segs, FusionOptions(mode="blend", **blend))[0]
+    shared, stats = eng.prefill(segs, FusionOptions(mode="blend", kv_layout="shared", **blend))
+    assert torch.equal(copied.logits, shared.logits)  # the same prefill
+    assert shared.cache.length == len(segs.query) and shared.next_position == copied.next_position
+    own = stats.extra["own_context_rows"]
+    assert 0 < own < sum(len(b) for b in segs.blocks)  # recomputed rows only, not the whole context
+    neighbour_segs = Segments(segs.prefix, segs.blocks[::-1], rand_ids(5, 9))  # same blocks, other offsets
+    neighbour = eng.prefill(neighbour_segs, SHARED)[0]
+    neighbour_alone = eng.prefill(neighbour_segs, COPIED)[0]
+    toks_c, logits_c = greedy(eng.model, copied, 8)
+    for i, tok in enumerate(toks_c):
+        pair = decode_batch(eng.model, [shared, neighbour], [tok, 11])
+        assert maxdiff(pair[0], logits_c[i + 1]) <= TOL
+        assert maxdiff(pair[1], decode_step(eng.model, neighbour_alone, 11)) <= TOL
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_ape_in_place_equals_ape_copied_alone_and_batched(arch, tiny_engine):
     """APE's context (the blocks after the prefix, sharing one position range) as one part with temperature T and

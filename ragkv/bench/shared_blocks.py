@@ -1,5 +1,5 @@
-"""`ragkv bench shared`: `reuse` with each request's own re-rotated copy of its blocks (kv_layout=copied) against
-the blocks read in place from the pool (kv_layout=shared), on real MuSiQue passages.
+"""`ragkv bench shared`: `reuse` (or `ape`, `blend`: --mode) with each request's own re-rotated copy of its blocks
+(kv_layout=copied) against the blocks read in place from the pool (kv_layout=shared), on real MuSiQue passages.
 
 Requests draw `passages` blocks each from a small common set, so sequences hold the same blocks at different
 offsets, as a server's do. Every block is in the store (and, for `shared`, in the pool) before timing: what is
@@ -33,6 +33,7 @@ class SharedBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     steps: int = 16            # decode steps timed per batch size
     seed: int = 0
+    mode: str = "reuse"        # reuse, ape or blend (blend: prefilled as a copy either way; decode differs)
 
 
 def _requests(engine, cfg: SharedBenchConfig, n: int):
@@ -69,7 +70,7 @@ def run_shared_bench(engine, cfg: SharedBenchConfig, out_dir: Path, progress=pri
     reqs = _requests(engine, cfg, max(cfg.requests, largest))
     rows, answers = [], {}
     for layout in LAYOUTS:
-        fusion = FusionOptions(mode="reuse", kv_layout=layout)
+        fusion = FusionOptions(mode=cfg.mode, kv_layout=layout)
         for segs in reqs:  # every block stored (and pooled) before timing
             engine.prefill(segs, fusion)
         ttft = [_timed_prefill(engine, s, fusion)[1] for s in reqs[:cfg.requests]]
@@ -97,7 +98,7 @@ def run_shared_bench(engine, cfg: SharedBenchConfig, out_dir: Path, progress=pri
          + [f"{r['step_ms'][b]:.1f} ({r['step_ms'][b] / copied['step_ms'][b]:.2f}x)" for b in cfg.batch_sizes]
          for r in rows])
     (out_dir / "shared.md").write_text(
-        f"`reuse`, blocks copied vs read in place, on {result['model']} ({result['dtype']}, {result['device']}, "
+        f"`{cfg.mode}`, blocks copied vs read in place, on {result['model']} ({result['dtype']}, {result['device']}, "
         f"{result['threads']} threads); {cfg.passages} MuSiQue passages per request from {cfg.distinct}, median "
         f"context {result['context_tokens']} tokens; greedy tokens equal per batch size: {agree}.\n\n{table}\n")
     return result

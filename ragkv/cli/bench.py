@@ -41,6 +41,7 @@ def register(sub) -> None:
     sh.add_argument("--requests", type=int, default=8, help="TTFT samples per layout")
     sh.add_argument("--batch-sizes", default="1,4,16")
     sh.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    sh.add_argument("--mode", default="reuse", choices=("reuse", "ape", "blend"), help="the requests' mode")
     _output_args(sh)
     add_model_args(sh)
     sh.set_defaults(func=run_shared)
@@ -270,7 +271,7 @@ def run_shared(args) -> int:
     from ragkv.bench.shared_blocks import SharedBenchConfig, run_shared_bench
 
     cfg = SharedBenchConfig(passages=args.passages, distinct=args.distinct, requests=args.requests,
-                            batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps)
+                            batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps, mode=args.mode)
     return _finish(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
 
 

@@ -111,10 +111,11 @@ class FusionOptions:
     prefix_chunk: int = option(32, "prefix: tokens per hash-chained chunk", ge=1, le=1 << 16, key="chunk")
     positions: str = option("reencoded", "reuse: reencoded (each block re-rotated to its place) or local (each "
                             "block keeps positions 0..n-1, an ablation)", choices=("reencoded", "local"), key="pos")
-    kv_layout: str = option("copied", "reuse, ape: copied (each block's K re-rotated into the request's own cache) or "
-                            "shared (blocks read in place from the engine's device-resident block pool, the query "
-                            "rotated per block: the same attention, no per-request copy)", choices=("copied", "shared"),
-                            key="kv")
+    kv_layout: str = option("copied", "reuse, ape, blend: copied (each block's K re-rotated into the request's own "
+                            "cache) or shared (blocks read in place from the engine's device-resident block pool, the "
+                            "query rotated per block: the same attention, no per-request copy; blend prefills as "
+                            "copied, then keeps only the rows it recomputed and decodes over the blocks in place)",
+                            choices=("copied", "shared"), key="kv")
 
     def __post_init__(self):
         get_mode(self.mode)  # unknown names: an error listing the registered modes

@@ -43,6 +43,17 @@ class SharedBlocksAttention:
     context_from: int = 0
     temperature: float = 1.0
     scale: float = 1.0
+    # blend's recomputed rows (keep_own_rows): per layer, per block a bool mask of the rows read in place (None:
+    # all), and the recomputed context rows that replace the others, (K, V) [1, Hkv, m, D] rotated at their
+    # positions (None: none at that layer)
+    keep: tuple | None = None
+    overrides: tuple | None = None
+
+    def _mask(self, layer: int, b: int):
+        return None if self.keep is None else self.keep[layer][b]
+
+    def _override(self, layer: int):
+        return None if self.overrides is None else self.overrides[layer]
 
     @classmethod
     def at(cls, model, blocks: list[PooledBlock], offsets: list[int], **ape) -> "SharedBlocksAttention":
@@ -69,14 +80,22 @@ class SharedBlocksAttention:
             if out is not None:
                 return out[0]
         moved = apply_rope(q, self.cos, self.sin)  # [nb, Hq, T, D]: each block's view of the query, at m - o_b
-        parts = [unmasked_attention_with_lse(moved[b:b + 1], blk.keys[layer], blk.values[layer], self._temperature(b))
-                 for b, blk in enumerate(self.blocks)]
+        parts = [self._block_part(layer, b, moved[b:b + 1]) for b in range(len(self.blocks))]
         T, S = q.shape[2], k.shape[2]
         if T > 1:
             own = attention_with_lse(q, k, v, mask=causal_mask(T, S, q.device))
         else:
             own = unmasked_attention_with_lse(q, k, v)
+        over = self._override(layer)
+        if over is not None:  # recomputed context rows: all before the query's, no mask
+            own = _merged(own, unmasked_attention_with_lse(q, *over))
         return self._combine(parts, own, q.dtype)
+
+    def _block_part(self, layer: int, b: int, q: torch.Tensor):
+        blk, mask = self.blocks[b], self._mask(layer, b)
+        if mask is None:
+            return unmasked_attention_with_lse(q, blk.keys[layer], blk.values[layer], self._temperature(b))
+        return attention_with_lse(q, blk.keys[layer], blk.values[layer], mask=mask, temperature=self._temperature(b))
 
     @staticmethod
     def attend_batch(layer: int, rows: list[tuple["SharedBlocksAttention", torch.Tensor, torch.Tensor,
@@ -88,6 +107,8 @@ class SharedBlocksAttention:
         out = _attend_in_kernel(layer, rows)
         if out is not None:
             return out
+        if any(policy.keep is not None for policy, *_ in rows):  # masks differ per holder: each alone
+            return [policy(layer, q, k, v) for policy, q, k, v in rows]
         parts: list[list] = [[None] * len(policy.blocks) for policy, *_ in rows]
         holders: dict[tuple[int, float], tuple[PooledBlock, list[tuple[int, int, torch.Tensor]]]] = {}
         for i, (policy, q, k, v) in enumerate(rows):
@@ -115,29 +136,43 @@ def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.
     Hq, D = q0.shape[1], q0.shape[3]
     base = 1.0 / math.sqrt(D)
     index: dict[int, int] = {}
-    keys, values, q_rows, part, scale, seq, group, factor = [], [], [], [], [], [], [], []
+    keys, values, q_rows, part, scale, seq, group, factor, masks = [], [], [], [], [], [], [], [], []
+    none = torch.empty(0, dtype=torch.bool)
+
+    def own_part(i, q, kv):  # rows of the sequence's own (unrotated query, plain scale)
+        q_rows.append(q[:, :, 0])
+        part.append(len(keys))
+        keys.append(kv[0][0])
+        values.append(kv[1][0])
+        scale.append(base)
+        group.append(0)
+        seq.append(i)
+        masks.append(none)
+
     for i, (policy, q, k, v) in enumerate(rows):
         ape = policy.temperature != 1.0 or policy.scale != 1.0
-        if policy.blocks:
-            q_rows.append(apply_rope(q, policy.cos, policy.sin)[:, :, 0])  # [nb, Hq, D]
+        moved = apply_rope(q, policy.cos, policy.sin)[:, :, 0] if policy.blocks else None  # [nb, Hq, D]
         for b, blk in enumerate(policy.blocks):
+            mask = policy._mask(layer, b)
+            if mask is not None and not mask.any():
+                continue  # every row of the block recomputed at this layer: read none of it
             if id(blk) not in index:
                 index[id(blk)] = len(keys)
                 keys.append(blk.keys[layer][0])
                 values.append(blk.values[layer][0])
+            q_rows.append(moved[b:b + 1])
             part.append(index[id(blk)])
             scale.append(base / policy._temperature(b))
             group.append(1 if ape and b >= policy.context_from else 0)
-        seq += [i] * (len(policy.blocks) + 1)
-        q_rows.append(q[:, :, 0])  # its own rows, unrotated
-        part.append(len(keys))
-        keys.append(k[0])
-        values.append(v[0])
-        scale.append(base)
-        group.append(0)
+            seq.append(i)
+            masks.append(none if mask is None else mask.reshape(-1))
+        own_part(i, q, (k, v))
+        over = policy._override(layer)
+        if over is not None:
+            own_part(i, q, over)
         factor.append(policy.scale * policy.temperature)
     out = parts_attention_cpu(torch.cat(q_rows), keys, values, torch.tensor(part), torch.tensor(scale),
-                              torch.tensor(seq), torch.tensor(group), torch.tensor(factor), len(rows))
+                              torch.tensor(seq), torch.tensor(group), torch.tensor(factor), len(rows), masks)
     if out is None:
         return None
     out = out.to(q0.dtype)
@@ -162,6 +197,45 @@ class OwnRowsPlan:
 
     def attend(self, layer, q, kv):
         return self.attention(layer, q, *kv)
+
+
+def _merged(a, b):
+    """Two (out, lse) attention parts over disjoint keys as one."""
+    return merge_by_lse([a[0], b[0]], [a[1], b[1]]), torch.logaddexp(a[1], b[1])
+
+
+@torch.inference_mode()
+def keep_own_rows(model, state: DecodeState, blocks: list[PooledBlock], layout: Layout, capacity: int,
+                  stats: RequestStats) -> DecodeState:
+    """A fused prefill's sequence (blend: some block rows recomputed into a copy) re-expressed over the pooled
+    blocks, for decoding: per layer, a block row whose V is bitwise the pooled one is still the block's (V is
+    never rotated, and a recomputed row is a different computation), and is read in place; the others, and the
+    query's rows, are the sequence's own. The copy is released."""
+    N, total = layout.context_len, state.next_position
+    starts = ([0] if layout.prefix_len else []) + layout.block_offsets()
+    keep, overrides, own_tokens = [], [], 0
+    for layer in range(model.args.num_layers):
+        masks, rows = [], []
+        for blk, o in zip(blocks, starts):
+            n = blk.values[layer].shape[2]
+            same = (state.cache.values[layer][:, :, o:o + n] == blk.values[layer]).all(dim=3).all(dim=1)[0]  # [n]
+            masks.append(None if bool(same.all()) else same.view(1, 1, 1, n))
+            rows.append(o + (~same).nonzero().squeeze(1))
+        idx = torch.cat(rows)
+        keep.append(tuple(masks))
+        overrides.append((state.cache.keys[layer][:, :, idx].clone(), state.cache.values[layer][:, :, idx].clone())
+                         if len(idx) else None)
+        own_tokens += len(idx)
+    cache = KVCache.for_model(model, max(capacity - N, total - N))
+    for layer in range(model.args.num_layers):
+        cache.keys[layer][:, :, :total - N] = state.cache.keys[layer][:, :, N:total]
+        cache.values[layer][:, :, :total - N] = state.cache.values[layer][:, :, N:total]
+    cache.commit(total - N)
+    state.cache.release()
+    stats.extra["own_context_rows"] = round(own_tokens / model.args.num_layers, 1)  # per layer, on average
+    attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout), keep=tuple(keep),
+                                         overrides=tuple(overrides))
+    return DecodeState(cache, total, state.logits, attention)
 
 
 def block_offsets(layout: Layout) -> list[int]:

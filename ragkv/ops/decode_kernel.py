@@ -190,7 +190,7 @@ at::Tensor decode_attention2(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
 template <typename T>
 static void parts_impl(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
                        const int64_t* rpart, const float* rscale, const int64_t* rseq, const int64_t* rgroup,
-                       const float* factor, int64_t B, at::Tensor& out) {
+                       const float* factor, int64_t B, const std::vector<at::Tensor>& masks, at::Tensor& out) {
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t P = ks.size(), Hkv = ks[0].size(0), G = Hq / Hkv;
   const int64_t chunk = 512;
@@ -227,7 +227,14 @@ static void parts_impl(const at::Tensor& q, const std::vector<at::Tensor>& ks, c
       at::Tensor kh = ks[w.p].select(0, w.h).narrow(0, s0, n), vh = vs[w.p].select(0, w.h).narrow(0, s0, n);
       if (kh.scalar_type() != at::kFloat) { kh = kh.to(at::kFloat); vh = vh.to(at::kFloat); }
       at::Tensor sc = at::mm(at::from_blob(qf.data(), {nr, D}, at::kFloat), kh.t());  // [nr, n]
+      for (size_t i = 0; i < rows.size(); ++i) {  // keys a row must not see (blend: rows it recomputed itself)
+        const at::Tensor& m = masks[rows[i]];
+        if (m.numel() == 0) continue;
+        const at::Tensor hidden = m.narrow(0, s0, n).logical_not();
+        for (int64_t g = 0; g < G; ++g) sc.select(0, i * G + g).masked_fill_(hidden, -std::numeric_limits<float>::infinity());
+      }
       at::Tensor mx = sc.amax(1, true);
+      mx.masked_fill_(mx.isneginf(), 0.f);  // a chunk a row sees none of: its sum is 0, and the merge skips it
       sc.sub_(mx).exp_();
       at::Tensor sm = sc.sum(1), o = at::mm(sc, vh);  // [nr], [nr, D]
       const float *mp = mx.data_ptr<float>(), *spp = sm.data_ptr<float>(), *opp = o.data_ptr<float>();
@@ -295,7 +302,8 @@ static void parts_impl(const at::Tensor& q, const std::vector<at::Tensor>& ks, c
 }
 
 at::Tensor parts_attention(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, at::Tensor rpart,
-                           at::Tensor rscale, at::Tensor rseq, at::Tensor rgroup, at::Tensor factor, int64_t B) {
+                           at::Tensor rscale, at::Tensor rseq, at::Tensor rgroup, at::Tensor factor, int64_t B,
+                           std::vector<at::Tensor> masks) {
   TORCH_CHECK(q.dim() == 3, "q [R, Hq, D]");
   TORCH_CHECK(!ks.empty() && ks.size() == vs.size(), "one value tensor per key tensor");
   for (size_t p = 0; p < ks.size(); ++p) {
@@ -306,17 +314,22 @@ at::Tensor parts_attention(at::Tensor q, std::vector<at::Tensor> ks, std::vector
   rpart = rpart.contiguous(); rseq = rseq.contiguous(); rgroup = rgroup.contiguous();
   rscale = rscale.to(at::kFloat).contiguous(); factor = factor.to(at::kFloat).contiguous();
   const int64_t R = q.size(0);
+  TORCH_CHECK((int64_t)masks.size() == R, "one mask (or an empty tensor) per row");
   for (int64_t r = 0; r < R; ++r) {
+    const at::Tensor& m = masks[r];
+    TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == at::kBool && m.dim() == 1 &&
+                                   m.size(0) == ks[rpart.data_ptr<int64_t>()[r]].size(1)), "a row's mask: bool [keys]");
     TORCH_CHECK(rpart.data_ptr<int64_t>()[r] >= 0 && rpart.data_ptr<int64_t>()[r] < (int64_t)ks.size(), "part");
     TORCH_CHECK(rseq.data_ptr<int64_t>()[r] >= 0 && rseq.data_ptr<int64_t>()[r] < B, "sequence");
   }
   auto out = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kFloat)
     parts_impl<float>(q, ks, vs, rpart.data_ptr<int64_t>(), rscale.data_ptr<float>(), rseq.data_ptr<int64_t>(),
-                      rgroup.data_ptr<int64_t>(), factor.data_ptr<float>(), B, out);
+                      rgroup.data_ptr<int64_t>(), factor.data_ptr<float>(), B, masks, out);
   else if (q.scalar_type() == at::kBFloat16)
     parts_impl<at::BFloat16>(q, ks, vs, rpart.data_ptr<int64_t>(), rscale.data_ptr<float>(),
-                             rseq.data_ptr<int64_t>(), rgroup.data_ptr<int64_t>(), factor.data_ptr<float>(), B, out);
+                             rseq.data_ptr<int64_t>(), rgroup.data_ptr<int64_t>(), factor.data_ptr<float>(), B, masks,
+                             out);
   else TORCH_CHECK(false, "parts_attention supports float32 and bfloat16");
   return out;
 }
@@ -347,7 +360,7 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 # -ffast-math lets the compiler vectorize the fp32 dot-product reductions
-                _module = load_inline(name="ragkv_decode_attention_v9", cpp_sources=[_SOURCE],
+                _module = load_inline(name="ragkv_decode_attention_v10", cpp_sources=[_SOURCE],
                                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
                 log.warning("the C++ decode-attention kernel could not be built (%s); using the torch path", e)
@@ -374,13 +387,18 @@ def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def parts_attention_cpu(q_rows: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         row_part: torch.Tensor, row_scale: torch.Tensor, row_seq: torch.Tensor,
-                        row_group: torch.Tensor, factor: torch.Tensor, sequences: int) -> torch.Tensor | None:
+                        row_group: torch.Tensor, factor: torch.Tensor, sequences: int,
+                        masks: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """One decode step's attention for several sequences over parts read in place (the kernel's `parts_impl`):
     q_rows [R, Hq, D], row r reading keys[row_part[r]] / values[...] ([Hkv, n, D] views) at score scale
     row_scale[r] for sequence row_seq[r]; rows of row_group 1 merge first and their joint LSE is scaled by
-    factor[seq]. -> [sequences, Hq, D] fp32, or None (no kernel)."""
+    factor[seq]; masks[r] (bool [n], or empty: none) hides keys from row r. -> [sequences, Hq, D] fp32, or None
+    (no kernel)."""
     mod = kernel()
     if mod is None:
         return None
     with torch.profiler.record_function("ragkv::parts_attention"):
-        return mod.parts_attention(q_rows, keys, values, row_part, row_scale, row_seq, row_group, factor, sequences)
+        if masks is None:
+            masks = [torch.empty(0, dtype=torch.bool)] * q_rows.shape[0]
+        return mod.parts_attention(q_rows, keys, values, row_part, row_scale, row_seq, row_group, factor, sequences,
+                                   masks)

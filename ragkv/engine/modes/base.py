@@ -19,7 +19,7 @@ from ragkv.engine.flops import head_flops, rows_flops
 from ragkv.engine.history import prefill_history, with_exact_prefix
 from ragkv.engine.layout import Layout, make_layout
 from ragkv.engine.request import Segments
-from ragkv.engine.shared_attention import prefill_shared
+from ragkv.engine.shared_attention import keep_own_rows, prefill_shared
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
@@ -82,6 +82,9 @@ class FusionMode:
 class BlockMode(FusionMode):
     """Reuse of independently encoded blocks (the prefix as a block too), re-rotated to a layout, then fused."""
     reads_blocks = True
+    # whether `fuse_in_place` computes the query over the pooled blocks directly (reuse, ape); otherwise (blend,
+    # which recomputes block rows) the mode fuses a copy and keeps only the rows it computed (keep_own_rows)
+    fuses_in_place: ClassVar[bool] = True
 
     def conditioning(self, segs: Segments) -> str:
         """What the blocks attended to when encoded (part of their cache key)."""
@@ -132,18 +135,22 @@ class BlockMode(FusionMode):
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
         if res.uncached:
             stats.extra["uncached_blocks"] = len(res.uncached)  # computed and used, but the store did not keep them
+        pooled = None
         if exact is None and self.reads_in_place(fusion):  # shared block attention: no copy, no re-rotation
             t0 = time.perf_counter()
             pooled = engine._pool.blocks(res.keys, lambda keys: engine._layer_stream(keys, res.uncached,
                                                                                     blocks.store))
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
-            return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
+            if self.fuses_in_place:
+                return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
         fusion, tiers = self.load_schedule(engine, res, fusion, stats)
         layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
         state = self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
+        if pooled is not None:  # fused as a copy (blend): from now on only its own rows, the blocks in place
+            state = keep_own_rows(engine.model, state, pooled, layout, capacity, stats)
         return state
 
     def reads_in_place(self, fusion: "FusionOptions") -> bool:

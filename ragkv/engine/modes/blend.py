@@ -26,7 +26,13 @@ class Blend(BlockMode):
     name = "blend"
     summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query or sinks"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
-                     "select_per_block")
+                     "select_per_block", "kv_layout")
+    fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
+
+    def own_rows(self, segs, fusion):
+        # what its recomputed rows will number is known only after the selection (layers before CacheBlend's
+        # check layer recompute every row): the budget reserves the whole prompt, as copied does
+        return segs.num_tokens
 
     def check(self, engine, fusion):
         if fusion.check_layers[-1] >= engine.num_layers:
