@@ -48,7 +48,8 @@ def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine
 
 
 @pytest.mark.parametrize("blend", [dict(ratio=0.3), dict(ratio=0.3, select="query"), dict(ratio=0.2, select="sinks",
-                                                                                        sink_tokens=3)])
+                                                                                        sink_tokens=3),
+                                   dict(mode="auto", ratio=0.2, max_risk=0.0)])  # auto, escalated to all rows
 @pytest.mark.parametrize("kernel", [True, False])
 def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monkeypatch):
     """blend with kv_layout=shared: prefilled as a copy, then only the rows it recomputed (which override the pooled
@@ -61,12 +62,15 @@ def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monk
         monkeypatch.setattr(shared_attention, "parts_attention_cpu", lambda *a: None)
     eng = tiny_engine("qwen2")
     segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)
-    copied = eng.prefill(segs, FusionOptions(mode="blend", **blend))[0]
-    shared, stats = eng.prefill(segs, FusionOptions(mode="blend", kv_layout="shared", **blend))
+    blend = {"mode": "blend", **blend}
+    copied = eng.prefill(segs, FusionOptions(**blend))[0]
+    shared, stats = eng.prefill(segs, FusionOptions(kv_layout="shared", **blend))
     assert torch.equal(copied.logits, shared.logits)  # the same prefill
     assert shared.cache.length == len(segs.query) and shared.next_position == copied.next_position
     own = stats.extra["own_context_rows"]
-    assert 0 < own < sum(len(b) for b in segs.blocks)  # recomputed rows only, not the whole context
+    # recomputed rows only, not the whole context (even escalated: layer 0's K/V are projections of the
+    # embeddings, bitwise the stored ones, and so read in place)
+    assert 0 < own < len(segs.prefix) + sum(len(b) for b in segs.blocks)
     neighbour_segs = Segments(segs.prefix, segs.blocks[::-1], rand_ids(5, 9))  # same blocks, other offsets
     neighbour = eng.prefill(neighbour_segs, SHARED)[0]
     neighbour_alone = eng.prefill(neighbour_segs, COPIED)[0]

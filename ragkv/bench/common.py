@@ -21,6 +21,24 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
+def greedy_steps(model, states, steps: int, rows: int | None = None) -> tuple[list[list[int]], list[float]]:
+    """Greedy decode of `states` together for `steps` tokens (ragkv.engine.state.decode_batch, `rows` as there):
+    each state's tokens, and the time of each batched step in ms."""
+    from ragkv.engine.state import decode_batch
+
+    tokens, times = [[] for _ in states], []
+    for _ in range(steps):
+        feed = [int(s.logits.argmax()) for s in states]
+        for out, t in zip(tokens, feed):
+            out.append(t)
+        sync_device()
+        t0 = time.perf_counter()
+        decode_batch(model, states, feed, rows)
+        sync_device()
+        times.append((time.perf_counter() - t0) * 1000)
+    return tokens, times
+
+
 def median_ms(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
     for _ in range(warmup):
         fn()

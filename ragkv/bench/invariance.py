@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ragkv.bench.common import markdown_table, real_passages, save_json, sync_device
+from ragkv.bench.common import greedy_steps, markdown_table, real_passages, save_json
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_batch
 
 
 @dataclass(frozen=True)
@@ -34,17 +32,8 @@ class InvarianceBenchConfig:
 
 
 def _decode(engine, states, n: int, rows: int | None) -> tuple[list[list[int]], list[float]]:
-    """Greedy decode of `states` together for n tokens: each one's tokens, and the time of each step (ms)."""
-    tokens, times = [[] for _ in states], []
-    for _ in range(n):
-        feed = [int(s.logits.argmax()) for s in states]
-        for out, t in zip(tokens, feed):
-            out.append(t)
-        sync_device()
-        t0 = time.perf_counter()
-        decode_batch(engine.decode_model, states, feed, rows)
-        sync_device()
-        times.append((time.perf_counter() - t0) * 1000)
+    """Greedy decode of `states` together for n tokens, then their KV released."""
+    tokens, times = greedy_steps(engine.decode_model, states, n, rows)
     for s in states:
         s.release()
     return tokens, times

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ragkv.bench.common import sync_device, markdown_table, real_passages, save_json
+from ragkv.bench.common import greedy_steps, markdown_table, real_passages, save_json, sync_device
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_batch
 
 LAYOUTS = ("copied", "shared")
 
@@ -51,20 +50,6 @@ def _timed_prefill(engine, segs, fusion):
     return state, (time.perf_counter() - t0) * 1000
 
 
-def _decode_ms(engine, states, steps: int) -> tuple[float, list[list[int]]]:
-    tokens, times = [[] for _ in states], []
-    for _ in range(steps):
-        feed = [int(s.logits.argmax()) for s in states]
-        for out, t in zip(tokens, feed):
-            out.append(t)
-        sync_device()
-        t0 = time.perf_counter()
-        decode_batch(engine.decode_model, states, feed)
-        sync_device()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times), tokens
-
-
 def run_shared_bench(engine, cfg: SharedBenchConfig, out_dir: Path, progress=print) -> dict:
     largest = max(cfg.batch_sizes)
     reqs = _requests(engine, cfg, max(cfg.requests, largest))
@@ -77,7 +62,8 @@ def run_shared_bench(engine, cfg: SharedBenchConfig, out_dir: Path, progress=pri
         row = {"layout": layout, "ttft_ms": statistics.median(ttft), "ttft_runs_ms": ttft, "step_ms": {}}
         for b in cfg.batch_sizes:
             states = [engine.prefill(s, fusion)[0] for s in reqs[:b]]
-            row["step_ms"][b], answers[(layout, b)] = _decode_ms(engine, states, cfg.steps)
+            answers[(layout, b)], times = greedy_steps(engine.decode_model, states, cfg.steps)
+            row["step_ms"][b] = statistics.median(times)
             for s in states:
                 s.release()
         progress(f"  {layout:7s} TTFT {row['ttft_ms']:8.1f} ms   step ms " +
