@@ -10,12 +10,13 @@ from tiny import default_model_available, make_segs
 
 MODES = [FusionOptions(mode="full"), FusionOptions(mode="prefix", prefix_chunk=8), FusionOptions(mode="reuse"),
          FusionOptions(mode="ape", ape_temperature=0.8, ape_scale=0.9), FusionOptions(mode="blend", ratio=0.3),
-         FusionOptions(mode="reuse", kv_layout="shared")]
+         FusionOptions(mode="reuse", kv_layout="shared"), FusionOptions(mode="blend", ratio=0.3, kv_layout="shared")]
 SHAPES = [dict(blocks=(20, 17, 25), query=9), dict(prefix=5, blocks=(11,), query=4),
           dict(blocks=(30, 8), query=12, seed=3), dict(blocks=(14, 22, 9), query=6, seed=4),
-          dict(prefix=0, blocks=(40, 12), query=7, seed=5), dict(blocks=(), query=15, seed=6)]
-STEPS = [12, 7, 15, 10, 9, 5]   # tokens each request decodes
-JOINS = [0, 0, 2, 4, 5, 9]      # batch step at which each request joins
+          dict(prefix=0, blocks=(40, 12), query=7, seed=5), dict(blocks=(), query=15, seed=6),
+          dict(prefix=6, blocks=(18, 21), query=5, seed=7)]
+STEPS = [12, 7, 15, 10, 9, 5, 8]   # tokens each request decodes
+JOINS = [0, 0, 2, 4, 5, 9, 3]      # batch step at which each request joins
 
 
 def greedy_alone(eng, segs, fusion, n):
@@ -61,7 +62,7 @@ def staggered(eng, segs, rows=None):
 def test_fixed_rows_make_each_answer_bitwise_its_own(dtype, tiny_engine, tiny_bf16_engine):
     """Batch invariance (serve --batch-invariant): at a fixed row count every request's logits at every step are
     bitwise those it gets decoded alone at that row count, whatever joins, leaves or shares its blocks beside it
-    (six requests, up to five at once, in groups of 4 rows: padded rows and a split batch both occur)."""
+    (seven requests, up to six at once, in groups of 4 rows: padded rows and a split batch both occur)."""
     eng = tiny_engine("llama") if dtype == "float32" else tiny_bf16_engine
     segs = [make_segs(**shape) for shape in SHAPES]
     _, together = staggered(eng, segs, rows=4)
