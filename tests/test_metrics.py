@@ -119,9 +119,15 @@ def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
                             json={**body, "ragkv": {**body["ragkv"], "kv_layout": "shared"}})
         assert shared.status_code == 200, shared.text
         end = scrape()
+        blends = [httpx.post(s.url + "/v1/chat/completions", timeout=600,
+                             json={**body, "max_tokens": 6, "ragkv": {**body["ragkv"], "mode": "blend", "kv_layout": kv}})
+                  for kv in ("copied", "shared")]
     # blocks read in place from the pool: the same greedy answer (fp32), the pool's bytes on /metrics
     assert shared.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
     assert shared.json()["usage"]["fidelity"]["kv_layout"] == "shared"
+    # blend's recomputed rows kept over the pooled blocks: its answer as over its copy
+    assert [b.status_code for b in blends] == [200, 200], blends[1].text
+    assert blends[1].json()["choices"][0]["message"] == blends[0].json()["choices"][0]["message"]
     assert value(before, "ragkv_block_pool_bytes") == 0 and value(end, "ragkv_block_pool_bytes") > 0
     assert value(end, "ragkv_block_pool_limit_bytes") == 64 << 20  # --block-pool
 
