@@ -145,3 +145,25 @@ def test_a_request_that_can_never_fit_gets_a_400_naming_the_limit(server):
     for name in ("ragkv_kv_bytes_reserved", "ragkv_kv_bytes_in_use", "ragkv_kv_bytes_limit"):
         assert f"\n{name} " in metrics
     assert health(server)["kv_bytes_reserved"] == 0
+
+
+def test_blend_over_pooled_blocks_gives_back_what_it_did_not_keep(server):
+    """blend with kv_layout=shared reserves the whole prompt before its prefill (how many rows it recomputes is not
+    known yet), then keeps only those and the query's: the reservation while it decodes is smaller than blend over
+    its own copy's, which holds every prompt row."""
+    docs = [{"title": f"Note {i}", "text": f"Passage {i} says the river bends twice. " * 15} for i in range(3)]
+
+    def reserved_while_decoding(kv_layout):
+        body = {**chat_body(max_tokens=400, stream=True, content="Where does the river bend?"),
+                "ragkv": {"mode": "blend", "ratio": 0.15, "kv_layout": kv_layout, "documents": docs}}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 2:  # decoding by now
+                    return health(server)["kv_bytes_reserved"]
+
+    copied, shared = reserved_while_decoding("copied"), reserved_while_decoding("shared")
+    prompt = sum(len(d["text"]) for d in docs)  # one token per byte
+    assert copied >= PER_TOKEN * (prompt + 400)  # every prompt row, and the answer's
+    assert PER_TOKEN * 400 < shared < copied - PER_TOKEN * prompt // 2
+    assert wait_for(lambda: health(server)["kv_bytes_reserved"] == 0, timeout_s=10)

@@ -63,9 +63,12 @@ class Job:
     info) for several choices of one prompt; then the worker decodes them in the batch; `emit(kind, payload)`
     streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
-    def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0):
+    def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
+                 settle: Callable | None = None):
         self.start, self.emit = start, emit
         self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
+        # (sequences) -> the most KV they can hold now that the prefill is done (what it kept is known), or None
+        self.settle = settle
         self.reserved = 0
         self.future: Future = Future()
         self.cancelled = threading.Event()
@@ -148,12 +151,13 @@ class Scheduler:
         self.background.append(job)
         return job
 
-    def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0) -> Job:
+    def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
+                          settle: Callable | None = None) -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
         to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need)."""
         if not self.kv.fits_ever(kv_bytes):
             raise KVTooLarge(f"the generation needs {kv_bytes} bytes of KV memory; the limit is {self.kv.limit}")
-        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes))
+        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle))
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -216,6 +220,7 @@ class Scheduler:
             self.prefilling = None
             seqs, job.info = done.value
             job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
+            self._settle(job)
             job.send("start")
             for i, seq in enumerate(job.seqs):
                 self._emit(job, i, seq.advance())
@@ -283,6 +288,14 @@ class Scheduler:
             return None
         job.reserved = job.kv_bytes
         return job
+
+    def _settle(self, job: Job) -> None:
+        """After the prefill: give back the part of the reservation the sequences will never hold (blend over
+        pooled blocks keeps only the rows it recomputed, a number known only now)."""
+        need = job.settle(job.seqs) if job.settle is not None else None
+        if need is not None and need < job.reserved:
+            self.kv.release(job.reserved - need)
+            job.reserved = need
 
     def _release(self, job: Job, reason: str) -> None:
         """The job's KV back now: its unfinished sequences end (their caches dropped), its reservation returns."""

@@ -49,6 +49,13 @@ class SharedBlocksAttention:
     keep: tuple | None = None
     overrides: tuple | None = None
 
+    @property
+    def own_rows(self) -> int:
+        """The recomputed context rows this sequence keeps apart from its cache, per layer on average."""
+        if not self.overrides:
+            return 0
+        return -(-sum(o[0].shape[2] for o in self.overrides if o is not None) // len(self.overrides))
+
     def _mask(self, layer: int, b: int):
         return None if self.keep is None else self.keep[layer][b]
 

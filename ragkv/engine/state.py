@@ -29,6 +29,11 @@ class DecodeState:
         changed in place: each step replaces them) and the attention policy (stateless) are shared."""
         return DecodeState(self.cache.fork(), self.next_position, self.logits, self.attention)
 
+    def prompt_rows(self) -> int:
+        """Rows of KV this sequence holds for itself (its cache's, and rows its attention policy keeps apart:
+        blend's recomputed rows over pooled blocks, per layer on average, rounded up)."""
+        return self.cache.length + getattr(self.attention, "own_rows", 0)
+
     def release(self) -> None:
         """Give the KV back now: the sequence is finished, cancelled or failed (its logits too: a view of the
         whole batch's)."""

@@ -91,7 +91,12 @@ class Server:
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
             return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
-        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need)
+        def settle(seqs):  # what one prompt's sequence really kept (a fork's choices share it: not settled)
+            if p.n != 1:
+                return None
+            return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
+
+        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
             self.warm_turns(p)
         return job
