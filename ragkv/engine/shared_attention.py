@@ -142,6 +142,8 @@ def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.
         return None
     Hq, D = q0.shape[1], q0.shape[3]
     base = 1.0 / math.sqrt(D)
+    if all(policy.keep is None and policy.overrides is None for policy, *_ in rows):
+        return _StepTables.of([policy for policy, *_ in rows], base).attend(layer, rows)
     index: dict[int, int] = {}
     keys, values, q_rows, part, scale, seq, group, factor, masks = [], [], [], [], [], [], [], [], []
     none = torch.empty(0, dtype=torch.bool)
@@ -184,6 +186,61 @@ def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.
         return None
     out = out.to(q0.dtype)
     return [out[i].reshape(1, Hq, 1, D) for i in range(len(rows))]
+
+
+class _StepTables:
+    """What a decode step's kernel call needs that is the same at every layer (its rows' parts, scales, sequences
+    and groups, each block row's rotation), built at the step's first layer and kept for the others (sequences
+    without own block rows: blend's masks differ per layer)."""
+    _last: "_StepTables | None" = None  # decode runs on the model thread only
+
+    def __init__(self, policies: list[SharedBlocksAttention], base: float):
+        self.policies = policies  # held: their ids cannot be reused while this is cached
+        index: dict[int, int] = {}
+        self.blocks, block_seq, cos, sin, part, scale, group = [], [], [], [], [], [], []
+        for i, policy in enumerate(policies):
+            ape = policy.temperature != 1.0 or policy.scale != 1.0
+            for b, blk in enumerate(policy.blocks):
+                if id(blk) not in index:
+                    index[id(blk)] = len(self.blocks)
+                    self.blocks.append(blk)
+                block_seq.append(i)
+                cos.append(policy.cos[b, 0])  # [1, D]
+                sin.append(policy.sin[b, 0])
+                part.append(index[id(blk)])
+                scale.append(base / policy._temperature(b))
+                group.append(1 if ape and b >= policy.context_from else 0)
+        n, nb = len(policies), len(self.blocks)
+        self.block_seq = torch.tensor(block_seq, dtype=torch.long)
+        self.cos = torch.stack(cos) if cos else None  # [rows, 1, D]: one rotation for every block row
+        self.sin = torch.stack(sin) if sin else None
+        # block rows first, then each sequence's own rows (part nb + i)
+        self.part = torch.tensor(part + [nb + i for i in range(n)])
+        self.scale = torch.tensor(scale + [base] * n)
+        self.seq = torch.tensor(block_seq + list(range(n)))
+        self.group = torch.tensor(group + [0] * n)
+        self.factor = torch.tensor([policy.scale * policy.temperature for policy in policies])
+        self.masks = [torch.empty(0, dtype=torch.bool)] * (len(part) + n)
+
+    @classmethod
+    def of(cls, policies: list[SharedBlocksAttention], base: float) -> "_StepTables":
+        last = cls._last
+        if last is None or len(last.policies) != len(policies) or \
+                any(a is not b for a, b in zip(last.policies, policies)):
+            last = cls._last = cls(policies, base)
+        return last
+
+    def attend(self, layer: int, rows) -> list[torch.Tensor] | None:
+        q = torch.cat([q[:, :, 0] for _, q, _, _ in rows])  # [n, Hq, D]
+        moved = apply_rope(q[self.block_seq], self.cos, self.sin) if self.cos is not None else q[:0]
+        keys = [blk.keys[layer][0] for blk in self.blocks] + [k[0] for _, _, k, _ in rows]
+        values = [blk.values[layer][0] for blk in self.blocks] + [v[0] for _, _, _, v in rows]
+        out = parts_attention_cpu(torch.cat([moved, q]), keys, values, self.part, self.scale, self.seq, self.group,
+                                  self.factor, len(rows), self.masks)
+        if out is None:
+            return None
+        out = out.to(q.dtype)
+        return [out[i].reshape(1, q.shape[1], 1, q.shape[2]) for i in range(len(rows))]
 
 
 class OwnRowsPlan:
