@@ -57,7 +57,8 @@ def run_invariance_bench(engine, cfg: InvarianceBenchConfig, out_dir: Path, prog
                                      cfg.tokens, rows)
         repeated = sum(a == b for a, b in zip(alone, together))
         row = {"rows": rows, "answers_repeated": repeated, "answers": len(reqs),
-               "step_ms_batch_1": statistics.median(alone_ms), f"step_ms_batch_{len(reqs)}": statistics.median(batch_ms)}
+               "step_ms_batch_1": statistics.median(alone_ms),
+               f"step_ms_batch_{len(reqs)}": statistics.median(batch_ms)}
         progress(f"  rows={rows or 'free'}: {repeated}/{len(reqs)} answers repeat; step ms alone "
                  f"{row['step_ms_batch_1']:.1f}, batch of {len(reqs)} {row[f'step_ms_batch_{len(reqs)}']:.1f}")
         results.append(row)

@@ -108,7 +108,8 @@ class Engine:
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
         self._store = store if store is not None else MemoryStore()
         self._blocks = BlockCache(self.model, loaded.fingerprint, self._store, namespace)
-        self._pool = BlockPool(self.model, pool_bytes)  # blocks read in place (kv_layout=shared); its own, like its store
+        # blocks read in place (kv_layout=shared); its own, like its store
+        self._pool = BlockPool(self.model, pool_bytes)
         self.namespace = namespace
         self.prompt_format = prompt_format
         self.eos_ids = _eos_ids(loaded)

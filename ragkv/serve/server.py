@@ -56,8 +56,9 @@ class Server:
         self.batch_invariant = batch_invariant  # every step at max_batch rows, every prefill chunked
         self.kv_bytes_per_token = bytes_per_token(engine.model)
         rows = max_batch if batch_invariant else None
-        self.scheduler = Scheduler(lambda seqs: engine.step(seqs, rows), max_queue, timeout_s, max_batch, on_finish=self.metrics.observe_stats,
-                                   lock=engine.lock, thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes))
+        self.scheduler = Scheduler(lambda seqs: engine.step(seqs, rows), max_queue, timeout_s, max_batch,
+                                   on_finish=self.metrics.observe_stats, lock=engine.lock, thread=worker_thread,
+                                   kv_budget=KVBudget(limits.kv_memory_bytes))
         self._library, self._library_lock = None, threading.Lock()
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode)
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
