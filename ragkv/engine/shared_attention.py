@@ -140,67 +140,33 @@ def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.
     if q0.device.type != "cpu" or q0.dtype not in (torch.float32, torch.bfloat16) \
             or any(q.shape[2] != 1 for _, q, _, _ in rows):
         return None
-    Hq, D = q0.shape[1], q0.shape[3]
-    base = 1.0 / math.sqrt(D)
-    if all(policy.keep is None and policy.overrides is None for policy, *_ in rows):
-        return _StepTables.of([policy for policy, *_ in rows], base).attend(layer, rows)
-    index: dict[int, int] = {}
-    keys, values, q_rows, part, scale, seq, group, factor, masks = [], [], [], [], [], [], [], [], []
-    none = torch.empty(0, dtype=torch.bool)
-
-    def own_part(i, q, kv):  # rows of the sequence's own (unrotated query, plain scale)
-        q_rows.append(q[:, :, 0])
-        part.append(len(keys))
-        keys.append(kv[0][0])
-        values.append(kv[1][0])
-        scale.append(base)
-        group.append(0)
-        seq.append(i)
-        masks.append(none)
-
-    for i, (policy, q, k, v) in enumerate(rows):
-        ape = policy.temperature != 1.0 or policy.scale != 1.0
-        moved = apply_rope(q, policy.cos, policy.sin)[:, :, 0] if policy.blocks else None  # [nb, Hq, D]
-        for b, blk in enumerate(policy.blocks):
-            mask = policy._mask(layer, b)
-            if mask is not None and not mask.any():
-                continue  # every row of the block recomputed at this layer: read none of it
-            if id(blk) not in index:
-                index[id(blk)] = len(keys)
-                keys.append(blk.keys[layer][0])
-                values.append(blk.values[layer][0])
-            q_rows.append(moved[b:b + 1])
-            part.append(index[id(blk)])
-            scale.append(base / policy._temperature(b))
-            group.append(1 if ape and b >= policy.context_from else 0)
-            seq.append(i)
-            masks.append(none if mask is None else mask.reshape(-1))
-        own_part(i, q, (k, v))
-        over = policy._override(layer)
-        if over is not None:
-            own_part(i, q, over)
-        factor.append(policy.scale * policy.temperature)
-    out = parts_attention_cpu(torch.cat(q_rows), keys, values, torch.tensor(part), torch.tensor(scale),
-                              torch.tensor(seq), torch.tensor(group), torch.tensor(factor), len(rows), masks)
-    if out is None:
-        return None
-    out = out.to(q0.dtype)
-    return [out[i].reshape(1, Hq, 1, D) for i in range(len(rows))]
+    D = q0.shape[3]
+    policies = [policy for policy, *_ in rows]
+    if any(policy.keep is not None or policy.overrides is not None for policy in policies):
+        tables = _StepTables(policies, 1.0 / math.sqrt(D), layer)  # blend's masks and rows differ per layer
+    else:
+        tables = _StepTables.of(policies, 1.0 / math.sqrt(D))
+    return tables.attend(layer, rows)
 
 
 class _StepTables:
-    """What a decode step's kernel call needs that is the same at every layer (its rows' parts, scales, sequences
-    and groups, each block row's rotation), built at the step's first layer and kept for the others (sequences
-    without own block rows: blend's masks differ per layer)."""
+    """What a decode step's kernel call needs besides the tensors: each row's part, score scale, sequence, group
+    and key mask, and each block row's rotation. Rows: block rows first, then each sequence's own rows (part
+    nb + i), then blend's recomputed context rows (after those). Without blend's masks and rows the tables are the
+    same at every layer: built at the step's first layer and kept for the others (`of`); with them, per layer."""
     _last: "_StepTables | None" = None  # decode runs on the model thread only
 
-    def __init__(self, policies: list[SharedBlocksAttention], base: float):
+    def __init__(self, policies: list[SharedBlocksAttention], base: float, layer: int | None = None):
         self.policies = policies  # held: their ids cannot be reused while this is cached
+        none = torch.empty(0, dtype=torch.bool)
         index: dict[int, int] = {}
-        self.blocks, block_seq, cos, sin, part, scale, group = [], [], [], [], [], [], []
+        self.blocks, block_seq, cos, sin, part, scale, group, masks = [], [], [], [], [], [], [], []
         for i, policy in enumerate(policies):
             ape = policy.temperature != 1.0 or policy.scale != 1.0
             for b, blk in enumerate(policy.blocks):
+                mask = None if layer is None else policy._mask(layer, b)
+                if mask is not None and not mask.any():
+                    continue  # every row of the block recomputed at this layer: read none of it
                 if id(blk) not in index:
                     index[id(blk)] = len(self.blocks)
                     self.blocks.append(blk)
@@ -210,17 +176,19 @@ class _StepTables:
                 part.append(index[id(blk)])
                 scale.append(base / policy._temperature(b))
                 group.append(1 if ape and b >= policy.context_from else 0)
+                masks.append(none if mask is None else mask.reshape(-1))
         n, nb = len(policies), len(self.blocks)
+        self.over_seq = [] if layer is None else [i for i, p in enumerate(policies) if p._override(layer) is not None]
+        own = n + len(self.over_seq)  # rows over a sequence's own keys: unrotated query, plain scale, no mask
         self.block_seq = torch.tensor(block_seq, dtype=torch.long)
         self.cos = torch.stack(cos) if cos else None  # [rows, 1, D]: one rotation for every block row
         self.sin = torch.stack(sin) if sin else None
-        # block rows first, then each sequence's own rows (part nb + i)
-        self.part = torch.tensor(part + [nb + i for i in range(n)])
-        self.scale = torch.tensor(scale + [base] * n)
-        self.seq = torch.tensor(block_seq + list(range(n)))
-        self.group = torch.tensor(group + [0] * n)
+        self.part = torch.tensor(part + [nb + j for j in range(own)])
+        self.scale = torch.tensor(scale + [base] * own)
+        self.seq = torch.tensor(block_seq + list(range(n)) + self.over_seq)
+        self.group = torch.tensor(group + [0] * own)
         self.factor = torch.tensor([policy.scale * policy.temperature for policy in policies])
-        self.masks = [torch.empty(0, dtype=torch.bool)] * (len(part) + n)
+        self.masks = masks + [none] * own
 
     @classmethod
     def of(cls, policies: list[SharedBlocksAttention], base: float) -> "_StepTables":
@@ -233,10 +201,12 @@ class _StepTables:
     def attend(self, layer: int, rows) -> list[torch.Tensor] | None:
         q = torch.cat([q[:, :, 0] for _, q, _, _ in rows])  # [n, Hq, D]
         moved = apply_rope(q[self.block_seq], self.cos, self.sin) if self.cos is not None else q[:0]
-        keys = [blk.keys[layer][0] for blk in self.blocks] + [k[0] for _, _, k, _ in rows]
-        values = [blk.values[layer][0] for blk in self.blocks] + [v[0] for _, _, _, v in rows]
-        out = parts_attention_cpu(torch.cat([moved, q]), keys, values, self.part, self.scale, self.seq, self.group,
-                                  self.factor, len(rows), self.masks)
+        over = [self.policies[i]._override(layer) for i in self.over_seq]
+        keys = [blk.keys[layer][0] for blk in self.blocks] + [k[0] for _, _, k, _ in rows] + [k[0] for k, _ in over]
+        values = [blk.values[layer][0] for blk in self.blocks] + [v[0] for *_, v in rows] + [v[0] for _, v in over]
+        q_rows = torch.cat([moved, q, q[self.over_seq]])
+        out = parts_attention_cpu(q_rows, keys, values, self.part, self.scale, self.seq, self.group, self.factor,
+                                  len(rows), self.masks)
         if out is None:
             return None
         out = out.to(q.dtype)
