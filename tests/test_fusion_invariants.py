@@ -165,8 +165,15 @@ def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
     every, _ = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=30))
     assert maxdiff(every.logits, full.logits) <= TOL
-    _, st = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=4))
+    one_pass, st = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=4))
     assert st.extra["selected_per_block"] == [4, 4, 4]
+    # one pass (no stage 1) computes what stage 1 then stage 2 over the same rows does, for the query's rows only
+    two_stage, s2 = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.0, sink_tokens=4))
+    assert s2.extra["selected_per_block"] == [4, 4, 4]
+    assert maxdiff(one_pass.logits, two_stage.logits) <= TOL
+    Tq, L = len(segs.query), eng.num_layers
+    assert st.recomputed_token_layers == (12 + Tq) * L == s2.recomputed_token_layers - Tq * L
+    assert st.recomputed_tokens == 12 + Tq and st.fidelity["signal_name"] and st.extra["risk"]["shift"] is None
     with pytest.raises(InvalidRequestError, match="sink_tokens"):
         eng.prefill(segs, FusionOptions(mode="blend", select="sinks"))
 

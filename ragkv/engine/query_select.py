@@ -14,7 +14,9 @@ through a full layer 0 or a check layer (CacheBlend's cost): the work is Tq rows
 (k + Tq) rows x L for stage 2, which is what `recomputed_token_layers` counts.
 
 EPIC's LegoLink needs no stage 1: each block's first `sink_tokens` tokens (where its own attention sink sits) and
-the query are recomputed, nothing chosen at run time.
+the query are recomputed, nothing chosen at run time. So it runs in one pass: before each layer the reused context
+is fetched and re-rotated into the cache, then the sink rows and the query overwrite theirs and attend (the query
+runs once, not in a stage 1 and again in stage 2): Tq + sinks rows x L.
 
 Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
 no sinks) leaves stage 1's result, which is `reuse`.
@@ -28,7 +30,7 @@ import time
 import torch
 
 from ragkv.engine.blend import RecomputedRows, keep_count
-from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.fusion import load_context_layer, prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.risk import DEFAULT_SIGNAL, measure
@@ -37,6 +39,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.rope import half_tables
 
 
 class QueryAttentionRecorder:
@@ -93,6 +96,10 @@ def uncovered_share(score: torch.Tensor | None, chosen: torch.Tensor, prefix_len
     return 1.0 - float(score[chosen].sum()) / total if total > 0 else 0.0
 
 
+def per_block_counts(chosen: torch.Tensor, layout: Layout) -> list[int]:
+    return [int(((chosen >= o) & (chosen < o + n)).sum()) for o, n in zip(layout.block_offsets(), layout.block_lens)]
+
+
 class SelectedRowsPlan(RecomputedRows):
     """Stage 2: the chosen context rows and the query rows, through every layer, over a cache that already holds
     every layer's context K/V (stage 1 filled it)."""
@@ -103,6 +110,40 @@ class SelectedRowsPlan(RecomputedRows):
 
     def begin(self, layer, decoder_layer, x):
         return x
+
+
+class FetchedRowsPlan(SelectedRowsPlan):
+    """The chosen rows and the query in one pass (EPIC's static selection): before each layer the reused context is
+    fetched and written into the cache, K re-rotated (as `reuse` does), then the rows overwrite theirs."""
+
+    def __init__(self, model, cache: KVCache, rows: torch.Tensor, total: int, layer_iter, layout: Layout,
+                 stats: RequestStats):
+        super().__init__(cache, rows, total)
+        self.layers, self.stats, self.N = iter(layer_iter), stats, layout.context_len
+        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(model.device)))
+
+    def begin(self, layer, decoder_layer, x):
+        load_context_layer(self, layer)
+        return x
+
+
+def prefill_sinks(model, layer_iter, layout: Layout, ids: list[int], Tq: int, sink_tokens: int, capacity: int,
+                  stats: RequestStats) -> tuple[DecodeState, torch.Tensor]:
+    """EPIC's LegoLink in one pass: each block's first `sink_tokens` and the query recomputed at every layer."""
+    N, L, total = layout.context_len, model.args.num_layers, len(ids)
+    chosen = choose_tokens(None, layout, 0.0, sink_tokens, False).to(model.device)
+    rows = torch.cat([chosen, torch.arange(N, total, device=chosen.device)])
+    cache = KVCache.for_model(model, max(capacity, total))
+    t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
+    plan = FetchedRowsPlan(model, cache, rows, total, layer_iter, layout, stats)
+    x = run_layers(model, model.embed(torch.tensor(ids, device=model.device)[rows].unsqueeze(0)), plan)
+    cache.commit(total)
+    logits = model.logits(x[:, -1:])[0, -1]
+    stats.recompute_ms += (time.perf_counter() - t0) * 1000 - (stats.fetch_ms + stats.rerotate_ms - before)
+    stats.recomputed_token_layers += len(rows) * L
+    stats.reused_tokens += N - len(chosen)
+    stats.recomputed_tokens += Tq + len(chosen)
+    return DecodeState(cache, total, logits), chosen
 
 
 @torch.inference_mode()
@@ -123,6 +164,14 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
                                   "reuse or full")
     if layout.query_start != N:
         raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
+    if select == "sinks":
+        state, chosen = prefill_sinks(model, layer_iter, layout, context_ids + query_ids, Tq, sink_tokens, capacity,
+                                      stats)
+        risk = measure(state.logits, None, None)  # no stage 1 to compare with: `shift` is unknown
+        stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
+                           selected_per_block=per_block_counts(chosen, layout), risk=risk, risk_signal=signal,
+                           stage2_risks=[risk], final_ratio=len(chosen) / max(1, N - layout.prefix_len))
+        return state
     recorder = QueryAttentionRecorder(N) if select == "query" else None
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
     stats.recomputed_token_layers += Tq * L
@@ -146,8 +195,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
     stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
-                       selected_per_block=[int(((chosen >= o) & (chosen < o + n)).sum())
-                                           for o, n in zip(layout.block_offsets(), layout.block_lens)])
+                       selected_per_block=per_block_counts(chosen, layout))
     if risks:  # every risk signal at each stage-2 run; `risk`: the first (cheap) answer's, which decided escalation
         stats.extra.update(stage2_kl=[r["shift"] for r in risks], stage2_risks=risks, risk=risks[0],
                            risk_signal=signal, final_ratio=len(chosen) / max(1, N - layout.prefix_len),

@@ -15,10 +15,11 @@ DEFAULT_SIGNAL = "shift"
 
 
 def measure(logits, previous_logits, uncovered: float | None) -> dict:
-    """Every signal's value for one stage-2 answer (`logits`) recomputed from `previous_logits`; `uncovered` comes
-    from the selection (None where nothing scored the tokens)."""
+    """Every signal's value for one stage-2 answer (`logits`) recomputed from `previous_logits` (None where no
+    earlier answer exists: no `shift`); `uncovered` comes from the selection (None where nothing scored the tokens)."""
     conf = confidence(logits)
-    return {"shift": round(first_token_kl(logits, previous_logits), 6), "entropy": round(conf["entropy"], 6),
+    shift = None if previous_logits is None else round(first_token_kl(logits, previous_logits), 6)
+    return {"shift": shift, "entropy": round(conf["entropy"], 6),
             "margin": round(1.0 - conf["margin"], 6),
             "uncovered": None if uncovered is None else round(uncovered, 6)}
 

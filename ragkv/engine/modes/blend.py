@@ -77,8 +77,13 @@ class Blend(BlockMode):
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         L = a.num_layers
+        if fusion.select == "sinks":  # one pass: the sinks (what was not reused) and the query at every layer
+            chosen = max(0, context - reused)
+            rows = chosen + query
+            return L * (rows * linear_flops(a) + attention_flops(a, chosen * context // 2 + query * context)) \
+                + head_flops(a)
         if fusion.select != "deviation":  # stage 1 (reuse's query rows), then the chosen rows at every layer
-            chosen = 0 if fusion.select == "sinks" else int(round(fusion.ratio * (context - prefix_len)))
+            chosen = int(round(fusion.ratio * (context - prefix_len)))
             rows = chosen + query
             stage2 = L * (rows * linear_flops(a) + attention_flops(a, chosen * context // 2 + query * context))
             return rows_flops(a, context, query, L) + stage2 + head_flops(a)
