@@ -197,3 +197,17 @@ def test_the_server_takes_a_document_longer_than_the_window_with_ape_and_says_wh
     with pytest.raises(FieldError) as e:
         builder.chat(ChatRequest.model_validate({**body, "ragkv": {"mode": "reuse"}}))
     assert e.value.code == "context_length_exceeded" and "mode `ape`" in str(e.value) and str(window) in str(e.value)
+
+
+def test_chat_bench_repeats_the_edit_turn_from_the_same_cache_state(default_engine, tmp_path):
+    """`ragkv bench chat` times each measured turn `repeats` times, the store restored in between: every run of the
+    edit turn fuses the same turns and recomputes the same rows (the first run's stores must not help the next)."""
+    from ragkv.bench.chat import ChatBenchConfig, run_chat_bench
+    cfg = ChatBenchConfig(turns=4, edit_at=4, words=60, paths=("prefix", "blend:sel=sinks,sink=4"),
+                          scenarios=("compacted",), repeats=2)
+    result = run_chat_bench(default_engine, cfg, tmp_path, say=lambda *_: None)
+    turns = result["scenarios"]["compacted"]
+    assert "runs_ms" not in turns[0]["paths"]["prefix"] and len(turns[-1]["full_runs_ms"]) == 2
+    edit = turns[-1]["paths"]["blend:sel=sinks,sink=4"]
+    assert len(edit["runs_ms"]) == 2 and edit["history"]["fused_turns"] >= 1 and edit["kl"] >= 0
+    assert (tmp_path / "chat.md").exists() and (tmp_path / "chat.json").exists()

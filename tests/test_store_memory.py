@@ -37,6 +37,16 @@ def test_lru_is_bounded_by_bytes():
     assert store.stats()["bytes"] == 3 * BLOCK <= store.capacity_bytes
 
 
+def test_restore_returns_to_the_snapshot():
+    store = MemoryStore(3 * BLOCK)
+    store.put(make_key(0), make_kv(0))
+    snap = store.snapshot()
+    store.put(make_key(1), make_kv(1))
+    store.delete(make_key(0))
+    store.restore(snap)
+    assert store.contains(make_key(0)) and not store.contains(make_key(1)) and store.stats()["bytes"] == BLOCK
+
+
 def test_bf16_blocks_take_half_the_bytes():
     store = MemoryStore(4 * BLOCK // 2)
     for i in range(4):

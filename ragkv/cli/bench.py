@@ -200,6 +200,8 @@ def register(sub) -> None:
     h.add_argument("--paths", default="prefix,auto,blend:sel=query,r=0.3",
                    help="mode keys beside full, the reference (comma-separated; a key keeps its own parameters)")
     h.add_argument("--scenarios", default="unedited,compacted,dropped")
+    h.add_argument("--repeats", type=int, default=3, help="runs of each measured turn (the edit, the last), each "
+                                                          "from the same cache state; the median is reported")
     _output_args(h)
     add_model_args(h)
     h.set_defaults(func=run_chat)
@@ -253,7 +255,8 @@ def run_chat(args) -> int:
     if not 2 <= args.edit_at <= args.turns:
         raise InvalidRequestError(f"--edit-at must be in 2..--turns ({args.turns}), got {args.edit_at}")
     cfg = ChatBenchConfig(turns=args.turns, edit_at=args.edit_at, words=args.words,
-                          paths=tuple(split_mode_list(args.paths)), scenarios=scenarios)
+                          paths=tuple(split_mode_list(args.paths)), scenarios=scenarios,
+                          repeats=max(1, args.repeats))
     result = run_chat_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
     return _finish(args, result, "chat.md")
 

@@ -35,6 +35,17 @@ class MemoryStore(KVStore):
         self._lock = threading.RLock()
         self.counters = dict(hits=0, misses=0, puts=0, evictions=0, refused=0)
 
+    def snapshot(self) -> tuple:
+        """What the store holds now (the entries are shared, not copied), for `restore`: a benchmark repeats a
+        request from the same cache state."""
+        with self._lock:
+            return OrderedDict(self._data), self._bytes
+
+    def restore(self, snap: tuple) -> None:
+        with self._lock:
+            data, self._bytes = snap
+            self._data = OrderedDict(data)
+
     def describe(self) -> str:
         size = "memory" if self.capacity_bytes == float("inf") else f"memory:{format_size(self.capacity_bytes)}"
         return size + (f"?kv={self.kv_codec.name}" if self.kv_codec else "")
