@@ -160,6 +160,10 @@ def test_a_batched_step_reads_each_shared_block_once(kernel, tiny_engine, monkey
     monkeypatch.undo()
     for row, state, tok in zip(batched, alone, [5, 6, 7]):
         assert maxdiff(row, decode_step(eng.model, state, tok)) <= TOL
+    if kernel:  # the step's cached tables hold the sequences' blocks only until one of them is released
+        assert shared_attention._StepTables._last is not None
+        states[1].release()
+        assert shared_attention._StepTables._last is None
 
 
 def test_forked_choices_read_the_blocks_in_place(tiny_engine):

@@ -81,19 +81,21 @@ def run_chat_bench(engine, cfg: ChatBenchConfig, out_dir: Path, say=print) -> di
         for t in range(1, cfg.turns + 1):
             segs = engine.history_segments(conversation(cfg, scenario, t, texts), cfg.system)
             repeats = cfg.repeats if t in measured_turns(cfg, scenario) else 1
-            runs = [engine.prefill(segs, FusionOptions(mode="full")) for _ in range(repeats)]
-            full_logits = runs[-1][0].logits.float()
-            rec = {"turn": t, "prompt_tokens": segs.num_tokens, "full_ms": median_ttft(runs), "paths": {}}
-            if repeats > 1:
-                rec["full_runs_ms"] = [round(st.ttft_ms, 1) for _, st in runs]
-            for key, fusion in fusions.items():
-                eng = engines[key]
-                runs = []
-                for r in range(repeats):  # each from the cache state the turn found
+            full_runs, path_runs = [], {key: [] for key in fusions}
+            for r in range(repeats):  # interleaved, so that a drift of the machine's speed hits every column alike
+                full_runs.append(engine.prefill(segs, FusionOptions(mode="full")))
+                for key, fusion in fusions.items():  # each run from the cache state the turn found
+                    eng = engines[key]
                     snap = eng.store.snapshot() if r < repeats - 1 else None
-                    runs.append(eng.prefill(segs, fusion))
+                    path_runs[key].append(eng.prefill(segs, fusion))
                     if snap is not None:
                         eng.store.restore(snap)
+            full_logits = full_runs[-1][0].logits.float()
+            rec = {"turn": t, "prompt_tokens": segs.num_tokens, "full_ms": median_ttft(full_runs), "paths": {}}
+            if repeats > 1:
+                rec["full_runs_ms"] = [round(st.ttft_ms, 1) for _, st in full_runs]
+            for key, fusion in fusions.items():
+                eng, runs = engines[key], path_runs[key]
                 state, stats = runs[-1]
                 logits = state.logits.float()
                 row = {"ttft_ms": median_ttft(runs), "exact": stats.fidelity.get("exact"),

@@ -56,6 +56,11 @@ class SharedBlocksAttention:
             return 0
         return -(-sum(o[0].shape[2] for o in self.overrides if o is not None) // len(self.overrides))
 
+    def release(self) -> None:
+        """The sequence is done: the kernel's cached step tables must not keep its blocks alive past the pool's
+        bound."""
+        _StepTables.forget(self)
+
     def _mask(self, layer: int, b: int):
         return None if self.keep is None else self.keep[layer][b]
 
@@ -197,6 +202,11 @@ class _StepTables:
                 any(a is not b for a, b in zip(last.policies, policies)):
             last = cls._last = cls(policies, base)
         return last
+
+    @classmethod
+    def forget(cls, policy: SharedBlocksAttention) -> None:
+        if cls._last is not None and any(p is policy for p in cls._last.policies):
+            cls._last = None
 
     def attend(self, layer: int, rows) -> list[torch.Tensor] | None:
         q = torch.cat([q[:, :, 0] for _, q, _, _ in rows])  # [n, Hq, D]

@@ -36,9 +36,12 @@ class DecodeState:
 
     def release(self) -> None:
         """Give the KV back now: the sequence is finished, cancelled or failed (its logits too: a view of the
-        whole batch's)."""
+        whole batch's), and let its attention policy drop what it cached for the decode steps."""
         self.cache.release()
         self.logits = None
+        release = getattr(self.attention, "release", None)
+        if release is not None:
+            release()
 
 
 class DecodePlan:
