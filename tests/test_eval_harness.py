@@ -411,6 +411,16 @@ def test_quality_vs_work_pools_the_runs_and_pairs_with_full(tmp_path, capsys):
     row = next(line for line in table.splitlines() if "| blend:r=0.2 |" in line)
     assert "| m (float32) | 6 | blend:r=0.2 | 0.250 | 0.667 [" in row and "; -0.333 [" in row and row.endswith(
         "| 0.100 |")
+    # a mode run at one position only shrinks the comparison to that position, unless --modes leaves it out
+    extra = ResultsFile(tmp_path / "eval-nq-g0.jsonl", {"model": "m", "dtype": "float32", "device": "cpu", "threads": 1,
+                                         "max_new_tokens": 32, "dataset": "nq-distractors", "gold_position": 0})
+    for i in range(3):
+        extra.append(rec(str(i), "reuse", 0.0, 0.03, 0.4))
+    assert main(["report", *paths, "--vs-work", str(png)]) == 0
+    assert "| m (float32) | 3 | blend:r=0.2 |" in capsys.readouterr().out
+    assert main(["report", *paths, "--vs-work", str(png), "--modes", "blend:r=0.2"]) == 0
+    table = capsys.readouterr().out
+    assert "| m (float32) | 6 | blend:r=0.2 |" in table and "reuse" not in table
 
 
 def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine, tmp_path, capsys, monkeypatch):

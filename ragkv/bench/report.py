@@ -141,15 +141,19 @@ def lost_in_the_middle(paths: list[Path], png: Path | None = None, metric: str =
     return out
 
 
-def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "accuracy") -> dict:
+def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "accuracy",
+                    modes: list[str] | None = None) -> dict:
     """Per mode and model: the work it did (mean `recompute_vs_full`) against what it kept (the paired difference of
     `metric` to `full`, pooled over every run given, e.g. the gold positions of NQ-10, with its 95% interval, and
-    the mean first-token KL to full), on the questions every mode finished. The issue-27 comparison at equal work.
+    the mean first-token KL to full), on the questions every mode finished (only `modes` and `full`, when given: a
+    mode that ran on some runs only would otherwise shrink the comparison to those). The issue-27 comparison at
+    equal work.
     Returns {"models": {model: {"n", "modes": {mode: {...}}}}, "markdown"}; writes a two-panel figure to `png`."""
     by_model: dict[str, list[dict]] = {}
     for files, config, records in read_runs(paths):
         by_model.setdefault(f"{config['model']} ({config['dtype']})", []).extend(
-            {**r, "example_id": f"{config.get('gold_position')}:{r['example_id']}"} for r in records)
+            {**r, "example_id": f"{config.get('gold_position')}:{r['example_id']}"} for r in records
+            if modes is None or r["mode_key"] in modes or is_reference(r["mode_key"]))
     out: dict = {"metric": metric, "models": {}}
     rows = []
     for model, records in by_model.items():

@@ -155,6 +155,8 @@ def register(sub) -> None:
     r.add_argument("--vs-work", metavar="PNG", default=None,
                    help="only the quality-vs-work figure and table: per mode, recompute_vs_full against the paired "
                    "accuracy difference to full (pooled over the given runs) and the first-token KL")
+    r.add_argument("--modes", default=None, metavar="KEYS",
+                   help="with --vs-work: only these mode keys (comma-separated, as in the records) beside full")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -494,7 +496,10 @@ def run_report_cmd(args) -> int:
     if args.vs_work:
         from ragkv.bench.report import quality_vs_work
 
-        result = quality_vs_work(paths, Path(args.vs_work))
+        from ragkv.eval.modes import split_mode_list
+
+        keys = split_mode_list(args.modes) if args.modes else None
+        result = quality_vs_work(paths, Path(args.vs_work), modes=keys)
         print(result["markdown"])
         return 0
     if args.tables:
