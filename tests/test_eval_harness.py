@@ -430,6 +430,8 @@ def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine
     from ragkv.engine.engine import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
+    # the calibration it stores must not reach later tests that load the default model (models stay found)
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))
     data = _hotpot_file(tmp_path / "h.json", n=4)
     argv = ["calibrate", "--target", "auto", "--data-file", str(data), "--format", "hotpotqa", "--limit", "4",
             "--ratio", "0.2",
