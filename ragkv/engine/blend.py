@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ragkv.engine.fusion import load_context_layer
+from ragkv.engine.fusion import context_rotation, load_context_layer
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.stats import RequestStats
@@ -26,7 +26,6 @@ from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa
-from ragkv.ops.rope import half_tables
 
 # `opts` below is a FusionOptions, named but not imported: the options import the modes that run this module
 
@@ -109,7 +108,7 @@ class BlendPlan(RecomputedRows):
         window = model.args.sliding_window
         if window is not None and window < total:
             raise InvalidRequestError("blend is not supported past a sliding window; use reuse or full")
-        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
+        self.cos, self.sin = context_rotation(model, layout)
         self.all_positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
         self.within = torch.full((total,), -1, device=dev)  # index inside its block, for attention sinks
         self.blocks = list(zip(layout.block_offsets(), layout.block_lens))

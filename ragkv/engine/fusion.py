@@ -79,7 +79,7 @@ class ContextPlan:
         dev = model.device
         self.cache, self.layers, self.stats, self.attention = cache, iter(layer_iter), stats, attention
         self.N, self.Tq = layout.context_len, query_len
-        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(dev)))
+        self.cos, self.sin = context_rotation(model, layout)
         self.positions = torch.arange(layout.query_start, layout.query_start + query_len, device=dev)
         window = model.args.sliding_window
         if attention is not None and window is not None and window < self.N + query_len:
@@ -99,6 +99,11 @@ class ContextPlan:
 
     def attend(self, layer, q, kv):
         return self.attention(layer, q, *kv) if self.attention else sdpa(q, *kv, mask=self.mask)
+
+
+def context_rotation(model, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half cos/sin tables that rotate each context token's stored K to its position in this layout."""
+    return half_tables(*model.rotary.lookup(layout.context_positions.to(model.device)))
 
 
 def load_context_layer(plan, layer: int) -> None:

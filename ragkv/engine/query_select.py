@@ -30,7 +30,7 @@ import time
 import torch
 
 from ragkv.engine.blend import RecomputedRows, keep_count
-from ragkv.engine.fusion import load_context_layer, prefill_over_context
+from ragkv.engine.fusion import context_rotation, load_context_layer, prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.risk import DEFAULT_SIGNAL, measure
@@ -39,7 +39,6 @@ from ragkv.engine.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
-from ragkv.ops.rope import half_tables
 
 
 class QueryAttentionRecorder:
@@ -120,7 +119,7 @@ class FetchedRowsPlan(SelectedRowsPlan):
                  stats: RequestStats):
         super().__init__(cache, rows, total)
         self.layers, self.stats, self.N = iter(layer_iter), stats, layout.context_len
-        self.cos, self.sin = half_tables(*model.rotary.lookup(layout.context_positions.to(model.device)))
+        self.cos, self.sin = context_rotation(model, layout)
 
     def begin(self, layer, decoder_layer, x):
         load_context_layer(self, layer)
@@ -167,11 +166,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     if select == "sinks":
         state, chosen = prefill_sinks(model, layer_iter, layout, context_ids + query_ids, Tq, sink_tokens, capacity,
                                       stats)
-        risk = measure(state.logits, None, None)  # no stage 1 to compare with: `shift` is unknown
-        stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
-                           selected_per_block=per_block_counts(chosen, layout), risk=risk, risk_signal=signal,
-                           stage2_risks=[risk], final_ratio=len(chosen) / max(1, N - layout.prefix_len))
-        return state
+        record_selection(stats, select, chosen, layout, [measure(state.logits, None, None)], signal)
+        return state  # no stage 1 to compare with: the risk's `shift` is unknown
     recorder = QueryAttentionRecorder(N) if select == "query" else None
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
     stats.recomputed_token_layers += Tq * L
@@ -194,10 +190,18 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stats.recompute_ms += (time.perf_counter() - t0) * 1000
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
-    stats.extra.update(select=select, selected=len(chosen), block_tokens=N - layout.prefix_len,
-                       selected_per_block=per_block_counts(chosen, layout))
-    if risks:  # every risk signal at each stage-2 run; `risk`: the first (cheap) answer's, which decided escalation
-        stats.extra.update(stage2_kl=[r["shift"] for r in risks], stage2_risks=risks, risk=risks[0],
-                           risk_signal=signal, final_ratio=len(chosen) / max(1, N - layout.prefix_len),
-                           escalations=len(risks) - 1)
+    record_selection(stats, select, chosen, layout, risks, signal)
     return DecodeState(stage1.cache, total, logits)
+
+
+def record_selection(stats: RequestStats, select: str, chosen: torch.Tensor, layout: Layout, risks: list[dict],
+                     signal: str) -> None:
+    """What was selected and each stage-2 run's risk signals into the request's record; `risk` is the first
+    (cheap) answer's, the one that decided escalation."""
+    block_tokens = layout.context_len - layout.prefix_len
+    stats.extra.update(select=select, selected=len(chosen), block_tokens=block_tokens,
+                       selected_per_block=per_block_counts(chosen, layout))
+    if risks:
+        stats.extra.update(stage2_kl=[r["shift"] for r in risks], stage2_risks=risks, risk=risks[0],
+                           risk_signal=signal, final_ratio=len(chosen) / max(1, block_tokens),
+                           escalations=len(risks) - 1)
