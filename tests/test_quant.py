@@ -67,3 +67,25 @@ def test_quantized_decode_stays_close_to_exact(kind, tiny_engine):
         b = decode_step(packed, approx, tok).log_softmax(-1)
         kl = (a.exp() * (a - b)).sum().item()
         assert kl < 0.05, kl
+
+
+@cpu_only
+def test_transposed_decode_equals_exact_and_copies_only_wide_linears(tiny_engine):
+    """`transposed` keeps the exact weights: decode steps equal the exact path to float rounding; only linears
+    wider than their input (fused q/k/v, gate/up, the LM head) get a transposed copy, the others stay shared."""
+    eng = tiny_engine("qwen2")  # QKV bias and tied embeddings
+    model = eng.model
+    copy_ = decode_copy(model, "transposed")
+    attn, mlp = copy_.layers[0].self_attn, copy_.layers[0].mlp
+    assert "qkv_proj" in attn.__dict__ and attn.q_proj is None and attn.qkv_proj.bias is not None
+    assert attn.o_proj is model.layers[0].self_attn.o_proj  # square: shared, not copied
+    assert "gate_up_proj" in mlp.__dict__ and mlp.down_proj is model.layers[0].mlp.down_proj
+    assert copy_.lm_head is not model.lm_head and copy_.lm_head.wt.shape == model.lm_head.weight.T.shape
+    segs = make_segs()
+    exact, _ = eng.prefill(segs, FusionOptions(mode="reuse"), 8)
+    other, _ = eng.prefill(segs, FusionOptions(mode="reuse"), 8)
+    for tok in (5, 17, 200, 31, 9):
+        a = decode_step(model, exact, tok)
+        b = decode_step(copy_, other, tok)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+        assert a.argmax() == b.argmax()

@@ -23,10 +23,11 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
     g.add_argument("--dtype", default=DEFAULT_DTYPE, help="auto | float32 | bfloat16 (auto: bf16 where fast)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     if decode_weights:
-        g.add_argument("--decode-weights", default="exact", choices=("exact", "int8", "int4"),
-                       help="weights of the decode steps (prefill stays exact): int4/int8 are weight-only "
-                            "quantized copies, 2-4x faster decode on CPU, with the fidelity cost `ragkv bench "
-                            "decode` prints")
+        g.add_argument("--decode-weights", default="exact", choices=("exact", "transposed", "int8", "int4"),
+                       help="weights of the decode steps (prefill stays exact): transposed is an exact copy of "
+                            "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
+                            "their bytes again); int4/int8 are weight-only quantized copies, 2-4x faster decode "
+                            "on CPU, with the fidelity cost `ragkv bench decode` prints")
 
 
 def add_store_args(p: argparse.ArgumentParser, namespace: bool = True) -> None:
