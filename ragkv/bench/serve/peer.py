@@ -4,7 +4,6 @@ them; llama.cpp's OpenAI server (`--peer llama-cpp`: finding and starting it) he
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from ragkv.bench.serve.clients import connect, describe_cell, measure_cell
 from ragkv.bench.serve.config import BenchRequest, ServeBenchConfig
-from ragkv.bench.serve.servers import ServerSubprocess
+from ragkv.bench.serve.servers import ServerSubprocess, default_threads
 from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.net import free_port
 
@@ -94,15 +93,6 @@ def find_peer_python(path: str | None = None) -> Path:
                          + PEER_INSTALL_HINT)
     raise RagkvError(f"the llama-cpp peer is not installed (no {' or '.join(map(str, candidates))}); "
                      + PEER_INSTALL_HINT)
-
-
-def default_threads() -> int:
-    """The thread count `ragkv serve` computes with by default (torch's intra-op threads)."""
-    try:
-        import torch
-        return torch.get_num_threads()
-    except ImportError:
-        return os.cpu_count() or 1
 
 
 class LlamaCppServer(ServerSubprocess):

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ragkv.bench.serve.servers import ServerSubprocess
+from ragkv.bench.serve.servers import ServerSubprocess, default_threads
 from ragkv.errors import RagkvError
 from ragkv.net import free_port
 
@@ -81,7 +81,6 @@ class VllmCpuServer(ServerSubprocess):
     def __init__(self, model: str = "smollm2", python: str | None = None, dtype: str = "float32",
                  threads: int | None = None, max_model_len: int = 4096, kv_cache_gib: int = 2,
                  startup_s: float = 900.0, extra: tuple[str, ...] = ()):
-        from ragkv.bench.serve.peer import default_threads
         from ragkv.models.registry import resolve_model_path
 
         self.model, self.dtype = model, vllm_dtype(dtype)

@@ -13,6 +13,15 @@ from pathlib import Path
 from ragkv.net import free_port
 
 
+def default_threads() -> int:
+    """The thread count `ragkv serve` computes with by default (torch's intra-op threads)."""
+    try:
+        import torch
+        return torch.get_num_threads()
+    except ImportError:
+        return os.cpu_count() or 1
+
+
 class ServerSubprocess:
     """A server subprocess on a free 127.0.0.1 port, its output in a log file, ready once `ready_path` answers
     200; a context manager that stops it on exit. Subclasses set `cmd`, `startup_s`, `name` and `_spawn`."""
