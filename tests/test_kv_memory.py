@@ -127,16 +127,23 @@ def fake_job(n_tokens, name, started=None):
     return start
 
 
+def wait_until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_scheduler_admits_by_kv_budget_and_refuses_what_never_fits():
     budget = KVBudget(100)
     gate = threading.Event()
     sched = Scheduler(step=lambda seqs: gate.wait(5), max_batch=8, kv_budget=budget)
     started = []
     a = sched.submit_generation(fake_job(10**6, "a", started), kv_bytes=60)
-    time.sleep(0.3)
+    wait_until(lambda: started == ["a"])
     b = sched.submit_generation(fake_job(2, "b", started), kv_bytes=60)  # fits only once a has left
     gate.set()
-    time.sleep(0.5)
+    wait_until(lambda: sched.stats()["kv_waiting"] == 1)  # polled, not slept: a loaded machine is slow
+    time.sleep(0.2)  # b stays waiting while a runs
     st = sched.stats()
     assert started == ["a"] and st["kv_waiting"] == 1 and st["kv_bytes_reserved"] == 60 and st["queue_depth"] == 1
     with pytest.raises(KVTooLarge) as e:
