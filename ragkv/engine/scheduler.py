@@ -270,7 +270,7 @@ class Scheduler:
     def _admit(self) -> Job | None:
         if self.running and self.batch_size >= self.max_batch:
             return None
-        job, self.waiting = self.waiting, None
+        job = self.waiting  # stays set until it leaves the line: stats() (other threads) never sees it vanish
         if job is None:
             try:
                 # wakes up to notice stop(); never waits while background work is pending
@@ -278,14 +278,17 @@ class Scheduler:
             except queue.Empty:
                 return None
         if job.cancelled.is_set():
+            self.waiting = None
             job.future.cancel()
             return None
         if job.expired():
+            self.waiting = None
             job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
             return None
         if not self.kv.try_reserve(job.kv_bytes):
             self.waiting = job  # stays first in line until the running generations release enough
             return None
+        self.waiting = None
         job.reserved = job.kv_bytes
         return job
 
