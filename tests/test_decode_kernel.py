@@ -21,3 +21,20 @@ def test_kernel_equals_sdpa_over_cache_views(dtype, tol, hq, hkv, d, s):
     got = decode_attention_cpu(q, k, v)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.float() - ref).abs().max().item() <= tol
+
+
+def test_decode_attention_takes_the_faster_path_and_either_equals_sdpa(monkeypatch):
+    """`decode_attention` times the kernel against the torch path once per dtype and keeps the faster (the kernel
+    lost 3.4x to SDPA on a Zen 3); RAGKV_DECODE_ATTENTION fixes the choice, and each path gives SDPA's answer."""
+    from ragkv.ops import attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 14, n, 64, generator=g)[:, :2 if i else 14] for i, n in enumerate((1, 900, 900)))
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    monkeypatch.setattr(attention, "_KERNEL_WINS", {})
+    chosen = attention.kernel_wins(q, k, v)
+    assert attention._KERNEL_WINS == {torch.float32: chosen}  # timed once, kept
+    for forced in ("kernel", "torch"):
+        monkeypatch.setenv("RAGKV_DECODE_ATTENTION", forced)
+        assert attention.kernel_wins(q, k, v) is (forced == "kernel")
+        assert (attention.decode_attention(q, k, v) - ref).abs().max().item() <= 1e-5

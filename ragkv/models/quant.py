@@ -93,9 +93,9 @@ def _decode_linear(parts: nn.Linear | list[nn.Linear], kind: str) -> nn.Module |
     wider than its input gains nothing)."""
     if kind != "transposed":
         return PackedLinear(parts, kind)
-    out = sum(m.out_features for m in (parts if isinstance(parts, list) else [parts]))
-    first = parts[0] if isinstance(parts, list) else parts
-    return TransposedLinear(parts) if out > first.in_features else None
+    linears = parts if isinstance(parts, list) else [parts]
+    out = sum(m.out_features for m in linears)
+    return TransposedLinear(parts) if out > linears[0].in_features else None
 
 
 def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
@@ -104,13 +104,15 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     new = copy.copy(module)
     new._modules = {}
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    inside_fused = set()  # the linears a fused copy computes
     for attr, names in fused.items():
         if names[0] in module._modules:
             copy_ = _decode_linear([module._modules[n] for n in names], kind)
             if copy_ is not None:
                 new.__dict__[attr] = copy_
+                inside_fused.update(names)
     for name, child in module._modules.items():
-        if any(name in names for attr, names in fused.items() if attr in new.__dict__):
+        if name in inside_fused:
             new._modules[name] = None  # computed inside qkv_proj / gate_up_proj
         elif isinstance(child, nn.Linear):
             new._modules[name] = _decode_linear(child, kind) or child

@@ -6,7 +6,10 @@ Boolean masks are True where attention is allowed, shaped [T, S] (broadcast over
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -14,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.ops.decode_kernel import decode_attention_cpu
+
+log = logging.getLogger(__name__)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -115,18 +120,57 @@ def block_attention_mask(segment_ids: torch.Tensor, open_ids: torch.Tensor | Non
     return causal & (same | is_open)
 
 
+_KERNEL_WINS: dict = {}  # dtype -> whether the C++ decode kernel beat the torch path on this machine
+
+
+def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C++ decode kernel is the faster path here: timed once per dtype against the torch path, over
+    2,048 keys with the first call's heads (it was 1.7-2x faster than SDPA where it was written, but 3.4x slower than SDPA in fp32 on
+    a 2-core AVX2 Zen 3: 1.47 ms against 0.43 ms per layer at 2.4K keys). RAGKV_DECODE_ATTENTION=kernel or torch
+    fixes the choice."""
+    forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
+    if forced in ("kernel", "torch"):
+        return forced == "kernel"
+    if q.dtype not in _KERNEL_WINS:
+        k = torch.randn(k.shape[:2] + (2048, k.shape[3]), dtype=k.dtype, device=k.device)
+        v = torch.randn_like(k)
+        if decode_attention_cpu(q, k, v) is None:
+            _KERNEL_WINS[q.dtype] = False
+        else:
+            def best_us(fn) -> float:
+                fn()  # warm
+                times = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                return min(times) * 1e6
+
+            ours = best_us(lambda: decode_attention_cpu(q, k, v))
+            theirs = best_us(lambda: _torch_decode_attention(q, k, v))
+            _KERNEL_WINS[q.dtype] = ours <= theirs
+            log.info("decode attention (%s, %d keys): C++ kernel %.0f us, torch %.0f us: using %s", q.dtype,
+                     k.shape[2], ours, theirs, "the kernel" if ours <= theirs else "torch")
+    return _KERNEL_WINS[q.dtype]
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of a few new rows over a whole cache (decode), no mask.
 
-    On CPU, one row per head: the C++ kernel of ragkv.ops.decode_kernel (1.7-2x faster than SDPA or matmul
-    there). Otherwise SDPA in fp32; for bf16/fp16 on CPU (the kernel missing), SDPA's flash kernel is ~10x slower
+    On CPU, one row per head: the C++ kernel of ragkv.ops.decode_kernel where it is the faster path on this
+    machine (`kernel_wins`). Otherwise SDPA in fp32; for bf16/fp16 on CPU (the kernel missing), SDPA's flash kernel is ~10x slower
     than two small matmuls (790 us vs ~80 us per layer at 1.3K keys), so scores go through matmul with an fp32
     softmax, as K @ q^T (K in its cache layout): q @ K^T made the CPU copy K to transpose it (1.4x slower).
     """
-    if q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16):
+    if q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16) \
+            and kernel_wins(q, k, v):
         out = decode_attention_cpu(q, k, v)
         if out is not None:
             return out
+    return _torch_decode_attention(q, k, v)
+
+
+def _torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if q.dtype == torch.float32 or q.device.type != "cpu":
         return sdpa(q, k, v)
     B, Hq, T, D = q.shape
@@ -145,7 +189,7 @@ def decode_attention_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torc
     if len(parts) == 1:
         return decode_attention(q, *parts[0])
     if len(parts) == 2 and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 \
-            and q.dtype in (torch.float32, torch.bfloat16):
+            and q.dtype in (torch.float32, torch.bfloat16) and kernel_wins(q, *parts[0]):
         (k1, v1), (k2, v2) = parts
         out = decode_attention_cpu(q, k1, v1, k2, v2)
         if out is not None:

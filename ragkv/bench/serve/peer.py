@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ragkv.bench.serve.clients import connect, describe_cell, measure_cell
 from ragkv.bench.serve.config import BenchRequest, ServeBenchConfig
-from ragkv.bench.serve.servers import ServerSubprocess, default_threads
-from ragkv.errors import InvalidRequestError, RagkvError
+from ragkv.bench.serve.servers import ServerSubprocess, default_threads, find_venv_python
+from ragkv.errors import InvalidRequestError
 from ragkv.net import free_port
 
 PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
@@ -75,24 +75,8 @@ def model_gguf(model: str) -> Path:
 def find_peer_python(path: str | None = None) -> Path:
     """The python that has llama-cpp-python[server]: `path`, else .venv-peer in the working directory or beside
     the ragkv checkout. Raises with the install instructions when there is none."""
-    import shutil
-
-    if path:
-        candidates = [Path(path).expanduser()]
-    else:
-        candidates = [Path(DEFAULT_PEER_PYTHON), Path(__file__).resolve().parents[3] / DEFAULT_PEER_PYTHON]
-    for c in candidates:
-        found = c if c.exists() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
-        if found is None:
-            continue
-        check = subprocess.run([str(found), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
-                               capture_output=True, text=True, timeout=120)
-        if check.returncode == 0:
-            return found
-        raise RagkvError(f"{found} cannot import llama_cpp.server ({check.stderr.strip().splitlines()[-1:]}); "
-                         + PEER_INSTALL_HINT)
-    raise RagkvError(f"the llama-cpp peer is not installed (no {' or '.join(map(str, candidates))}); "
-                     + PEER_INSTALL_HINT)
+    return find_venv_python(path, DEFAULT_PEER_PYTHON, "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)",
+                            "llama_cpp.server", PEER_INSTALL_HINT)
 
 
 class LlamaCppServer(ServerSubprocess):

