@@ -125,9 +125,10 @@ _KERNEL_WINS: dict = {}  # dtype -> whether the C++ decode kernel beat the torch
 
 def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the C++ decode kernel is the faster path here: timed once per dtype against the torch path, over
-    2,048 keys with the first call's heads (it was 1.7-2x faster than SDPA where it was written, but 3.4x slower than SDPA in fp32 on
-    a 2-core AVX2 Zen 3: 1.47 ms against 0.43 ms per layer at 2.4K keys). RAGKV_DECODE_ATTENTION=kernel or torch
-    fixes the choice."""
+    2,048 keys with the first call's heads. It was 1.7-2x faster than SDPA where it was written, but 3.4x slower
+    than SDPA in fp32 on a 2-core AVX2 Zen 3 (1.47 ms against 0.43 ms per layer at 2.4K keys). The choice holds
+    for the process (every sequence decodes through the same path: batch invariance); RAGKV_DECODE_ATTENTION=kernel
+    or torch fixes it."""
     forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
     if forced in ("kernel", "torch"):
         return forced == "kernel"
@@ -158,9 +159,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Attention of a few new rows over a whole cache (decode), no mask.
 
     On CPU, one row per head: the C++ kernel of ragkv.ops.decode_kernel where it is the faster path on this
-    machine (`kernel_wins`). Otherwise SDPA in fp32; for bf16/fp16 on CPU (the kernel missing), SDPA's flash kernel is ~10x slower
-    than two small matmuls (790 us vs ~80 us per layer at 1.3K keys), so scores go through matmul with an fp32
-    softmax, as K @ q^T (K in its cache layout): q @ K^T made the CPU copy K to transpose it (1.4x slower).
+    machine (`kernel_wins`). Otherwise SDPA in fp32; for bf16/fp16 on CPU, SDPA's flash kernel is ~10x slower than
+    two small matmuls (790 us vs ~80 us per layer at 1.3K keys), so scores go through matmul with an fp32 softmax,
+    as K @ q^T (K in its cache layout): q @ K^T made the CPU copy K to transpose it (1.4x slower).
     """
     if q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16) \
             and kernel_wins(q, k, v):

