@@ -58,8 +58,7 @@ def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monk
     unmasked at other offsets; with the CPU kernel and with the torch path."""
     import ragkv.engine.shared_attention as shared_attention
 
-    if not kernel:
-        monkeypatch.setattr(shared_attention, "parts_attention_cpu", lambda *a: None)
+    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "kernel" if kernel else "torch")  # not this machine's timed choice
     eng = tiny_engine("qwen2")
     segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)
     blend = {"mode": "blend", **blend}
@@ -141,13 +140,13 @@ def test_a_batched_step_reads_each_shared_block_once(kernel, tiny_engine, monkey
     states = [eng.prefill(r, SHARED)[0] for r in reqs]
     alone = [eng.prefill(r, COPIED)[0] for r in reqs]
     calls = []
+    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "kernel" if kernel else "torch")  # not this machine's timed choice
     if kernel:
         real_parts = shared_attention.parts_attention_cpu
         monkeypatch.setattr(shared_attention, "parts_attention_cpu",
                             lambda q, keys, *a: calls.append(len(keys)) or real_parts(q, keys, *a))
     else:
         real = shared_attention.unmasked_attention_with_lse
-        monkeypatch.setattr(shared_attention, "parts_attention_cpu", lambda *a: None)
         monkeypatch.setattr(shared_attention, "unmasked_attention_with_lse",
                             lambda q, k, v, *t: calls.append(k.shape[2]) or real(q, k, v, *t))
     batched = decode_batch(eng.model, states, [5, 6, 7])

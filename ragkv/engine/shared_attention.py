@@ -24,7 +24,8 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import attention_with_lse, causal_mask, merge_by_lse, unmasked_attention_with_lse
+from ragkv.ops.attention import attention_with_lse, causal_mask, kernel_wins, merge_by_lse, \
+    unmasked_attention_with_lse
 from ragkv.ops.decode_kernel import parts_attention_cpu
 from ragkv.ops.rope import apply_rope
 
@@ -140,10 +141,13 @@ def _attend_in_kernel(layer: int, rows: list[tuple[SharedBlocksAttention, torch.
                                                    torch.Tensor]]) -> list[torch.Tensor] | None:
     """`attend_batch` as one call of the CPU parts kernel: a query row per (sequence, block) rotated back by the
     block's offset, and one per sequence over its own rows; each distinct block is one part, read once. None where
-    the kernel does not apply (not the CPU, more than one row per sequence, another dtype, no kernel)."""
+    the kernel does not apply (not the CPU, more than one row per sequence, another dtype, no kernel) or is not
+    the faster path on this machine: the parts kernel shares its inner loop with the decode kernel, so it follows
+    that kernel's timed choice (ragkv.ops.attention.kernel_wins; 1.12-1.29x slower than the torch path per step on
+    a 2-core AVX2 Zen 3, where the decode kernel lost to SDPA)."""
     q0 = rows[0][1]
     if q0.device.type != "cpu" or q0.dtype not in (torch.float32, torch.bfloat16) \
-            or any(q.shape[2] != 1 for _, q, _, _ in rows):
+            or any(q.shape[2] != 1 for _, q, _, _ in rows) or not kernel_wins(q0, rows[0][2], rows[0][3]):
         return None
     D = q0.shape[3]
     policies = [policy for policy, *_ in rows]
