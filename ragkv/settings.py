@@ -40,6 +40,10 @@ class ServeDefaults:
     timeout_s: float = 300.0           # --timeout: seconds a request may wait and run
     max_batch: int = 16                # --max-batch: sequences decoded together in one batched step
     prefill_chunk: int = 512           # --prefill-chunk: tokens of a full/prefix prefill between two decode steps
+    # --prefill-stall-ms: how long newcomers' prefill units may run between two decode steps (at least one unit):
+    # more newcomers join each batched step, raising output tokens/s under load, at the running answers'
+    # inter-token time (0: one unit per step, the lowest stall)
+    prefill_stall_ms: float = 0.0
     # --batch-invariant: an answer never depends on what runs beside it (every decode step at max_batch rows,
     # prefills always chunked): costs the small batches their speed (docs/results/batch_invariance.md)
     batch_invariant: bool = False

@@ -71,6 +71,49 @@ def test_prefill_units_interleave_with_decode_steps():
     assert a.future.result()[2] == "cancelled" and b.future.result()[1].done_tokens == 3
 
 
+@pytest.mark.parametrize("budget_ms, together", [(10_000, True), (1, False)])
+def test_a_stall_budget_runs_newcomers_prefill_units_back_to_back(budget_ms, together):
+    """prefill_stall_ms (serve --prefill-stall-ms): after a decode step, newcomers' prefill units (three requests
+    of three units, 5 ms each) run back to back until the budget is spent, so all three join the next step; a
+    budget shorter than one unit leaves one unit per step."""
+    steps, units_seen, jobs = [], [], []
+
+    def start_chunked(name):
+        def start():
+            for _ in range(3):
+                units_seen.append(sched.steps)
+                time.sleep(0.005)
+                yield
+            return FakeSeq(2, name), name
+        return start
+
+    def step(seqs):
+        steps.append(sorted(s.name for s in seqs))
+        if not jobs:  # the newcomers arrive during the first step
+            jobs.extend(sched.submit_generation(start_chunked(n)) for n in "bcd")
+
+    sched = Scheduler(step=step, max_batch=8, prefill_stall_ms=budget_ms)
+
+    def start_long():
+        yield
+        return FakeSeq(10**6, "a"), "A"
+
+    a = sched.submit_generation(start_long)
+    deadline = time.monotonic() + 5
+    while len(jobs) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run_jobs(sched, jobs)
+    a.cancel()
+    run_jobs(sched, [a])
+    if together:
+        assert len(set(units_seen)) == 1, units_seen  # nine units, no step between them
+        assert ["a", "b", "c", "d"] in steps
+    else:  # a step after every 5 ms unit
+        assert len(units_seen) == 9 and all(y > x for x, y in zip(units_seen, units_seen[1:])), units_seen
+    with pytest.raises(ValueError, match="prefill_stall_ms"):
+        Scheduler(step=step, prefill_stall_ms=-1, thread=False)
+
+
 def test_idle_only_background_work_waits_for_decoding_to_end_and_ingestion_does_not():
     """Start-up profiling (idle_only, a unit is a long forward) never runs between two decode steps; ingestion
     (a normal background job) still advances between them."""

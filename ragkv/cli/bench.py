@@ -128,6 +128,9 @@ def register(sub) -> None:
     v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
     v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
     v.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
+    v.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the started servers, repeatable (e.g. --server-arg=--prefill-stall-ms "
+                        "--server-arg=2000)")
     v.add_argument("--servers", type=int, default=1,
                    help="start this many servers here, each on cores/N threads, sharing --server-store's shared "
                         "tiers; requests go round-robin and only the first is warmed up")
@@ -362,7 +365,8 @@ def run_serve(args) -> int:
         peer = make_peer(cfg.peer, args.model, args.dtype, args.peer_python, args.peer_threads, args.peer_ctx,
                          args.peer_gguf, tuple(args.peer_arg))
     with contextlib.ExitStack() as stack:
-        store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch))
+        store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch),
+                                           *args.server_arg)
         if args.shared_cluster:
             from ragkv.bench.common import bench_dir
             from ragkv.store.redis_cluster_server import private_redis_cluster

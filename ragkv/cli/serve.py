@@ -28,6 +28,10 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk,
                    help="while other answers decode, a full/prefix prefill runs this many tokens between two "
                         "decode steps (bounds the pause a new request imposes on them)")
+    p.add_argument("--prefill-stall-ms", type=float, default=SERVE.prefill_stall_ms, metavar="MS",
+                   help="newcomers' prefill units may run this long between two decode steps (at least one "
+                        "unit): under a burst of requests more of them join each batched step (more output "
+                        "tokens/s) while the running answers wait longer between tokens; 0: one unit per step")
     p.add_argument("--batch-invariant", action="store_true", default=SERVE.batch_invariant,
                    help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
                         "under load): every decode step runs at --max-batch rows and every prefill in "
@@ -74,6 +78,9 @@ def check_flags(args) -> None:
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise InvalidRequestError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
+        raise InvalidRequestError(f"--prefill-stall-ms must be a number of milliseconds >= 0, got "
+                                  f"{args.prefill_stall_ms}")
     for flag in ("timeout", "ingest_timeout"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
@@ -112,7 +119,7 @@ def run_serve(args) -> int:
     server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                     args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
                     served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms)
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,

@@ -4,7 +4,9 @@ Every running generation advances one token per step in one batched forward (Eng
 the worker does one unit of other work: one unit of the current newcomer's prefill (a missed block encoded, or
 `chunk` tokens of a full/prefix prefill, or a query's prefill over cached blocks: Engine.start_steps), or one
 unit of a background job (adding documents). So a running answer pauses for at most one unit per token: the stall a
-newcomer imposes on the others, recorded as `prefill_stall_ms_max`. Finished, cancelled (client gone) and
+newcomer imposes on the others, recorded as `prefill_stall_ms_max`. With a stall budget (`prefill_stall_ms`),
+further units of newcomers' prefills run until the budget is spent: under a burst of arrivals more of them join
+each batched step (throughput), while the running answers wait longer between tokens. Finished, cancelled (client gone) and
 timed-out generations leave the batch at once. A generation arrives prepared (retrieved, tokenized, its segments
 built by the caller's thread): the worker only runs the model.
 
@@ -104,12 +106,16 @@ class Job:
 class Scheduler:
     def __init__(self, step: Callable[[list], None], max_queue: int = SERVE.max_queue,
                  timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch, on_finish: Callable | None = None, lock=None, thread: bool = True,
-                 kv_budget: KVBudget | None = None):
+                 kv_budget: KVBudget | None = None, prefill_stall_ms: float = SERVE.prefill_stall_ms):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
         OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step).
-        `kv_budget`: the KV memory generations reserve (default: no limit)."""
+        `kv_budget`: the KV memory generations reserve (default: no limit). `prefill_stall_ms`: newcomers'
+        prefill units run between two decode steps until this much time is spent (at least one unit)."""
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if prefill_stall_ms < 0:
+            raise ValueError("prefill_stall_ms must be >= 0")
+        self.prefill_stall_ms = prefill_stall_ms
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
         self.prefilling: Job | None = None
@@ -164,7 +170,11 @@ class Scheduler:
         """The worker loop; returns once `stop()` was called."""
         while not self.stopping.is_set():
             try:
+                t0 = time.perf_counter()
                 self._unit()
+                while self.running and self._more_prefill() and \
+                        (time.perf_counter() - t0) * 1000 < self.prefill_stall_ms:
+                    self._unit()
                 if self.running:
                     self._step()
                 elif self.waiting is not None and self.prefilling is None:
@@ -192,6 +202,12 @@ class Scheduler:
                 job.future.set_exception(ShuttingDown("the server is shutting down; retry on another instance"))
         self.running, self.prefilling, self.waiting = [], None, None
         self.background.clear()
+
+    def _more_prefill(self) -> bool:
+        """Whether a newcomer's prefill unit could run now (not a background job's: those wait for a step)."""
+        if self.prefilling is not None:
+            return True
+        return self.waiting is None and not self.jobs.empty() and self.batch_size < self.max_batch
 
     def _unit(self) -> None:
         """One unit of work besides decoding: a unit of the current prefill, else a newly admitted job's first."""

@@ -41,7 +41,7 @@ class Server:
                  max_batch: int = SERVE.max_batch, prefill_chunk: int = SERVE.prefill_chunk,
                  worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
                  served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode,
-                 batch_invariant: bool = SERVE.batch_invariant):
+                 batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -58,7 +58,7 @@ class Server:
         rows = max_batch if batch_invariant else None
         self.scheduler = Scheduler(lambda seqs: engine.step(seqs, rows), max_queue, timeout_s, max_batch,
                                    on_finish=self.metrics.observe_stats, lock=engine.lock, thread=worker_thread,
-                                   kv_budget=KVBudget(limits.kv_memory_bytes))
+                                   kv_budget=KVBudget(limits.kv_memory_bytes), prefill_stall_ms=prefill_stall_ms)
         self._library, self._library_lock = None, threading.Lock()
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode)
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
