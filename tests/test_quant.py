@@ -89,3 +89,32 @@ def test_transposed_decode_equals_exact_and_copies_only_wide_linears(tiny_engine
         b = decode_step(copy_, other, tok)
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
         assert a.argmax() == b.argmax()
+
+
+@cpu_only
+def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engine):
+    """`onednn`: every linear (fused q/k/v and gate/up, o, down, the LM head) is an exact copy in oneDNN's packed
+    layout; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused."""
+    from ragkv.engine.state import decode_batch
+    from ragkv.models.quant import OneDnnLinear
+
+    eng = tiny_engine("qwen2")  # QKV bias and tied embeddings
+    model = eng.model
+    copy_ = decode_copy(model, "onednn")
+    attn, mlp = copy_.layers[0].self_attn, copy_.layers[0].mlp
+    assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None and attn.q_proj is None
+    assert isinstance(attn.o_proj, OneDnnLinear) and isinstance(mlp.gate_up_proj, OneDnnLinear)
+    assert isinstance(mlp.down_proj, OneDnnLinear) and isinstance(copy_.lm_head, OneDnnLinear)
+    segs = [make_segs(seed=s) for s in (0, 1)]
+    exact = [eng.prefill(s, FusionOptions(mode="reuse"), 8)[0] for s in segs]
+    alone = [eng.prefill(s, FusionOptions(mode="reuse"), 8)[0] for s in segs]
+    batched = [eng.prefill(s, FusionOptions(mode="reuse"), 8)[0] for s in segs]
+    for tok in (5, 17, 200, 31, 9):
+        rows = decode_batch(copy_, batched, [tok, tok])
+        for e, a, row in zip(exact, alone, rows):
+            want = decode_step(model, e, tok)
+            for got in (decode_step(copy_, a, tok), row):
+                assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
+                assert want.argmax() == got.argmax()
+    with pytest.raises(InvalidRequestError, match="float32"):
+        decode_copy(tiny_bf16_engine.model, "onednn")
