@@ -118,3 +118,23 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
                 assert want.argmax() == got.argmax()
     with pytest.raises(InvalidRequestError, match="float32"):
         decode_copy(tiny_bf16_engine.model, "onednn")
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["reuse", "ape"])
+@pytest.mark.parametrize("layout", ["copied", "shared"])
+def test_a_question_prefills_on_an_exact_decode_copy(mode, layout, tiny_engine, monkeypatch):
+    """With decode weights that are the model's own (onednn here), a question's prefill over cached blocks runs on
+    the decode copy (few rows, its faster kernel) and equals the exact engine's prefill to float rounding."""
+    from ragkv.models.quant import OneDnnLinear
+
+    exact, fast = tiny_engine("qwen2"), tiny_engine("qwen2", decode_weights="onednn")
+    segs, fusion = make_segs(seed=4), FusionOptions(mode=mode, kv_layout=layout)
+    want = exact.prefill(segs, fusion)[0].logits
+    fast.prefill(segs, fusion)  # the blocks encoded (on the model) and stored
+    calls = []
+    real = OneDnnLinear.forward
+    monkeypatch.setattr(OneDnnLinear, "forward", lambda self, x: calls.append(x.shape[-2]) or real(self, x))
+    got = fast.prefill(segs, fusion)[0].logits
+    assert calls and max(calls) == len(segs.query)
+    assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()

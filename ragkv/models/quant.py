@@ -29,6 +29,7 @@ from torch import nn
 from ragkv.errors import InvalidRequestError
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
+EXACT_COPIES = ("transposed", "onednn")  # copies whose weights are the model's own: the same products
 INT4_GROUP = 32
 
 

@@ -1,7 +1,7 @@
 """Issue 28, session 21: where a `reuse` prefill's time goes (the output-rate ceiling), on the serve bench's
 workload (4 MuSiQue passages of 210 words, one question). Every block is stored (and pooled) before timing.
 
-    .venv/bin/python docs/results/serve_vllm/profile_reuse_s21.py [copied|shared] [repeats]
+    .venv/bin/python docs/results/serve_vllm/profile_reuse_s21.py [copied|shared] [repeats] [decode weights]
 """
 import statistics
 import sys
@@ -16,11 +16,12 @@ from ragkv.config import machine
 
 layout = sys.argv[1] if len(sys.argv) > 1 else "copied"
 repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-eng = Engine.load("qwen2.5-coder-0.5b", dtype="float32")
+weights = sys.argv[3] if len(sys.argv) > 3 else "exact"
+eng = Engine.load("qwen2.5-coder-0.5b", dtype="float32", decode_weights=weights)
 passages, questions = real_passages(12)
 segs = eng.segments(questions[0], passages[:4])
 fusion = FusionOptions(mode="reuse", kv_layout=layout)
-print(machine(), f"threads={torch.get_num_threads()}", f"layout={layout}")
+print(machine(), f"threads={torch.get_num_threads()}", f"layout={layout}", f"decode_weights={weights}")
 print(f"tokens: prefix {len(segs.prefix)}, blocks {[len(b) for b in segs.blocks]}, query {len(segs.query)}")
 eng.prefill(segs, fusion)
 eng.prefill(segs, fusion)
