@@ -56,8 +56,6 @@ def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monk
     blocks' rows for this sequence only) and the query's are kept, the rest read in place. Its decode equals blend
     over its copy (1e-4, 8 steps), alone and in a batch beside a `reuse` sequence that reads the same blocks
     unmasked at other offsets; with the CPU kernel and with the torch path."""
-    import ragkv.engine.shared_attention as shared_attention
-
     monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "kernel" if kernel else "torch")  # not this machine's timed choice
     eng = tiny_engine("qwen2")
     segs = make_segs(prefix=7, blocks=(20, 33, 12, 25), query=9, seed=2)

@@ -78,15 +78,20 @@ class PackedLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def _joined(linear: nn.Linear | list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of one linear, or of several reading the same input as one (outputs concatenated)."""
+    parts = linear if isinstance(linear, list) else [linear]
+    w = torch.cat([m.weight.detach() for m in parts])
+    return w, None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
+
+
 class TransposedLinear(nn.Module):
     """y = x W^T (+ b) from an exact copy of W stored [in, out] (see the module docstring), in W's dtype."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__()
-        parts = linear if isinstance(linear, list) else [linear]
-        w = torch.cat([m.weight.detach() for m in parts])
+        w, self.bias = _joined(linear)
         self.out_features, self.in_features = w.shape
-        self.bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
         self.register_buffer("wt", w.t().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,10 +105,8 @@ class OneDnnLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__()
-        parts = linear if isinstance(linear, list) else [linear]
-        w = torch.cat([m.weight.detach() for m in parts])
+        w, self.bias = _joined(linear)
         self.out_features, self.in_features = w.shape
-        self.bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # blocked for few rows: decode's shapes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
