@@ -121,20 +121,27 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
 
 
 @cpu_only
-@pytest.mark.parametrize("mode", ["reuse", "ape"])
-@pytest.mark.parametrize("layout", ["copied", "shared"])
-def test_a_question_prefills_on_an_exact_decode_copy(mode, layout, tiny_engine, monkeypatch):
-    """With decode weights that are the model's own (onednn here), a question's prefill over cached blocks runs on
-    the decode copy (few rows, its faster kernel) and equals the exact engine's prefill to float rounding."""
+@pytest.mark.parametrize("fusion", [dict(mode="reuse"), dict(mode="ape"), dict(mode="reuse", kv_layout="shared"),
+                                    dict(mode="ape", kv_layout="shared"), dict(mode="blend", select="query", ratio=0.3),
+                                    dict(mode="blend", select="sinks", sink_tokens=4)])
+def test_few_rows_run_on_an_exact_decode_copy(fusion, tiny_engine, monkeypatch):
+    """With decode weights that are the model's own (onednn here), a question's prefill over cached blocks and the
+    rows a query/sinks selection recomputes run on the decode copy (few rows, its faster kernel), and equal the
+    exact engine's prefill to float rounding; more rows than FEW_ROWS run on the model."""
+    import ragkv.engine.engine as engine_module
     from ragkv.models.quant import OneDnnLinear
 
     exact, fast = tiny_engine("qwen2"), tiny_engine("qwen2", decode_weights="onednn")
-    segs, fusion = make_segs(seed=4), FusionOptions(mode=mode, kv_layout=layout)
+    segs, fusion = make_segs(seed=4), FusionOptions(**fusion)
     want = exact.prefill(segs, fusion)[0].logits
     fast.prefill(segs, fusion)  # the blocks encoded (on the model) and stored
     calls = []
     real = OneDnnLinear.forward
     monkeypatch.setattr(OneDnnLinear, "forward", lambda self, x: calls.append(x.shape[-2]) or real(self, x))
     got = fast.prefill(segs, fusion)[0].logits
-    assert calls and max(calls) == len(segs.query)
+    assert calls and len(segs.query) <= max(calls) < segs.num_tokens
     assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
+    calls.clear()
+    monkeypatch.setattr(engine_module, "FEW_ROWS", len(segs.query) - 1)
+    fast.prefill(segs, fusion)
+    assert not calls

@@ -35,7 +35,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
-from ragkv.models.quant import EXACT_COPIES, decode_copy
+from ragkv.models.quant import EXACT_COPIES, FEW_ROWS, decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
@@ -170,12 +170,13 @@ class Engine:
         """The module decode steps run on: `model` itself, or its int8/int4 copy (`decode_weights`)."""
         return self._decode_model
 
-    @property
-    def query_model(self):
-        """The module a question's prefill over cached blocks runs on (a few dozen rows, like a batched decode
-        step): the decode copy where its weights are the model's own (transposed, onednn: the same products in
-        another order, faster at few rows), else `model` (int8/int4 stay decode-only)."""
-        return self._decode_model if self._decode_weights in EXACT_COPIES else self.model
+    def few_rows_model(self, rows: int):
+        """The module a forward of `rows` rows runs on (a question over cached blocks, the rows a selection
+        recomputes): the decode copy where its weights are the model's own (transposed, onednn: the same products
+        in another order) and the rows are few enough for its kernels to be the faster (FEW_ROWS), else `model`
+        (int8/int4 copies stay decode-only)."""
+        exact_copy = self._decode_weights in EXACT_COPIES
+        return self._decode_model if exact_copy and rows <= FEW_ROWS else self.model
 
     @property
     def store(self) -> KVStore:

@@ -30,6 +30,7 @@ from ragkv.errors import InvalidRequestError
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
 EXACT_COPIES = ("transposed", "onednn")  # copies whose weights are the model's own: the same products
+FEW_ROWS = 512  # forwards up to this many rows run on an exact copy: its kernels beat MKL's below ~1K rows (Zen 3)
 INT4_GROUP = 32
 
 

@@ -165,7 +165,8 @@ class BlockMode(FusionMode):
     def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
                       stats: RequestStats) -> DecodeState:
         """`fuse` over pooled blocks read in place (when `reads_in_place`)."""
-        return prefill_shared(engine.query_model, pooled, layout, segs.query, capacity, stats)
+        model = engine.few_rows_model(len(segs.query))
+        return prefill_shared(model, pooled, layout, segs.query, capacity, stats)
 
     def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""

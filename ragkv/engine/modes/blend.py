@@ -55,10 +55,12 @@ class Blend(BlockMode):
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
-        if fusion.select != "deviation":
-            return prefill_selected(engine.model, layer_iter, layout, context_ids, segs.query, fusion.select,
-                                    (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
-                                    signal=engine.auto_signal)
+        if fusion.select != "deviation":  # its rows: the query's, the chosen ones (at most r of the blocks'), sinks
+            block_tokens = len(context_ids) - len(segs.prefix)
+            rows = len(segs.query) + round(fusion.ratio * block_tokens) + fusion.sink_tokens * len(segs.blocks)
+            return prefill_selected(engine.few_rows_model(rows), layer_iter, layout, context_ids, segs.query,
+                                    fusion.select, (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
+                                    capacity, stats, signal=engine.auto_signal)
         return prefill_blend(engine.model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
 
     def fidelity(self, fusion, stats):
