@@ -154,7 +154,8 @@ def write_markdown(cfg: ChatBenchConfig, result: dict, rows: list, out_dir: Path
     lines = [f"# ragkv bench chat: {cfg.turns} turns, edits at turn {cfg.edit_at}", "",
              f"{m.get('cpu')} ({m.get('cpus')} CPUs, {e['threads']} threads), {e['model']} {e['dtype']}; command: "
              f"`ragkv bench chat --turns {cfg.turns} --edit-at {cfg.edit_at} --words {cfg.words} --paths "
-             f"{','.join(cfg.paths)} --repeats {cfg.repeats} --model {e['model']} --dtype {e['dtype']}`", "",
+             f"{','.join(cfg.paths)} --scenarios {','.join(cfg.scenarios)} --repeats {cfg.repeats} --model "
+             f"{e['model']} --dtype {e['dtype']} --decode-weights {e.get('decode_weights', 'exact')}`", "",
              "## Against the targets", ""]
     head = ["scenario (turn)", "tokens", "full ms"] + [f"{k}: ms, x full, x prefix, KL, top-1" for k in cfg.paths]
     table = []
