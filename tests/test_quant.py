@@ -141,6 +141,11 @@ def test_few_rows_run_on_an_exact_decode_copy(fusion, tiny_engine, monkeypatch):
     got = fast.prefill(segs, fusion)[0].logits
     assert calls and len(segs.query) <= max(calls) < segs.num_tokens
     assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
+    rows = max(calls)  # the rows the copy ran: the mode's own estimate must not exceed them
+    calls.clear()
+    monkeypatch.setattr(engine_module, "FEW_ROWS", rows)
+    fast.prefill(segs, fusion)
+    assert max(calls) == rows
     calls.clear()
     monkeypatch.setattr(engine_module, "FEW_ROWS", len(segs.query) - 1)
     fast.prefill(segs, fusion)
