@@ -6,9 +6,9 @@ the worker does one unit of other work: one unit of the current newcomer's prefi
 unit of a background job (adding documents). So a running answer pauses for at most one unit per token: the stall a
 newcomer imposes on the others, recorded as `prefill_stall_ms_max`. With a stall budget (`prefill_stall_ms`),
 further units of newcomers' prefills run until the budget is spent: under a burst of arrivals more of them join
-each batched step (throughput), while the running answers wait longer between tokens. Finished, cancelled (client gone) and
-timed-out generations leave the batch at once. A generation arrives prepared (retrieved, tokenized, its segments
-built by the caller's thread): the worker only runs the model.
+each batched step (throughput), while the running answers wait longer between tokens. Finished, cancelled
+(client gone) and timed-out generations leave the batch at once. A generation arrives prepared (retrieved,
+tokenized, its segments built by the caller's thread): the worker only runs the model.
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
