@@ -105,7 +105,8 @@ class Job:
 
 class Scheduler:
     def __init__(self, step: Callable[[list], None], max_queue: int = SERVE.max_queue,
-                 timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch, on_finish: Callable | None = None, lock=None, thread: bool = True,
+                 timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch,
+                 on_finish: Callable | None = None, lock=None, thread: bool = True,
                  kv_budget: KVBudget | None = None, prefill_stall_ms: float = SERVE.prefill_stall_ms):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
         OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step).
