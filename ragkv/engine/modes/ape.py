@@ -38,11 +38,11 @@ class Ape(BlockMode):
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         T, S = self._params(engine, fusion, stats)
         attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
-        model = engine.few_rows_model(len(segs.query))
+        model = self.question_model(engine, segs)
         return prefill_over_context(model, layer_iter, layout, segs.query, capacity, stats, attention)
 
     def fuse_in_place(self, engine, segs, fusion, layout, pooled, capacity, stats):
         T, S = self._params(engine, fusion, stats)
-        model = engine.few_rows_model(len(segs.query))
+        model = self.question_model(engine, segs)
         return prefill_shared(model, pooled, layout, segs.query, capacity, stats,
                               context_from=1 if segs.prefix else 0, temperature=T, scale=S)
