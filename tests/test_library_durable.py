@@ -21,7 +21,7 @@ from ragkv.rag.catalog import DB_FILE, Catalog
 from ragkv.rag.chunking import chunk_document
 from ragkv.rag.documents import Document
 from ragkv.rag.pipeline import Retriever
-from tiny import default_model_available
+from tiny import default_model_available, make_tiny_served
 
 needs_model = pytest.mark.skipif(not default_model_available(), reason="default model not converted")
 
@@ -148,17 +148,19 @@ def test_a_different_embedding_model_is_refused(tmp_path):
         Catalog(tmp_path, embedding_model="m2")
 
 
-@needs_model
 def test_cli_ingest_and_two_servers_share_one_library(tmp_path):
+    """Two real servers and `ragkv ingest` on one library folder (a tiny random model: the library, not the model,
+    is under test; the embedder is the real one)."""
     env = dict(os.environ, RAGKV_CACHE_DIR=str(tmp_path))
+    tiny = str(make_tiny_served(tmp_path))
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "harbour.md").write_text("# Lintwick Harbour\n\nThe harbour of Lintwick shelters forty fishing boats.")
-    with ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=180, cache_dir=tmp_path) as a, \
-            ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=180,
-                          cache_dir=tmp_path) as b:
+    served = dict(model=tiny, dtype="float32", device="cpu", store="memory:256MiB", startup_s=180, cache_dir=tmp_path)
+    with ServerProcess(**served) as a, ServerProcess(**served) as b:
         ingest = subprocess.Popen([sys.executable, "-m", "ragkv.cli", "ingest", str(docs), "--index",
-                                   str(tmp_path / "index"), "--dtype", "float32", "--device", "cpu"], env=env,
+                                   str(tmp_path / "index"), "--model", tiny, "--dtype", "float32", "--device", "cpu"],
+                                  env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         r = httpx.post(a.url + "/v1/documents", timeout=120, json={"documents": [
             {"text": "Lintwick Tower was built in 1893 by Ada Morrow.", "id": "tower"}]})

@@ -25,7 +25,8 @@ from ragkv.rag.redis_catalog import DEFAULT_PREFIX, LibraryUnavailableError, Red
 from ragkv.store.redis_server import private_redis
 from redis_cluster_fixture import empty, redis_cluster  # noqa: F401
 from redis_fixture import free_port, redis_server, redis_url  # noqa: F401
-from test_library_durable import HashEmbedder, doc, needs_model, words, write_concurrently
+from test_library_durable import HashEmbedder, doc, words, write_concurrently
+from tiny import make_tiny_served
 
 pytestmark = pytest.mark.redis
 
@@ -121,9 +122,10 @@ def test_commands_refuse_a_bad_library_before_loading_the_model(capsys, command)
     assert code == 2 and "--library" in err and "/no/such/model" not in err, err
 
 
-@needs_model
-@pytest.mark.model
 def test_two_servers_share_one_library_through_redis(tmp_path, redis_url):  # noqa: F811
+    """Two real servers share a Redis library (a tiny random model: the library is under test, the embedder is
+    the real one): documents added through one are found through the other at once, tenants stay apart."""
+    tiny = str(make_tiny_served(tmp_path))
     keys = ("--api-key", "key-alice:alice", "--api-key", "key-bob0:bob", "--api-key", "key-default:default")
     alice, bob, default = ({"Authorization": f"Bearer {k}"} for k in ("key-alice", "key-bob0", "key-default"))
     docs = tmp_path / "docs"
@@ -133,7 +135,7 @@ def test_two_servers_share_one_library_through_redis(tmp_path, redis_url):  # no
     servers = []
     for name in "ab":
         (tmp_path / name).mkdir()
-        servers.append(ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=240,
+        servers.append(ServerProcess(model=tiny, dtype="float32", device="cpu", store="memory:256MiB", startup_s=240,
                                      cache_dir=tmp_path / name, extra=("--library", redis_url, *keys)))
     with ExitStack() as stack:
         with ThreadPoolExecutor(2) as pool:  # both start at once
@@ -161,7 +163,7 @@ def test_two_servers_share_one_library_through_redis(tmp_path, redis_url):  # no
             assert all(d["doc_id"] != "tower" for d in httpx.post(
                 server.url + "/v1/retrieve", headers=bob, timeout=60, json={"query": "Lintwick Tower"}).json()["data"])
         ingest = subprocess.run([sys.executable, "-m", "ragkv.cli", "ingest", str(docs), "--library", redis_url,
-                                 "--dtype", "float32", "--device", "cpu", "--store", "memory:256MiB"],
+                                 "--model", tiny, "--dtype", "float32", "--device", "cpu", "--store", "memory:256MiB"],
                                 env=dict(os.environ, RAGKV_CACHE_DIR=str(tmp_path / "cli")), capture_output=True,
                                 text=True, timeout=600)
         assert ingest.returncode == 0, ingest.stderr

@@ -9,7 +9,7 @@ from ragkv.bench.serve import ServerProcess
 from ragkv.bench.soak.checks import parse_metrics
 from ragkv.engine.stats import RequestStats
 from ragkv.serve.metrics import Metrics
-from tiny import default_model_available
+from tiny import make_tiny_served
 
 DOCS = ["Lintwick Tower was built in 1893 from red sandstone by Ada Morrow.",
         "The Alpaca Farm in Lintwick keeps forty-two alpacas named after rivers."]
@@ -92,12 +92,12 @@ def test_openmetrics_when_the_scraper_asks_for_it():
     assert body.decode().rstrip().endswith("# EOF")
 
 
-@pytest.mark.model
-@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
 def test_a_real_server_counts_hits_after_a_repeated_request(tmp_path):
+    """A real server (a tiny random model: the counters are under test) and Prometheus's text format."""
     body = {"messages": [{"role": "user", "content": "Who built Lintwick Tower?"}], "max_tokens": 2,
             "ragkv": {"mode": "reuse", "documents": DOCS}}
-    with ServerProcess(dtype="float32", device="cpu", store="memory:256MiB", startup_s=180,
+    with ServerProcess(model=str(make_tiny_served(tmp_path)), dtype="float32", device="cpu", store="memory:256MiB",
+                       startup_s=180,
                        cache_dir=tmp_path, extra=("--block-pool", "64MiB")) as s:
         def scrape() -> dict:
             r = httpx.get(s.url + "/metrics", timeout=30)

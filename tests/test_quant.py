@@ -77,7 +77,8 @@ def test_transposed_decode_equals_exact_and_copies_only_wide_linears(tiny_engine
     model = eng.model
     copy_ = decode_copy(model, "transposed")
     attn, mlp = copy_.layers[0].self_attn, copy_.layers[0].mlp
-    assert "qkv_proj" in attn.__dict__ and attn.q_proj is None and attn.qkv_proj.bias is not None
+    assert "qkv_proj" in attn.__dict__ and attn.qkv_proj.bias is not None
+    assert attn.v_proj is model.layers[0].self_attn.v_proj  # shared (CacheBlend's project_v reads it), not copied
     assert attn.o_proj is model.layers[0].self_attn.o_proj  # square: shared, not copied
     assert "gate_up_proj" in mlp.__dict__ and mlp.down_proj is model.layers[0].mlp.down_proj
     assert copy_.lm_head is not model.lm_head and copy_.lm_head.wt.shape == model.lm_head.weight.T.shape
@@ -102,7 +103,7 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
     model = eng.model
     copy_ = decode_copy(model, "onednn")
     attn, mlp = copy_.layers[0].self_attn, copy_.layers[0].mlp
-    assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None and attn.q_proj is None
+    assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None
     assert isinstance(attn.o_proj, OneDnnLinear) and isinstance(mlp.gate_up_proj, OneDnnLinear)
     assert isinstance(mlp.down_proj, OneDnnLinear) and isinstance(copy_.lm_head, OneDnnLinear)
     segs = [make_segs(seed=s) for s in (0, 1)]
@@ -121,32 +122,31 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
 
 
 @cpu_only
-@pytest.mark.parametrize("fusion", [dict(mode="reuse"), dict(mode="ape"), dict(mode="reuse", kv_layout="shared"),
-                                    dict(mode="ape", kv_layout="shared"), dict(mode="blend", select="query", ratio=0.3),
-                                    dict(mode="blend", select="sinks", sink_tokens=4)])
-def test_few_rows_run_on_an_exact_decode_copy(fusion, tiny_engine, monkeypatch):
-    """With decode weights that are the model's own (onednn here), a question's prefill over cached blocks and the
-    rows a query/sinks selection recomputes run on the decode copy (few rows, its faster kernel), and equal the
-    exact engine's prefill to float rounding; more rows than FEW_ROWS run on the model."""
-    import ragkv.engine.engine as engine_module
-    from ragkv.models.quant import OneDnnLinear
+@pytest.mark.parametrize("weights", ["onednn", "transposed"])
+@pytest.mark.parametrize("fusion", [dict(mode="full"), dict(mode="prefix", prefix_chunk=8), dict(mode="reuse"),
+                                    dict(mode="ape"), dict(mode="reuse", kv_layout="shared"),
+                                    dict(mode="blend", ratio=0.3), dict(mode="blend", select="query", ratio=0.3),
+                                    dict(mode="blend", select="sinks", sink_tokens=4), dict(mode="auto", ratio=0.3)])
+def test_every_forward_runs_on_an_exact_copy_and_equals_exact(fusion, weights, tiny_engine, monkeypatch):
+    """With decode weights that are the model's own, every prefill forward (full, prefix, block encoding, the
+    question over cached blocks, every selection's recompute, CacheBlend's deviation check) runs on the copy, each
+    linear choosing its kernel by its rows: products of up to FEW_ROWS rows on the copy's kernel, more in slices of
+    FEW_ROWS (onednn) or on the model's weights (transposed). Cold and warm, the logits equal the exact engine's."""
+    import ragkv.models.quant as quant
 
-    exact, fast = tiny_engine("qwen2"), tiny_engine("qwen2", decode_weights="onednn")
+    monkeypatch.setattr(quant, "FEW_ROWS", 8)  # the tiny prompts' forwards take both paths
+    exact, fast = tiny_engine("qwen2"), tiny_engine("qwen2", decode_weights=weights)
     segs, fusion = make_segs(seed=4), FusionOptions(**fusion)
-    want = exact.prefill(segs, fusion)[0].logits
-    fast.prefill(segs, fusion)  # the blocks encoded (on the model) and stored
-    calls = []
-    real = OneDnnLinear.forward
-    monkeypatch.setattr(OneDnnLinear, "forward", lambda self, x: calls.append(x.shape[-2]) or real(self, x))
-    got = fast.prefill(segs, fusion)[0].logits
-    assert calls and len(segs.query) <= max(calls) < segs.num_tokens
-    assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
-    rows = max(calls)  # the rows the copy ran: the mode's own estimate must not exceed them
-    calls.clear()
-    monkeypatch.setattr(engine_module, "FEW_ROWS", rows)
-    fast.prefill(segs, fusion)
-    assert max(calls) == rows
-    calls.clear()
-    monkeypatch.setattr(engine_module, "FEW_ROWS", len(segs.query) - 1)
-    fast.prefill(segs, fusion)
-    assert not calls
+    calls = {"few": [], "many": []}
+    for path in calls:
+        cls = quant.OneDnnLinear if weights == "onednn" else quant.TransposedLinear
+        real = getattr(cls, path + "_rows")
+        monkeypatch.setattr(cls, path + "_rows",
+                            lambda self, x, real=real, path=path: calls[path].append(x.numel() // self.in_features)
+                            or real(self, x))
+    for _ in ("cold", "warm"):
+        want = exact.prefill(segs, fusion)[0].logits
+        got = fast.prefill(segs, fusion)[0].logits
+        assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
+    assert calls["few"] and max(calls["few"]) <= 8
+    assert calls["many"] and min(calls["many"]) > 8

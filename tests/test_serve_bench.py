@@ -9,7 +9,7 @@ from ragkv.bench.serve import ServeBenchConfig, ServerProcess, run_serve_bench
 from ragkv.bench.serve.clients import percentile, slo_ratios
 from ragkv.bench.serve.workload import draw_requests
 from redis_fixture import redis_server, redis_url  # noqa: F401
-from tiny import default_model_available
+from tiny import default_model_available, make_tiny_served
 
 
 def test_percentile_interpolates_like_numpy():
@@ -62,8 +62,9 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
     pytest.importorskip("openai")
     cfg = ServeBenchConfig(modes=("reuse",), concurrency=(1, 2), requests=2, passages_per_request=2, pool_size=4,
                            passage_words=40, max_tokens=2)
-    result = run_serve_bench(cfg, out_dir=tmp_path, progress=lambda m: None,
-                             server=ServerProcess(device="cpu", store="memory:256MiB"))
+    result = run_serve_bench(cfg, out_dir=tmp_path, progress=lambda m: None,  # a tiny model: the bench is tested
+                             server=ServerProcess(model=str(make_tiny_served(tmp_path)), dtype="float32",
+                                                  device="cpu", store="memory:256MiB"))
     saved = json.loads((tmp_path / "serve_bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert (tmp_path / "serve_bench.png").stat().st_size > 0 and (tmp_path / "serve_bench.md").exists()
@@ -78,14 +79,14 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
     assert saved["ratios_vs_full"] == {}  # no `full` cells to compare with
 
 
-@pytest.mark.model
-@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
 def test_serve_bench_round_robins_over_servers_sharing_a_store(tmp_path, redis_url):
     """Two servers behind one Redis: only server 0 is warmed up, yet server 1 misses nothing (the shared tier)."""
     pytest.importorskip("openai")
     cfg = ServeBenchConfig(modes=("reuse",), concurrency=(2,), requests=4, passages_per_request=2, pool_size=4,
                            passage_words=40, max_tokens=2)
-    servers = [ServerProcess(device="cpu", store=f"memory:256MiB,{redis_url}", threads=1) for _ in range(2)]
+    tiny = str(make_tiny_served(tmp_path))
+    servers = [ServerProcess(model=tiny, dtype="float32", device="cpu", store=f"memory:256MiB,{redis_url}",
+                             threads=1) for _ in range(2)]
     result = run_serve_bench(cfg, out_dir=tmp_path, progress=lambda m: None, server=servers)
     assert len(result["url"]) == 2 and len(result["server"]["started_here"]) == 2
     (cell,) = result["cells"]

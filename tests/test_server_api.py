@@ -24,7 +24,7 @@ from ragkv.rag.jobs import INTERRUPTED, MAX_RESUMES, JobBook
 from ragkv.serve.app import create_app
 from ragkv.serve.server import Server
 from ragkv.store.spec import open_store
-from tiny import default_model_available
+from tiny import default_model_available, make_tiny_served
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(not default_model_available(), reason="default model not converted")]
@@ -320,8 +320,9 @@ def test_serve_starts_with_its_redis_tier_down_and_uses_it_once_it_answers(tmp_p
 
     port = free_port()  # nothing listens there: Redis is down at start
     redis_tier = f"redis://127.0.0.1:{port}/0"
-    with ServerProcess(dtype="float32", device="cpu", store=f"memory:64MiB,{redis_tier}", startup_s=180,
-                       cache_dir=tmp_path) as s:
+    tiny = str(make_tiny_served(tmp_path))  # the store's tiers are under test, not the model
+    with ServerProcess(model=tiny, dtype="float32", device="cpu", store=f"memory:64MiB,{redis_tier}",
+                       startup_s=180, cache_dir=tmp_path) as s:
         ask(s.url, DOCS)  # served from the other tiers
         m = metrics(s.url)
         assert m[("ragkv_store_tier_faults_total", redis_tier)] >= 1  # counted from the start

@@ -39,7 +39,7 @@ def build_request(engine, passages, question: str, context_tokens: int, query_to
 
 def query_floor_ms(engine, segs: Segments, repeats: int) -> float:
     """Prefill of the query alone over an exact KV cache of the context (the least any reuse mode can cost)."""
-    model = engine.model
+    model = engine.forward_model  # what the modes' query rows run on
     ctx = segs.prefix + [t for b in segs.blocks for t in b]
     cache = KVCache.for_model(model, len(ctx) + len(segs.query))
     with torch.inference_mode():

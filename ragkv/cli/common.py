@@ -29,8 +29,8 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
                        help="weights of the decode steps (prefill stays exact): transposed is an exact copy of "
                             "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
                             "their bytes again); onednn an exact copy of every linear in oneDNN's packed layout "
-                            "(fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3); with either, forwards of "
-                            "up to 512 rows (a question over cached blocks) run on the copy too; int4/int8 are "
+                            "(fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3); with either, every prefill "
+                            "forward runs on the copy too, each linear choosing its kernel by rows; int4/int8 are "
                             "weight-only quantized copies, 2-4x faster decode on CPU, with the fidelity cost "
                             "`ragkv bench decode` prints")
 

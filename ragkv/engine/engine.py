@@ -35,7 +35,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
-from ragkv.models.quant import EXACT_COPIES, FEW_ROWS, decode_copy
+from ragkv.models.quant import EXACT_COPIES, decode_copy
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
@@ -107,7 +107,7 @@ class Engine:
         if self.model.device.type == "cpu":
             decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
         self._store = store if store is not None else MemoryStore()
-        self._blocks = BlockCache(self.model, loaded.fingerprint, self._store, namespace)
+        self._blocks = BlockCache(self.forward_model, loaded.fingerprint, self._store, namespace)
         # blocks read in place (kv_layout=shared); its own, like its store
         self._pool = BlockPool(self.model, pool_bytes)
         self.namespace = namespace
@@ -170,13 +170,13 @@ class Engine:
         """The module decode steps run on: `model` itself, or its int8/int4 copy (`decode_weights`)."""
         return self._decode_model
 
-    def few_rows_model(self, rows: int):
-        """The module a forward of `rows` rows runs on (a question over cached blocks, the rows a selection
-        recomputes): the decode copy where its weights are the model's own (transposed, onednn: the same products
-        in another order) and the rows are few enough for its kernels to be the faster (FEW_ROWS), else `model`
-        (int8/int4 copies stay decode-only)."""
-        exact_copy = self._decode_weights in EXACT_COPIES
-        return self._decode_model if exact_copy and rows <= FEW_ROWS else self.model
+    @property
+    def forward_model(self):
+        """The module prefill forwards run on (full, prefix, block encoding, a question over cached blocks, the rows
+        a selection recomputes): the decode copy where its weights are the model's own (transposed, onednn: the
+        same products in another order, each linear choosing its kernel by its rows, models/quant.py), else
+        `model` (int8/int4 copies stay decode-only)."""
+        return self._decode_model if self._decode_weights in EXACT_COPIES else self.model
 
     @property
     def store(self) -> KVStore:
@@ -294,7 +294,7 @@ class Engine:
         """After a chat reply (`history_segments`), in units: encode its turns the store lacks as blocks (a later
         edit fuses them) and prefill its history exactly into the prefix cache if a fused reply left it out (the
         next turn is exact again); engine/history.py. The server runs it in the background while idle."""
-        return settle_history(self.model, self._blocks, self.fingerprint, segs, namespace or self.namespace,
+        return settle_history(self.forward_model, self._blocks, self.fingerprint, segs, namespace or self.namespace,
                               prefix_chunk, chunk)
 
     def positions_needed(self, segs: Segments, fusion: FusionOptions = FusionOptions()) -> int:
@@ -337,7 +337,7 @@ class Engine:
             return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, self._blocks))
         except (MissingBlockError, StoreUnavailableError) as e:
             log.warning("store failed during a request (%s); computing its blocks without the cache", e)
-            local = BlockCache(self.model, self.fingerprint, MemoryStore(), self.namespace)
+            local = BlockCache(self.forward_model, self.fingerprint, MemoryStore(), self.namespace)
             state, stats = yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, local)
             stats.extra["store_fault"] = f"{type(e).__name__}: {e}"
             return state, stats

@@ -90,7 +90,7 @@ def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: 
     info.update(exact_tokens=len(exact_ids) + len(tail) + len(segs.query), prefix_cached_tokens=0)
     stats.extra["history"] = info
     if j == n:  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
-        state = yield from prefill_prefix(engine.model, store, engine.fingerprint, ns, segs.all_ids(), chunk_size,
+        state = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, segs.all_ids(), chunk_size,
                                           capacity, stats, chunk)
         info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
         return state
@@ -99,7 +99,7 @@ def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: 
     if not exact_ids:  # the first turn was edited and there is no system message: all of it fused
         return (yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks))
     part = RequestStats(mode="prefix")
-    exact = yield from prefill_prefix(engine.model, store, engine.fingerprint, ns, exact_ids, chunk_size,
+    exact = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, exact_ids, chunk_size,
                                       len(exact_ids), part, chunk)
     state = yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks,
                                            exact=exact.cache)

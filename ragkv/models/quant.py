@@ -17,6 +17,10 @@ summed in another order: equal to the exact path to float rounding. It costs tho
 backend runs): on a 2-core Zen 3 in fp32, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN's packed
 kernel was 1.3-2.4x faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins
 only from ~1K rows, which decode never has. fp32 on the CPU only (bf16 there needs AVX-512 BF16 or AMX).
+
+Exact copies serve every forward, not only decode: a product of more than FEW_ROWS rows runs in slices of FEW_ROWS
+rows (oneDNN: each slice where its kernel is fastest; a 1.5K-token `full` prefill 0.78x in slices vs 0.89x whole,
+docs/results/serve_vllm/s22) or on the model's own weights (transposed, whose copy gains only at few rows).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ragkv.errors import InvalidRequestError
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
 EXACT_COPIES = ("transposed", "onednn")  # copies whose weights are the model's own: the same products
-FEW_ROWS = 512  # forwards up to this many rows run on an exact copy: its kernels beat MKL's below ~1K rows (Zen 3)
+FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
 INT4_GROUP = 32
 
 
@@ -86,32 +90,55 @@ def _joined(linear: nn.Linear | list[nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return w, None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
 
 
-class TransposedLinear(nn.Module):
-    """y = x W^T (+ b) from an exact copy of W stored [in, out] (see the module docstring), in W's dtype."""
+class ExactCopyLinear(nn.Module):
+    """A linear (or several fused) whose copy holds the model's own weights in a faster layout for few rows;
+    a product of more rows goes to `many_rows`: the model's linears by default (they share, not copy, weights)."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__()
-        w, self.bias = _joined(linear)
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("wt", w.t().contiguous(), persistent=False)
+        self.parts = linear if isinstance(linear, list) else [linear]  # a plain list: not submodules, not saved
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(m.out_features for m in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        return self.few_rows(x) if rows <= FEW_ROWS else self.many_rows(x)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [nn.functional.linear(x, m.weight, m.bias) for m in self.parts]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+class TransposedLinear(ExactCopyLinear):
+    """y = x W^T (+ b) from an exact copy of W stored [in, out] (see the module docstring), in W's dtype."""
+
+    def __init__(self, linear: nn.Linear | list[nn.Linear]):
+        super().__init__(linear)
+        w, self.bias = _joined(linear)
+        self.register_buffer("wt", w.t().contiguous(), persistent=False)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.wt
         return y + self.bias if self.bias is not None else y
 
 
-class OneDnnLinear(nn.Module):
+class OneDnnLinear(ExactCopyLinear):
     """y = x W^T (+ b) through oneDNN's fp32 kernel, from an exact copy of W reordered into its blocked layout
     (see the module docstring)."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
-        super().__init__()
+        super().__init__(linear)
         w, self.bias = _joined(linear)
-        self.out_features, self.in_features = w.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # blocked for few rows: decode's shapes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Slices of FEW_ROWS rows: oneDNN's kernel at its best shape beats MKL's one product of them all."""
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.cat([self.few_rows(x2[a:a + FEW_ROWS]) for a in range(0, x2.shape[0], FEW_ROWS)])
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _decode_linear(parts: nn.Linear | list[nn.Linear], kind: str) -> nn.Module | None:
@@ -140,8 +167,8 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
                 new.__dict__[attr] = copy_
                 inside_fused.update(names)
     for name, child in module._modules.items():
-        if name in inside_fused:
-            new._modules[name] = None  # computed inside qkv_proj / gate_up_proj
+        if name in inside_fused:  # computed inside qkv_proj / gate_up_proj; kept for CacheBlend's project_v
+            new._modules[name] = child if kind in EXACT_COPIES else None
         elif isinstance(child, nn.Linear):
             new._modules[name] = _decode_linear(child, kind) or child
         else:

@@ -29,7 +29,7 @@ class Auto(Blend):
         # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults
         limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
         stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None)
-        return prefill_selected(engine.model, layer_iter, layout, context_ids, segs.query, "query",
+        return prefill_selected(engine.forward_model, layer_iter, layout, context_ids, segs.query, "query",
                                 (fusion.ratio, 1.0), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
                                 max_signal=limit, signal=fusion.signal or engine.auto_signal)
 

@@ -92,8 +92,8 @@ class BlockMode(FusionMode):
 
     @staticmethod
     def question_model(engine, segs: Segments):
-        """The module the question's prefill over the blocks runs on: its rows are few (Engine.few_rows_model)."""
-        return engine.few_rows_model(len(segs.query))
+        """The module the question's prefill over the blocks runs on (Engine.forward_model)."""
+        return engine.forward_model
 
     def layout_kind(self, fusion: "FusionOptions") -> str:
         return "sequential"
@@ -155,7 +155,7 @@ class BlockMode(FusionMode):
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         if pooled is not None:  # fused as a copy (blend): from now on only its own rows, the blocks in place
-            state = keep_own_rows(engine.model, state, pooled, layout, capacity, stats)
+            state = keep_own_rows(engine.forward_model, state, pooled, layout, capacity, stats)
         return state
 
     def reads_in_place(self, fusion: "FusionOptions") -> bool:

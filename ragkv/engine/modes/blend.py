@@ -55,14 +55,11 @@ class Blend(BlockMode):
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
-        if fusion.select != "deviation":  # its rows: the query's, each block's sinks, and (query) r of the blocks'
-            rows = len(segs.query) + sum(min(fusion.sink_tokens, len(b)) for b in segs.blocks)
-            if fusion.select == "query":
-                rows += round(fusion.ratio * (len(context_ids) - len(segs.prefix)))
-            return prefill_selected(engine.few_rows_model(rows), layer_iter, layout, context_ids, segs.query,
+        if fusion.select != "deviation":
+            return prefill_selected(engine.forward_model, layer_iter, layout, context_ids, segs.query,
                                     fusion.select, (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
                                     capacity, stats, signal=engine.auto_signal)
-        return prefill_blend(engine.model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
+        return prefill_blend(engine.forward_model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
 
     def fidelity(self, fusion, stats):
         x = stats.extra

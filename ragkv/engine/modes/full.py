@@ -19,7 +19,7 @@ class Full(FusionMode):
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
         engine._check_length(segs.num_tokens, "prompt")
-        return (yield from prefill_full(engine.model, segs.all_ids(), capacity, stats, chunk))
+        return (yield from prefill_full(engine.forward_model, segs.all_ids(), capacity, stats, chunk))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         return rows_flops(a, 0, context + query, a.num_layers) + head_flops(a)

@@ -30,7 +30,7 @@ class Prefix(FusionMode):
         if not ids:
             return EnsureResult([], 0, 0, 0.0)
         stats = RequestStats(mode=self.name)
-        drain(prefill_prefix(engine.model, engine.store, engine.fingerprint, ns, ids, fusion.prefix_chunk,
+        drain(prefill_prefix(engine.forward_model, engine.store, engine.fingerprint, ns, ids, fusion.prefix_chunk,
                              len(ids), stats))
         keys = chunk_keys(ids, fusion.prefix_chunk, engine.fingerprint, ns)
         return EnsureResult(keys, stats.cache_hits, stats.cache_misses, stats.query_prefill_ms,
@@ -41,7 +41,7 @@ class Prefix(FusionMode):
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
         engine._check_length(segs.num_tokens, "prompt")
-        return (yield from prefill_prefix(engine.model, blocks.store, engine.fingerprint, ns, segs.all_ids(),
+        return (yield from prefill_prefix(engine.forward_model, blocks.store, engine.fingerprint, ns, segs.all_ids(),
                                           fusion.prefix_chunk, capacity, stats, chunk))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
