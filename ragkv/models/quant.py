@@ -189,4 +189,7 @@ def decode_copy(model, kind: str):
         raise InvalidRequestError(f"--decode-weights onednn runs oneDNN's fp32 kernel: load the model with --dtype "
                                   f"float32 (it is {model.dtype}), or use 'exact' or 'transposed'")
     with torch.no_grad():
-        return _swap_linears(model, kind)
+        copy_ = _swap_linears(model, kind)
+    if kind in EXACT_COPIES:  # prefill_chunks runs a long prompt in forwards of this many rows on it
+        copy_.forward_rows = FEW_ROWS
+    return copy_
