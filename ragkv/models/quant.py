@@ -19,8 +19,10 @@ kernel was 1.3-2.4x faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at on
 only from ~1K rows, which decode never has. fp32 on the CPU only (bf16 there needs AVX-512 BF16 or AMX).
 
 Exact copies serve every forward, not only decode: a product of more than FEW_ROWS rows runs in slices of FEW_ROWS
-rows (oneDNN: each slice where its kernel is fastest; a 1.5K-token `full` prefill 0.78x in slices vs 0.89x whole,
-docs/results/serve_vllm/s22) or on the model's own weights (transposed, whose copy gains only at few rows).
+rows (oneDNN: each slice where its kernel is fastest) or on the model's own weights (transposed, whose copy gains
+only at few rows); a long prompt runs in forwards of FEW_ROWS rows (`forward_rows`, read by prefill_chunks). On Zen 3
+a 1.5K-token `full` prefill took 0.86x MKL's time with sliced products, 0.73x in 512-row forwards
+(docs/results/serve_vllm/s22).
 """
 
 from __future__ import annotations
