@@ -36,8 +36,9 @@ def prefill_chunks(model, cache: KVCache, ids: list[int], chunk) -> Steps[torch.
     while a < len(ids):
         step = min((chunk() if callable(chunk) else chunk) or len(ids) - a, len(ids) - a)
         with torch.inference_mode():
-            for b in range(a, a + step, rows or step):
-                part = ids[b:min(a + step, b + (rows or step))]
+            unit = rows or step
+            for b in range(a, a + step, unit):
+                part = ids[b:min(a + step, b + unit)]
                 logits = model(torch.tensor([part], device=model.device), cache=cache)[0, -1]
         a += step
         if a < len(ids):

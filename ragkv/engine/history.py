@@ -90,8 +90,8 @@ def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: 
     info.update(exact_tokens=len(exact_ids) + len(tail) + len(segs.query), prefix_cached_tokens=0)
     stats.extra["history"] = info
     if j == n:  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
-        state = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, segs.all_ids(), chunk_size,
-                                          capacity, stats, chunk)
+        state = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, segs.all_ids(),
+                                          chunk_size, capacity, stats, chunk)
         info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
         return state
     info["exact"] = False

@@ -90,11 +90,6 @@ class BlockMode(FusionMode):
         """What the blocks attended to when encoded (part of their cache key)."""
         return NO_CONDITIONING
 
-    @staticmethod
-    def question_model(engine, segs: Segments):
-        """The module the question's prefill over the blocks runs on (Engine.forward_model)."""
-        return engine.forward_model
-
     def layout_kind(self, fusion: "FusionOptions") -> str:
         return "sequential"
 
@@ -170,7 +165,7 @@ class BlockMode(FusionMode):
     def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
                       stats: RequestStats) -> DecodeState:
         """`fuse` over pooled blocks read in place (when `reads_in_place`)."""
-        return prefill_shared(self.question_model(engine, segs), pooled, layout, segs.query, capacity, stats)
+        return prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats)
 
     def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""

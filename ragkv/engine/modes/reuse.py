@@ -24,5 +24,4 @@ class Reuse(BlockMode):
                 "reused_tokens": stats.reused_tokens, "signal": None}
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
-        return prefill_over_context(self.question_model(engine, segs), layer_iter, layout, segs.query, capacity,
-                                    stats)
+        return prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats)
