@@ -122,6 +122,40 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
 
 
 @cpu_only
+def test_auto_weights_choose_onednn_for_fp32_on_a_cpu_when_the_copy_fits(tiny_engine, tiny_bf16_engine, monkeypatch):
+    """`auto` (the CLI's and server's default): oneDNN's exact copy for fp32 on a CPU while it fits in a quarter of
+    the free memory; exact otherwise (bf16, too little memory, memory unknown); any named kind stays itself."""
+    from ragkv.models import quant
+    from ragkv.models.quant import linear_bytes, resolve_decode_weights
+
+    model = tiny_engine("qwen2").model
+    assert resolve_decode_weights("auto", model)[0] == "onednn"
+    assert resolve_decode_weights("auto", tiny_bf16_engine.model)[0] == "exact"
+    assert resolve_decode_weights("int4", model) == ("int4", "asked for")
+    monkeypatch.setattr(quant, "available_memory", lambda: 3 * linear_bytes(model))  # a copy would take 1/3
+    weights, why = resolve_decode_weights("auto", model)
+    assert weights == "exact" and "would not fit" in why
+    monkeypatch.setattr(quant, "available_memory", lambda: None)
+    assert resolve_decode_weights("auto", model)[0] == "exact"
+    monkeypatch.undo()
+    eng = tiny_engine("qwen2", decode_weights="auto")
+    assert eng.info()["decode_weights"] == "onednn" and eng.forward_model is eng.decode_model
+
+
+def test_cli_default_decode_weights_is_auto():
+    """Every command with --decode-weights defaults to `auto` and accepts each named kind."""
+    import argparse
+
+    from ragkv.cli.common import add_model_args
+    from ragkv.models.quant import DECODE_WEIGHTS
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert p.parse_args([]).decode_weights == "auto"
+    assert all(p.parse_args(["--decode-weights", k]).decode_weights == k for k in DECODE_WEIGHTS)
+
+
+@cpu_only
 @pytest.mark.parametrize("weights", ["onednn", "transposed"])
 @pytest.mark.parametrize("fusion", [dict(mode="full"), dict(mode="prefix", prefix_chunk=8), dict(mode="reuse"),
                                     dict(mode="ape"), dict(mode="reuse", kv_layout="shared"),

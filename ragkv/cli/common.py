@@ -23,10 +23,12 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
     g.add_argument("--dtype", default=DEFAULT_DTYPE, help="auto | float32 | bfloat16 (auto: bf16 where fast)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     if decode_weights:
-        from ragkv.models.quant import DECODE_WEIGHTS
+        from ragkv.models.quant import WEIGHT_CHOICES
 
-        g.add_argument("--decode-weights", default="exact", choices=DECODE_WEIGHTS,
-                       help="weights of the decode steps (prefill stays exact): transposed is an exact copy of "
+        g.add_argument("--decode-weights", default="auto", choices=WEIGHT_CHOICES,
+                       help="weights of the decode steps (prefill stays exact): auto (default) is onednn for an "
+                            "fp32 model on a CPU when the copy fits in a quarter of the free memory, else exact; "
+                            "transposed is an exact copy of "
                             "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
                             "their bytes again); onednn an exact copy of every linear in oneDNN's packed layout "
                             "(fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3); with either, every prefill "

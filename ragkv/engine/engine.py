@@ -35,7 +35,7 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
-from ragkv.models.quant import EXACT_COPIES, decode_copy
+from ragkv.models.quant import EXACT_COPIES, decode_copy, resolve_decode_weights
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
@@ -101,7 +101,10 @@ class Engine:
                  auto_params: tuple[str, float, str] = (DEFAULT_SIGNAL, DEFAULT_MAX_RISK, "default"),
                  pool_bytes: int = DEFAULT_BLOCK_POOL_BYTES):
         self._loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
-        # the model itself unless quantized (shared when `with_store` makes a sibling engine)
+        decode_weights, why = resolve_decode_weights(decode_weights, self.model)
+        if _decode_model is None and decode_weights != "exact":
+            log.info("decode weights %s (%s)", decode_weights, why)
+        # the model itself unless copied (shared when `with_store` makes a sibling engine)
         self._decode_model = _decode_model or decode_copy(self.model, decode_weights)
         self._decode_weights = decode_weights
         if self.model.device.type == "cpu":
@@ -169,6 +172,11 @@ class Engine:
     def decode_model(self):
         """The module decode steps run on: `model` itself, or its int8/int4 copy (`decode_weights`)."""
         return self._decode_model
+
+    @property
+    def decode_weights(self) -> str:
+        """The decode copy's kind, `auto` resolved (ragkv.models.quant)."""
+        return self._decode_weights
 
     @property
     def forward_model(self):

@@ -22,7 +22,8 @@ Exact copies serve every forward, not only decode: a product of more than FEW_RO
 rows (oneDNN: each slice where its kernel is fastest) or on the model's own weights (transposed, whose copy gains
 only at few rows); a long prompt runs in forwards of FEW_ROWS rows (`forward_rows`, read by prefill_chunks). On Zen 3
 a 1.5K-token `full` prefill took 0.86x MKL's time with sliced products, 0.73x in 512-row forwards
-(docs/results/serve_vllm/s22).
+(docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies and fits (see
+`resolve_decode_weights`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from torch import nn
 from ragkv.errors import InvalidRequestError
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
+WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
+AUTO_COPY_SHARE = 0.25  # `auto` packs the oneDNN copy only while it needs at most this share of the free memory
 EXACT_COPIES = ("transposed", "onednn")  # copies whose weights are the model's own: the same products
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
 INT4_GROUP = 32
@@ -176,6 +179,38 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
         else:
             new._modules[name] = _swap_linears(child, kind)
     return new
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can take without swapping (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def linear_bytes(model) -> int:
+    """What an exact copy of every linear costs: the bytes of their weights."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def resolve_decode_weights(kind: str, model) -> tuple[str, str]:
+    """(weights, why): `auto` becomes `onednn` for an fp32 model on a CPU with oneDNN whose copy fits in
+    AUTO_COPY_SHARE of the free memory (on Zen 3 every exact forward took 0.73-0.92x the time, session 22), else
+    `exact`; any other kind is itself."""
+    if kind != "auto":
+        return kind, "asked for"
+    if model.device.type != "cpu" or model.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return "exact", f"auto: the oneDNN copy is for fp32 on a CPU ({model.dtype} on {model.device.type})"
+    need, free = linear_bytes(model), available_memory()
+    if free is None or need > AUTO_COPY_SHARE * free:
+        have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
+        return "exact", f"auto: a oneDNN copy of {need / 2**30:.2f} GiB would not fit in a quarter of {have} free"
+    return "onednn", f"auto: a oneDNN copy of {need / 2**30:.2f} GiB ({free / 2**30:.1f} GiB free)"
 
 
 def decode_copy(model, kind: str):

@@ -172,6 +172,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[0] == 1:
+        # the GQA group folded into the rows, K/V read once per KV head: 2.2x faster than SDPA's enable_gqa alone
+        # at 1.4K keys on Zen 3; Qwen 0.5B decode steps over 2.4K tokens 0.94-0.96x (serve_vllm/s23)
+        return unmasked_attention_with_lse(q, k, v)[0]
     if q.dtype == torch.float32 or q.device.type != "cpu":
         return sdpa(q, k, v)
     B, Hq, T, D = q.shape

@@ -14,6 +14,7 @@ router = APIRouter()
 async def health(request: Request):
     server = server_of(request)
     return {"status": "ok", "model": server.model_id, "dtype": server.engine.dtype_name,
+            "decode_weights": server.engine.decode_weights,
             "write_back_pending": server.engine.write_back_pending(),
             **server.scheduler.stats()}
 
