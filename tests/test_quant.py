@@ -94,8 +94,8 @@ def test_transposed_decode_equals_exact_and_copies_only_wide_linears(tiny_engine
 
 @cpu_only
 def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engine):
-    """`onednn`: every linear (fused q/k/v and gate/up, o, down, the LM head) is an exact copy in oneDNN's packed
-    layout; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused."""
+    """`onednn`: every linear (fused q/k/v and gate/up, o, down, the LM head) runs through oneDNN's kernel on the
+    model's own weights; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused."""
     from ragkv.engine.state import decode_batch
     from ragkv.models.quant import OneDnnLinear
 
@@ -104,6 +104,12 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
     copy_ = decode_copy(model, "onednn")
     attn, mlp = copy_.layers[0].self_attn, copy_.layers[0].mlp
     assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None
+    own = model.layers[0].self_attn  # q, k and v now view one buffer, which the joined path reads: no copy
+    assert attn.qkv_proj.weight.data_ptr() == own.q_proj.weight.data_ptr()
+    assert own.v_proj.weight.data_ptr() == own.q_proj.weight.data_ptr() + 4 * (own.q_proj.weight.numel()
+                                                                              + own.k_proj.weight.numel())
+    assert decode_copy(model, "onednn").layers[0].mlp.gate_up_proj.weight.data_ptr() \
+        == mlp.gate_up_proj.weight.data_ptr()  # a second path finds them joined
     assert isinstance(attn.o_proj, OneDnnLinear) and isinstance(mlp.gate_up_proj, OneDnnLinear)
     assert isinstance(mlp.down_proj, OneDnnLinear) and isinstance(copy_.lm_head, OneDnnLinear)
     segs = [make_segs(seed=s) for s in (0, 1)]
@@ -122,24 +128,16 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
 
 
 @cpu_only
-def test_auto_weights_choose_onednn_for_fp32_on_a_cpu_when_the_copy_fits(tiny_engine, tiny_bf16_engine, monkeypatch):
-    """`auto` (the CLI's and server's default): oneDNN's exact copy for fp32 on a CPU while it fits in a quarter of
-    the free memory; exact otherwise (bf16, too little memory, memory unknown); any named kind stays itself."""
-    from ragkv.models import quant
-    from ragkv.models.quant import linear_bytes, resolve_decode_weights
+def test_auto_weights_choose_onednn_for_fp32_on_a_cpu(tiny_engine, tiny_bf16_engine):
+    """`auto` (the CLI's and server's default): oneDNN's kernel on the model's own weights for fp32 on a CPU, exact
+    otherwise (bf16); any named kind stays itself."""
+    from ragkv.models.quant import resolve_decode_weights
 
-    model = tiny_engine("qwen2").model
-    assert resolve_decode_weights("auto", model)[0] == "onednn"
+    assert resolve_decode_weights("auto", tiny_engine("qwen2").model)[0] == "onednn"
     assert resolve_decode_weights("auto", tiny_bf16_engine.model)[0] == "exact"
-    assert resolve_decode_weights("int4", model) == ("int4", "asked for")
-    monkeypatch.setattr(quant, "available_memory", lambda: 3 * linear_bytes(model))  # a copy would take 1/3
-    weights, why = resolve_decode_weights("auto", model)
-    assert weights == "exact" and "would not fit" in why
-    monkeypatch.setattr(quant, "available_memory", lambda: None)
-    assert resolve_decode_weights("auto", model)[0] == "exact"
-    monkeypatch.undo()
+    assert resolve_decode_weights("int4", tiny_bf16_engine.model) == ("int4", "asked for")
     eng = tiny_engine("qwen2", decode_weights="auto")
-    assert eng.info()["decode_weights"] == "onednn" and eng.forward_model is eng.decode_model
+    assert eng.info()["decode_weights"] == eng.decode_weights == "onednn" and eng.forward_model is eng.decode_model
 
 
 def test_cli_default_decode_weights_is_auto():
@@ -189,3 +187,20 @@ def test_every_forward_runs_on_an_exact_copy_and_equals_exact(fusion, weights, t
         assert not calls["many"]
     if fusion.mode == "blend" and fusion.select == "deviation":  # CacheBlend's first layers see every token
         assert calls["many"]
+
+
+@cpu_only
+def test_a_model_whose_linears_read_one_buffer_saves_and_loads_back(tiny_dirs, tmp_path):
+    """The oneDNN path joins q/k/v (and gate/up) into one buffer that the model's parameters view; a fine-tuning
+    checkpoint of such a model still saves each weight as its own tensor and loads back equal."""
+    from conftest import _load_tiny
+    from ragkv.train.checkpoint import save_model_folder
+
+    model = _load_tiny(tiny_dirs["qwen2"]).model
+    decode_copy(model, "onednn")
+    q = model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().nbytes() > q.numel() * q.element_size()  # a view of the joined buffer
+    save_model_folder(model, tiny_dirs["qwen2"], tmp_path / "saved")
+    again = _load_tiny(tmp_path / "saved").model
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name

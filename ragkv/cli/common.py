@@ -27,12 +27,12 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
 
         g.add_argument("--decode-weights", default="auto", choices=WEIGHT_CHOICES,
                        help="weights of the decode steps (prefill stays exact): auto (default) is onednn for an "
-                            "fp32 model on a CPU when the copy fits in a quarter of the free memory, else exact; "
-                            "transposed is an exact copy of "
+                            "fp32 model on a CPU, else exact; transposed is an exact copy of "
                             "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
-                            "their bytes again); onednn an exact copy of every linear in oneDNN's packed layout "
-                            "(fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3); with either, every prefill "
-                            "forward runs on the copy too, each linear choosing its kernel by rows; int4/int8 are "
+                            "their bytes again); onednn runs every linear through oneDNN's kernel on the model's own "
+                            "weights (fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3, no copy); with either, "
+                            "every prefill forward runs on that path too, each linear choosing its kernel by rows; "
+                            "int4/int8 are "
                             "weight-only quantized copies, 2-4x faster decode on CPU, with the fidelity cost "
                             "`ragkv bench decode` prints")
 

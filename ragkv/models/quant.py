@@ -13,17 +13,19 @@ bandwidth of the same numbers laid out [in, out] on AMD CPUs (measured on Zen 3,
 head 13 -> 21 GB/s, gate/up 17 -> 31 GB/s; square and narrow ones are no faster and stay shared). Same products,
 summed in another order: equal to the exact path to float rounding. It costs those weights' bytes again.
 
-`onednn` keeps the exact weights too, every linear's copy packed in oneDNN's blocked layout (what vLLM's CPU
-backend runs): on a 2-core Zen 3 in fp32, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN's packed
-kernel was 1.3-2.4x faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins
-only from ~1K rows, which decode never has. fp32 on the CPU only (bf16 there needs AVX-512 BF16 or AMX).
+`onednn` runs every linear through oneDNN's fp32 kernel (what vLLM's CPU backend runs) on the model's own
+weights, read in place: on a 2-core Zen 3, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN was 1.3-2.4x
+faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins only from ~1K rows. Until
+session 23 it held a copy of every linear reordered into oneDNN's blocked layout; given the plain [out, in] weight
+oneDNN's kernel was as fast at 1-512 rows and bitwise equal (serve_vllm/s23). q/k/v and gate/up, one product each,
+are moved into one buffer each that the parameters view, so nothing is copied. fp32 on the CPU only (bf16 there
+needs AVX-512 BF16 or AMX).
 
 Exact copies serve every forward, not only decode: a product of more than FEW_ROWS rows runs in slices of FEW_ROWS
 rows (oneDNN: each slice where its kernel is fastest) or on the model's own weights (transposed, whose copy gains
 only at few rows); a long prompt runs in forwards of FEW_ROWS rows (`forward_rows`, read by prefill_chunks). On Zen 3
 a 1.5K-token `full` prefill took 0.86x MKL's time with sliced products, 0.73x in 512-row forwards
-(docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies and fits (see
-`resolve_decode_weights`).
+(docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies (`resolve_decode_weights`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ from ragkv.errors import InvalidRequestError
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
-AUTO_COPY_SHARE = 0.25  # `auto` packs the oneDNN copy only while it needs at most this share of the free memory
-EXACT_COPIES = ("transposed", "onednn")  # copies whose weights are the model's own: the same products
+EXACT_COPIES = ("transposed", "onednn")  # paths whose weights are the model's own: the same products
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
 INT4_GROUP = 32
 
@@ -95,6 +96,40 @@ def _joined(linear: nn.Linear | list[nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return w, None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts])
 
 
+def _joined_in_place(parts: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of linears reading the same input as one (outputs concatenated), without a copy: the
+    first time, their parameters are moved into one buffer and each becomes a view of its rows (same values, so
+    every path reading them is unchanged); later calls find them there."""
+    tensors = [[m.weight for m in parts]] + ([[m.bias for m in parts]] if parts[0].bias is not None else [])
+    joined = []
+    for ts in tensors:
+        base = ts[0].detach()
+        if len(ts) > 1 and not _consecutive_views(ts):
+            whole = torch.cat([t.detach() for t in ts])
+            at = 0
+            for t in ts:
+                t.data = whole[at:at + t.shape[0]]
+                at += t.shape[0]
+            base = whole
+        elif len(ts) > 1:
+            base = ts[0].detach().new_empty(0).set_(ts[0].untyped_storage(), ts[0].storage_offset(),
+                                                   (sum(t.shape[0] for t in ts),) + tuple(ts[0].shape[1:]),
+                                                   ts[0].stride())
+        joined.append(base)
+    return joined[0], joined[1] if len(joined) > 1 else None
+
+
+def _consecutive_views(ts: list[torch.Tensor]) -> bool:
+    """Whether these tensors are back-to-back row ranges of one contiguous buffer (a joined linear's parts)."""
+    at = ts[0].storage_offset()
+    for t in ts:
+        if t.untyped_storage().data_ptr() != ts[0].untyped_storage().data_ptr() or t.storage_offset() != at \
+                or not t.is_contiguous():
+            return False
+        at += t.numel()
+    return True
+
+
 class ExactCopyLinear(nn.Module):
     """A linear (or several fused) whose copy holds the model's own weights in a faster layout for few rows;
     a product of more rows goes to `many_rows`: the model's linears by default (they share, not copy, weights)."""
@@ -128,16 +163,15 @@ class TransposedLinear(ExactCopyLinear):
 
 
 class OneDnnLinear(ExactCopyLinear):
-    """y = x W^T (+ b) through oneDNN's fp32 kernel, from an exact copy of W reordered into its blocked layout
-    (see the module docstring)."""
+    """y = x W^T (+ b) through oneDNN's fp32 kernel reading the model's own W in place (see the module docstring):
+    no copy. Fused linears run one call each, their outputs joined (bitwise what one call on the joined W gives)."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__(linear)
-        w, self.bias = _joined(linear)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # blocked for few rows: decode's shapes
+        self.weight, self.bias = _joined_in_place(self.parts)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Slices of FEW_ROWS rows: oneDNN's kernel at its best shape beats MKL's one product of them all."""
@@ -181,36 +215,14 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     return new
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says a new allocation can take without swapping (Linux), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def linear_bytes(model) -> int:
-    """What an exact copy of every linear costs: the bytes of their weights."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-
-
 def resolve_decode_weights(kind: str, model) -> tuple[str, str]:
-    """(weights, why): `auto` becomes `onednn` for an fp32 model on a CPU with oneDNN whose copy fits in
-    AUTO_COPY_SHARE of the free memory (on Zen 3 every exact forward took 0.73-0.92x the time, session 22), else
-    `exact`; any other kind is itself."""
+    """(weights, why): `auto` becomes `onednn` for an fp32 model on a CPU with oneDNN (no copy; on Zen 3 every
+    exact forward took 0.73-0.92x MKL's time, session 22), else `exact`; any other kind is itself."""
     if kind != "auto":
         return kind, "asked for"
     if model.device.type != "cpu" or model.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return "exact", f"auto: the oneDNN copy is for fp32 on a CPU ({model.dtype} on {model.device.type})"
-    need, free = linear_bytes(model), available_memory()
-    if free is None or need > AUTO_COPY_SHARE * free:
-        have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
-        return "exact", f"auto: a oneDNN copy of {need / 2**30:.2f} GiB would not fit in a quarter of {have} free"
-    return "onednn", f"auto: a oneDNN copy of {need / 2**30:.2f} GiB ({free / 2**30:.1f} GiB free)"
+        return "exact", f"auto: oneDNN's kernel is for fp32 on a CPU ({model.dtype} on {model.device.type})"
+    return "onednn", "auto: fp32 on a CPU with oneDNN"
 
 
 def decode_copy(model, kind: str):
