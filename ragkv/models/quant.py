@@ -131,8 +131,8 @@ def _consecutive_views(ts: list[torch.Tensor]) -> bool:
 
 
 class ExactCopyLinear(nn.Module):
-    """A linear (or several fused) whose copy holds the model's own weights in a faster layout for few rows;
-    a product of more rows goes to `many_rows`: the model's linears by default (they share, not copy, weights)."""
+    """A linear (or several fused) whose few-row products read the model's own weights through a faster kernel or
+    layout (`few_rows`); a product of more rows goes to `many_rows`: the model's linears by default."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__()
@@ -164,7 +164,7 @@ class TransposedLinear(ExactCopyLinear):
 
 class OneDnnLinear(ExactCopyLinear):
     """y = x W^T (+ b) through oneDNN's fp32 kernel reading the model's own W in place (see the module docstring):
-    no copy. Fused linears run one call each, their outputs joined (bitwise what one call on the joined W gives)."""
+    no copy. Fused linears are one product over their joined weights, which their parameters view."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__(linear)
