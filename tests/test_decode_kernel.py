@@ -53,3 +53,19 @@ def test_decode_attention_takes_the_faster_path_and_either_equals_sdpa(monkeypat
         monkeypatch.setenv("RAGKV_DECODE_ATTENTION", forced)
         assert attention.kernel_wins(q, k, v) is (forced == "kernel")
         assert (attention.decode_attention(q, k, v) - ref).abs().max().item() <= 1e-5
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one():
+    """torch's builder leaves its `lock` file behind when killed mid-build; the next process must still load."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from ragkv.ops.decode_kernel import _NAME
+    stale = os.path.join(_get_build_directory(_NAME, verbose=False), "lock")
+    open(stale, "w").close()
+    code = "from ragkv.ops.decode_kernel import kernel; assert kernel() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
+    assert not os.path.exists(stale)

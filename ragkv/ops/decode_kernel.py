@@ -7,10 +7,13 @@ keys split into chunks across threads and merged through their log-sum-exps (fla
 
 Built on first use with torch.utils.cpp_extension (cached under ~/.cache/torch_extensions); where that fails
 (no compiler) or RAGKV_NO_CPP_KERNELS=1, `decode_attention` keeps its pure-torch path. Tested against SDPA.
+Builds are serialized by an OS file lock (released when its process dies), so the lock file torch's builder leaves
+behind when a build is killed cannot make later builds wait forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -341,9 +344,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+_NAME = "ragkv_decode_attention_v10"
 _lock = threading.Lock()
 _module = None
 _failed = False
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Hold an flock on the extension's build folder; inside it, a `lock` file left by torch's builder is stale.
+
+    torch's FileBaton is a plain file that a killed build never removes: every later build then spins on it for ever.
+    An flock dies with its process, so whoever holds ours knows no live ragkv build owns that file."""
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory
+        folder = _get_build_directory(name, verbose=False)
+    except Exception:  # noqa: BLE001 - no flock (Windows) or a moved private helper: build as torch does
+        yield
+        return
+    with open(os.path.join(folder, "ragkv.build.lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = os.path.join(folder, "lock")
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a build that was killed", stale)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+        yield
 
 
 def kernel():
@@ -360,8 +388,10 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 # -ffast-math lets the compiler vectorize the fp32 dot-product reductions
-                _module = load_inline(name="ragkv_decode_attention_v10", cpp_sources=[_SOURCE],
-                                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                with _build_lock(_NAME):
+                    _module = load_inline(name=_NAME, cpp_sources=[_SOURCE], verbose=False,
+                                          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                          extra_ldflags=["-fopenmp"])
             except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
                 log.warning("the C++ decode-attention kernel could not be built (%s); using the torch path", e)
                 _failed = True
