@@ -103,19 +103,14 @@ def _joined_in_place(parts: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
     tensors = [[m.weight for m in parts]] + ([[m.bias for m in parts]] if parts[0].bias is not None else [])
     joined = []
     for ts in tensors:
-        base = ts[0].detach()
         if len(ts) > 1 and not _consecutive_views(ts):
             whole = torch.cat([t.detach() for t in ts])
             at = 0
             for t in ts:
                 t.data = whole[at:at + t.shape[0]]
                 at += t.shape[0]
-            base = whole
-        elif len(ts) > 1:
-            base = ts[0].detach().new_empty(0).set_(ts[0].untyped_storage(), ts[0].storage_offset(),
-                                                   (sum(t.shape[0] for t in ts),) + tuple(ts[0].shape[1:]),
-                                                   ts[0].stride())
-        joined.append(base)
+        first = ts[0].detach()  # already joined: the buffer is the first part's view stretched over all the rows
+        joined.append(first.as_strided((sum(t.shape[0] for t in ts),) + tuple(first.shape[1:]), first.stride()))
     return joined[0], joined[1] if len(joined) > 1 else None
 
 
