@@ -63,8 +63,9 @@ def default_engine():
     return Engine.load("smollm2", dtype="float32", device="cpu")
 
 
-# A user's settings file must not change what the tests run; tests of the settings file point this elsewhere.
-os.environ.setdefault("RAGKV_SETTINGS", str(Path(__file__).parent / "no-settings-file.toml"))
+# A user's settings file must not change what the tests run (tests/settings.toml: what the tests set); tests of
+# the settings file point this elsewhere.
+os.environ.setdefault("RAGKV_SETTINGS", str(Path(__file__).parent / "settings.toml"))
 # The tests' KV store, index, calibration and profiles live in a private cache (the default store is persistent
 # and shared by every command): converted models are still found where they are.
 os.environ.setdefault("RAGKV_MODELS_DIR", str(Path(os.environ.get("RAGKV_CACHE_DIR", "~/.cache/ragkv")).expanduser()

@@ -149,3 +149,30 @@ def test_profile_id_names_the_codec_not_the_capacity(tmp_path):
     disk = DiskStore(tmp_path / "kv", 1 << 30)
     assert profile_id(disk) == f"disk:{disk.root}"
     assert profile_id(DiskStore(tmp_path / "kv", 1 << 20, kv="int4")) == f"disk:{disk.root}?kv=int4"
+
+
+def test_a_server_measures_its_load_profile_at_start_up_one_forward_at_a_time(tmp_path):
+    """`ragkv serve --startup-profile` (the default; the tests' settings turn it off) measures the recompute cost in
+    the background and saves it; a request sent meanwhile is answered."""
+    import time
+
+    import httpx
+
+    from ragkv.bench.serve import ServerProcess
+    from ragkv.engine.loading import PROFILE_FILE
+    from tiny import make_tiny_served
+
+    tiny = str(make_tiny_served(tmp_path))
+    with ServerProcess(model=tiny, dtype="float32", device="cpu", store="memory:64MiB", startup_s=180,
+                       cache_dir=tmp_path, extra=("--startup-profile",)) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+            "max_tokens": 2, "messages": [{"role": "user", "content": "Who built the tower?"}]})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        points = []
+        while len(points) < 3:
+            assert time.monotonic() < deadline, "the start-up profile was not saved"
+            time.sleep(0.2)
+            saved = json.loads((tmp_path / PROFILE_FILE).read_text()) if (tmp_path / PROFILE_FILE).exists() else {}
+            points = next((v["points"] for v in saved.values() if isinstance(v, dict) and "points" in v), [])
+    assert sorted(p[0] for p in points) == [128, 512, 2048] and all(p[1] > 0 for p in points)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 
@@ -36,6 +37,10 @@ def register(sub) -> None:
                    help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
                         "under load): every decode step runs at --max-batch rows and every prefill in "
                         "--prefill-chunk units; small batches lose their speed")
+    p.add_argument("--startup-profile", action=argparse.BooleanOptionalAction, default=SERVE.startup_profile,
+                   help="measure the loading controller's profile (tier speeds, the model's recompute cost) at "
+                        "start-up where none is saved, one forward at a time while the server is idle; without "
+                        "it blend has no loading plan until `ragkv store profile` (for short-lived servers)")
     a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="accept `Authorization: Bearer KEY`; its tenant (default: default) owns its documents and "
@@ -134,9 +139,11 @@ def run_serve(args) -> int:
     signal.signal(signal.SIGINT, stop)
     web.start()
     # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, only
-    # while the server is idle (a background job whose units never pause an answer); later starts read it
-    engine.profile_in_background(lambda start: server.scheduler.submit_background(start, timeout_s=3600,
-                                                                                        idle_only=True))
+    # while the server is idle (a background job of one forward per unit, never between two decode steps of an
+    # answer); later starts read it
+    if args.startup_profile:
+        engine.profile_in_background(lambda start: server.scheduler.submit_background(start, timeout_s=3600,
+                                                                                            idle_only=True))
     if not keys:
         log.warning("no --api-key: the server is open, and every client shares tenant 'default' (documents and "
                     "KV); pass --api-key KEY[:TENANT] to require keys")

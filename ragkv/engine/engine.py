@@ -238,15 +238,15 @@ class Engine:
             return self._planner.profile(refresh)
 
     def profile_in_background(self, submit_background) -> None:
-        """Start-up profiling that never holds up a request: tier bandwidths on a thread (no model needed), then
-        the recompute lengths as one background job handed to `submit_background` (a scheduler's), one length
+        """Start-up profiling that holds up a request by one forward at most: tier bandwidths on a thread (no model
+        needed), then
+        the recompute lengths as one background job handed to `submit_background` (a scheduler's), one forward
         per unit (`ragkv serve` runs it idle_only: never between two decode steps of an answer)."""
         import threading
 
         def measure(lengths):
             for n in lengths:
-                self._planner.measure_recompute_at(n)
-                yield
+                yield from self._planner.measuring_recompute_at(n)
 
         def run():
             try:

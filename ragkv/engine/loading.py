@@ -294,16 +294,25 @@ class LoadingPlanner:
     def measure_recompute_at(self, tokens: int) -> None:
         """One point of the recompute cost: prefill seconds per token and layer at `tokens` (attention grows with
         length, so one short forward extrapolated linearly would understate long prompts); best of two after a
-        warm-up. One short unit of model work: a server runs each as its own job."""
+        warm-up."""
+        for _ in self.measuring_recompute_at(tokens):
+            pass
+
+    def measuring_recompute_at(self, tokens: int):
+        """`measure_recompute_at` as a generator that yields after each forward: a server runs each forward as its
+        own unit of model work, so a request arriving meanwhile waits for one forward at most."""
         model = self.model
         ids = torch.randint(10, model.args.vocab_size - 1, (1, tokens), device=model.device)
         best = float("inf")
         with torch.inference_mode():
             model(ids[:, :min(tokens, 64)])
-            for _ in range(2):
+        yield
+        for _ in range(2):
+            with torch.inference_mode():
                 t0 = time.perf_counter()
                 model(ids)
                 best = min(best, time.perf_counter() - t0)
+            yield
         entry = self.profiles.data.setdefault(self.model_key, {"points": [], "measured_at": time.time()})
         entry["points"] = [p for p in entry.get("points", []) if p[0] != tokens] + \
             [[tokens, best / (tokens * model.args.num_layers)]]
