@@ -12,7 +12,7 @@ from ragkv.bench.serve.clients import batching_stats, connect, describe_cell, me
 from ragkv.bench.serve.config import ServeBenchConfig
 from ragkv.bench.serve.peer import make_peer, peer_ratios, run_peer, token_counter
 from ragkv.bench.serve.report import plot_serve_bench, render_markdown
-from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, wait_written
+from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, wait_idle, wait_written
 from ragkv.bench.serve.workload import build_workload, ragkv_payload, warmup_requests
 from ragkv.engine.modes import is_reference
 from ragkv.errors import InvalidRequestError
@@ -88,6 +88,8 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
                 wait_written(base)
             progress(f"[serve bench] {mode}: warm-up, {len(work['pool'])} single-passage requests in "
                      f"{result['warmup'][mode]['seconds']} s")
+        for b, _, _ in servers:
+            wait_idle(b)  # a server's start-up profile runs its forwards while idle: before the cells, not inside
         for c, reqs in zip(cfg.concurrency, work["plans"]):
             payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
             h0 = httpx.get(base + "/health", timeout=10).json()

@@ -143,6 +143,16 @@ def wait_written(base: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def wait_idle(base: str, timeout_s: float = 600.0) -> None:
+    """Wait until the server at `base` has no background job left (its start-up profile, whose forwards would
+    otherwise run between the benchmark's requests), or `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base + "/health", timeout=10).json().get("background_jobs", 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def cpu_seconds_of(servers: list[ServerProcess]) -> float | None:
     """The servers' CPU time so far, together (None where any is unreadable)."""
     cpu = [s.cpu_seconds() for s in servers]
