@@ -69,6 +69,7 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
     assert saved == json.loads(json.dumps(result))
     assert (tmp_path / "serve_bench.png").stat().st_size > 0 and (tmp_path / "serve_bench.md").exists()
     assert saved["warmup"]["reuse"]["requests"] == 4 and saved["server"]["dtype"] == "float32"
+    assert saved["server"]["decode_weights"] in ("onednn", "exact")  # auto, resolved by the server
     assert [(c["mode"], c["concurrency"]) for c in saved["cells"]] == [("reuse", 1), ("reuse", 2)]
     for c in saved["cells"]:
         assert c["ok"] == 2 and c["failed"] == 0 and c["requests_per_s"] > 0

@@ -74,7 +74,7 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
     base, client, model = servers[0]
     health = httpx.get(base + "/health", timeout=10).json()
     result["url"] = base if len(servers) == 1 else [b for b, _, _ in servers]
-    result["server"].update(model=model, dtype=health.get("dtype"))
+    result["server"].update(model=model, dtype=health.get("dtype"), decode_weights=health.get("decode_weights"))
     clients = [c for _, c, _ in servers]  # run_cell round-robins over them (one: every request to it)
     for mode in cfg.modes:
         if cfg.warmup:
