@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ragkv.bench.serve import ServerProcess
+from ragkv.bench.serve import ServerProcess, started_together
 from ragkv.rag.catalog import DB_FILE, Catalog
 from ragkv.rag.chunking import chunk_document
 from ragkv.rag.documents import Document
@@ -157,7 +157,7 @@ def test_cli_ingest_and_two_servers_share_one_library(tmp_path):
     docs.mkdir()
     (docs / "harbour.md").write_text("# Lintwick Harbour\n\nThe harbour of Lintwick shelters forty fishing boats.")
     served = dict(model=tiny, dtype="float32", device="cpu", store="memory:256MiB", startup_s=180, cache_dir=tmp_path)
-    with ServerProcess(**served) as a, ServerProcess(**served) as b:
+    with started_together([ServerProcess(**served), ServerProcess(**served)]) as (a, b):
         ingest = subprocess.Popen([sys.executable, "-m", "ragkv.cli", "ingest", str(docs), "--index",
                                    str(tmp_path / "index"), "--model", tiny, "--dtype", "float32", "--device", "cpu"],
                                   env=env,

@@ -7,14 +7,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 
 import httpx
 import pytest
 import redis
 
-from ragkv.bench.serve import ServerProcess
+from ragkv.bench.serve import ServerProcess, started_together
 from ragkv.cli import main
 from ragkv.cli.common import library_location
 from ragkv.errors import InvalidRequestError
@@ -137,13 +135,7 @@ def test_two_servers_share_one_library_through_redis(tmp_path, redis_url):  # no
         (tmp_path / name).mkdir()
         servers.append(ServerProcess(model=tiny, dtype="float32", device="cpu", store="memory:256MiB", startup_s=240,
                                      cache_dir=tmp_path / name, extra=("--library", redis_url, *keys)))
-    with ExitStack() as stack:
-        with ThreadPoolExecutor(2) as pool:  # both start at once
-            started = [pool.submit(s.__enter__) for s in servers]
-        for s, f in zip(servers, started):
-            if f.exception() is None:
-                stack.callback(s.__exit__, None, None, None)
-        a, b = (f.result() for f in started)
+    with started_together(servers) as (a, b):
         question = {"query": "Who built Lintwick Tower?", "top_k": 1}
         # B searches alice's (empty) library first: its embedder is loaded and its in-memory index built
         assert httpx.post(b.url + "/v1/retrieve", headers=alice, timeout=120, json=question).json()["data"] == []

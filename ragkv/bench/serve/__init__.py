@@ -21,7 +21,7 @@ server, what it is sent and the ratios to it), `run` (the benchmark) and `report
 from ragkv.bench.serve.config import PEERS, ServeBenchConfig
 from ragkv.bench.serve.peer import DEFAULT_PEER_PYTHON, PEER_PACKAGE, LlamaCppServer
 from ragkv.bench.serve.run import run_serve_bench
-from ragkv.bench.serve.servers import ServerProcess
+from ragkv.bench.serve.servers import ServerProcess, started_together
 
-__all__ = ["ServeBenchConfig", "run_serve_bench", "ServerProcess", "LlamaCppServer", "PEERS", "PEER_PACKAGE",
-           "DEFAULT_PEER_PYTHON"]
+__all__ = ["ServeBenchConfig", "run_serve_bench", "ServerProcess", "started_together", "LlamaCppServer", "PEERS",
+           "PEER_PACKAGE", "DEFAULT_PEER_PYTHON"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import asdict
@@ -12,7 +11,7 @@ from ragkv.bench.serve.clients import batching_stats, connect, describe_cell, me
 from ragkv.bench.serve.config import ServeBenchConfig
 from ragkv.bench.serve.peer import make_peer, peer_ratios, run_peer, token_counter
 from ragkv.bench.serve.report import plot_serve_bench, render_markdown
-from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, wait_idle, wait_written
+from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, started_together, wait_idle, wait_written
 from ragkv.bench.serve.workload import build_workload, ragkv_payload, warmup_requests
 from ragkv.engine.modes import is_reference
 from ragkv.errors import InvalidRequestError
@@ -35,8 +34,7 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
     if cfg.modes:
         if url is None:
             group = server if isinstance(server, list) else [server or ServerProcess(model)]
-            with contextlib.ExitStack() as stack:
-                started = [stack.enter_context(s) for s in group]
+            with started_together(group) as started:
                 run_ragkv(cfg, work, started[0].url if len(started) == 1 else [s.url for s in started], progress,
                      result, lambda: cpu_seconds_of(started))
                 result["server"]["started_here"] = [" ".join(s.cmd) for s in started]

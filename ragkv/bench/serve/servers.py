@@ -3,6 +3,7 @@ benchmark reads from it besides the answers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -106,6 +107,12 @@ class ServerProcess(ServerSubprocess):
         self.cache_dir = cache_dir
 
     def __enter__(self) -> "ServerProcess":
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    def spawn(self) -> None:
+        """Start the process; `wait_ready` waits for it (apart, so several servers start at once)."""
         from ragkv.config import models_dir
 
         self.tmp = None if self.cache_dir else tempfile.TemporaryDirectory(prefix="ragkv-bench-serve-",
@@ -119,18 +126,32 @@ class ServerProcess(ServerSubprocess):
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port), "--index", str(root / "index")],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
         try:
             self._wait_ready()
         except BaseException:
             if self.tmp is not None:
                 self.tmp.cleanup()
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         self._stop()
         if self.tmp is not None:
             self.tmp.cleanup()
+
+
+@contextlib.contextmanager
+def started_together(servers: list[ServerProcess]):
+    """Start every server at once, wait until all answer, stop them all on exit: their start-ups (imports, model
+    loading) overlap instead of queueing."""
+    with contextlib.ExitStack() as stack:
+        for s in servers:
+            s.spawn()
+            stack.callback(s.__exit__)
+        for s in servers:
+            s.wait_ready()
+        yield servers
 
 
 def wait_written(base: str, timeout_s: float = 60.0) -> None:
