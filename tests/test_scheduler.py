@@ -226,3 +226,43 @@ def test_prefill_in_units_equals_prefill_at_once(mode, tiny_engine):
     assert drain(eng.prefill_steps(segs, fusion, chunk=16))[0].next_position == ref.next_position
     assert isinstance(state.logits, torch.Tensor) and stats.ttft_ms > 0
 
+
+
+@pytest.mark.parametrize("budget_ms, waits", [(10_000, True), (0, False)])
+def test_a_stall_budget_waits_for_a_request_still_being_prepared(budget_ms, waits):
+    """A request its caller is still preparing (`arriving`: parsed and tokenized on a handler thread) joins the
+    next step when a stall budget is left, instead of the running answer stepping on without it."""
+    prepared, steps = threading.Event(), []
+    sched = Scheduler(step=lambda seqs: steps.append(sorted(s.name for s in seqs)), max_batch=4,
+                      prefill_stall_ms=budget_ms)
+
+    def start(name, n):
+        def go():
+            yield
+            return FakeSeq(n, name), name
+        return go
+
+    def handler():
+        with sched.arriving():
+            prepared.wait(5)  # the test lets it finish once `a` is decoding
+            time.sleep(0.05)
+        jobs.append(sched.submit_generation(start("b", 2)))
+
+    jobs = []
+    a = sched.submit_generation(start("a", 10**6))
+    deadline = time.monotonic() + 5
+    while not steps and time.monotonic() < deadline:  # a decodes
+        time.sleep(0.005)
+    thread = threading.Thread(target=handler)
+    thread.start()
+    time.sleep(0.01)
+    before = len(steps)
+    prepared.set()
+    thread.join(5)
+    run_jobs(sched, jobs)
+    a.cancel()
+    run_jobs(sched, [a])
+    joined = next(i for i, s in enumerate(steps) if "b" in s)
+    alone = steps[before:joined]  # steps a ran alone while b was being prepared
+    # waiting: at most the step already under way ran without b; without a budget, a steps on every ~0 ms
+    assert (len(alone) <= 1) if waits else (len(alone) > 5), (len(alone), steps[before:joined + 2])
