@@ -31,9 +31,8 @@ def register(sub) -> None:
                         "decode steps (bounds the pause a new request imposes on them)")
     p.add_argument("--prefill-stall-ms", type=float, default=SERVE.prefill_stall_ms, metavar="MS",
                    help="newcomers' prefill units may run this long between two decode steps (at least one "
-                        "unit), also waiting for requests still being parsed and tokenized: under a burst of "
-                        "requests more of them join each batched step (more output tokens/s) while the running "
-                        "answers wait longer between tokens; 0: one unit per step")
+                        "unit): under a burst of requests more of them join each batched step (more output "
+                        "tokens/s) while the running answers wait longer between tokens; 0: one unit per step")
     p.add_argument("--batch-invariant", action="store_true", default=SERVE.batch_invariant,
                    help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
                         "under load): every decode step runs at --max-batch rows and every prefill in "

@@ -6,9 +6,7 @@ the worker does one unit of other work: one unit of the current newcomer's prefi
 unit of a background job (adding documents). So a running answer pauses for at most one unit per token: the stall a
 newcomer imposes on the others, recorded as `prefill_stall_ms_max`. With a stall budget (`prefill_stall_ms`),
 further units of newcomers' prefills run until the budget is spent: under a burst of arrivals more of them join
-each batched step (throughput), while the running answers wait longer between tokens; within the budget the
-worker also waits for requests its callers are still preparing (`arriving`), which would otherwise miss the step
-by milliseconds (at 16 clients the batch stayed near 4 without this). Finished, cancelled
+each batched step (throughput), while the running answers wait longer between tokens. Finished, cancelled
 (client gone) and timed-out generations leave the batch at once. A generation arrives prepared (retrieved,
 tokenized, its segments built by the caller's thread): the worker only runs the model.
 
@@ -24,7 +22,6 @@ could never fit is refused when submitted. A generation gives its KV back the mo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -131,7 +128,6 @@ class Scheduler:
         self.running: list[Job] = []
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
-        self.arrivals, self._arrivals_lock = 0, threading.Lock()  # requests being prepared to be submitted
         self.stopping = threading.Event()
         if thread:
             threading.Thread(target=self.serve_forever, name="ragkv-scheduler", daemon=True).start()
@@ -151,18 +147,6 @@ class Scheduler:
         except queue.Full:
             raise QueueFull(f"the server queue is full ({self.jobs.maxsize} requests waiting); retry later")
         return job
-
-    @contextlib.contextmanager
-    def arriving(self):
-        """Around a caller's preparation of a request it is about to submit (parsing, retrieval, tokenization on
-        its own thread): with a stall budget, the worker waits for it rather than stepping without it."""
-        with self._arrivals_lock:
-            self.arrivals += 1
-        try:
-            yield
-        finally:
-            with self._arrivals_lock:
-                self.arrivals -= 1
 
     def submit_background(self, start: Callable, timeout_s: float, idle_only: bool = False) -> Job:
         """`start()` gives a generator doing the work in short units and returning the result. `idle_only`: its
@@ -189,13 +173,9 @@ class Scheduler:
             try:
                 t0 = time.perf_counter()
                 self._unit()
-                while self.running and (time.perf_counter() - t0) * 1000 < self.prefill_stall_ms:
-                    if self._more_prefill():
-                        self._unit()
-                    elif self.arrivals and self.batch_size < self.max_batch:
-                        time.sleep(0.002)  # a request still being tokenized: it joins this step, not the next
-                    else:
-                        break
+                while self.running and self._more_prefill() and \
+                        (time.perf_counter() - t0) * 1000 < self.prefill_stall_ms:
+                    self._unit()
                 if self.running:
                     self._step()
                 elif self.waiting is not None and self.prefilling is None:

@@ -58,13 +58,11 @@ def response_id(chat: bool) -> tuple[str, int]:
 
 async def generate(request: Request, schema, chat: bool):
     server = server_of(request)
-    # counted as arriving until prepared (a stall budget lets the model thread wait for it); queued right after
-    with server.scheduler.arriving():
-        req = await parse(request, schema)
-        check_model(server, req.model)
-        build = server.requests.chat if chat else server.requests.completion
-        # retrieval and tokenization on a worker thread: neither the event loop nor the model thread waits for them
-        prepared = await asyncio.to_thread(build, req, request.state.tenant)
+    req = await parse(request, schema)
+    check_model(server, req.model)
+    build = server.requests.chat if chat else server.requests.completion
+    # retrieval and tokenization on a worker thread: neither the event loop nor the model thread waits for them
+    prepared = await asyncio.to_thread(build, req, request.state.tenant)
     prepared = prepared if isinstance(prepared, list) else [prepared]  # completions: one per prompt
     if req.stream:
         return await stream(request, req, prepared, chat)
