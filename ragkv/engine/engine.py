@@ -239,9 +239,8 @@ class Engine:
 
     def profile_in_background(self, submit_background) -> None:
         """Start-up profiling that holds up a request by one forward at most: tier bandwidths on a thread (no model
-        needed), then
-        the recompute lengths as one background job handed to `submit_background` (a scheduler's), one forward
-        per unit (`ragkv serve` runs it idle_only: never between two decode steps of an answer)."""
+        needed), then the recompute lengths as one background job handed to `submit_background` (a scheduler's),
+        one forward per unit (`ragkv serve` runs it idle_only: never between two decode steps of an answer)."""
         import threading
 
         def measure(lengths):
