@@ -76,6 +76,7 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
         assert 0 < c["ttft_p50_ms"] <= c["ttft_p95_ms"] <= c["latency_p95_ms"]
         assert c["reused_tokens"] > 0 and c["recomputed_tokens"] > 0 and c["cache_misses"] == 0  # warmed up
         assert c["server_cpu_s_per_request"] > 0 and c["loadavg_1m"] >= 0
+        assert isinstance(c["kv_bytes_peak"], int) and c["kv_bytes_peak"] >= 0  # /health sampled during the cell
         assert c["prompt_tokens"] == pytest.approx(c["reused_tokens"] + c["recomputed_tokens"], abs=0.2)
     assert saved["ratios_vs_full"] == {}  # no `full` cells to compare with
 

@@ -67,6 +67,14 @@ def test_stream_equals_non_stream_with_inline_documents(server):
     assert extra["mode"] == "blend" and whole.usage.model_extra["reused_tokens"] > 0
 
 
+def test_health_counts_the_pooled_blocks_that_shared_requests_read(server):
+    before = httpx.get(server.url + "/health").json()["block_pool_bytes"]
+    ask_docs(server.client, mode="reuse", max_tokens=2, kv_layout="shared",  # a block no other test pools
+             documents=["The pooled-block passage: Lintwick has twelve bridges over the Mardle."])
+    health = httpx.get(server.url + "/health").json()
+    assert health["block_pool_bytes"] > before >= 0 and health["kv_bytes_in_use"] >= 0
+
+
 def test_completions_endpoint(server):
     r = server.client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5)
     assert r.choices[0].text and r.usage.completion_tokens <= 5

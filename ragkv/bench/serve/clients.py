@@ -4,6 +4,7 @@ and the throughput ratios at equal p95 TTFT."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,6 +156,36 @@ def measure_cell(cells: list[dict], client, model: str, payloads, label: str, sy
     cell["loadavg_1m"] = round(os.getloadavg()[0], 2)
     cells.append(cell)
     return cell
+
+
+class KVPeak:
+    """Samples a server's /health while a cell runs: the most KV its running answers held at once, their caches
+    (`kv_bytes_in_use`) plus the pooled blocks `kv_layout=shared` reads in place (`block_pool_bytes`)."""
+
+    def __init__(self, base: str, every_s: float = 0.25):
+        self.base, self.every_s, self.peak = base, every_s, None
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        import httpx
+
+        while not self._stop.is_set():
+            try:
+                h = httpx.get(self.base + "/health", timeout=10).json()
+                now = h.get("kv_bytes_in_use", 0) + h.get("block_pool_bytes", 0)
+                self.peak = now if self.peak is None else max(self.peak, now)
+            except Exception:  # noqa: BLE001 - a missed sample only lowers the peak's resolution
+                pass
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "KVPeak":
+        self._thread = threading.Thread(target=self._sample, name="kv-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(15)
 
 
 def batching_stats(before: dict, after: dict) -> dict:

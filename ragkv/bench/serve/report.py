@@ -85,10 +85,13 @@ def render_markdown(result: dict) -> str:
         lines += ["", "Continuous batching inside ragkv's server per cell (prefill runs in units between decode "
                       "steps; a stall is the pause those units impose on running answers):", "",
                   markdown_table(["mode", "clients", "decode steps", "mean batch", "prefill stall ms per step",
-                                  "longest stall so far ms"],
+                                  "longest stall so far ms", "KV peak MB"],
                                  [[c["mode"], c["concurrency"], c["decode_steps"], c["mean_batch"],
-                                   c["prefill_stall_ms_per_step"], c["prefill_stall_ms_max_so_far"]]
-                                  for c in batching])]
+                                   c["prefill_stall_ms_per_step"], c["prefill_stall_ms_max_so_far"],
+                                   "-" if c.get("kv_bytes_peak") is None else round(c["kv_bytes_peak"] / 1e6, 1)]
+                                  for c in batching]),
+                  "", "KV peak: the most KV the server held at once during the cell (/health sampled every 0.25 s): "
+                      "the running answers' caches plus the pooled blocks `kv_layout=shared` reads in place."]
     ratios = result.get("ratios_vs_peer") or {}
     if ratios:
         peer = result["peer"]["name"]

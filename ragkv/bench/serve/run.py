@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ragkv.bench.serve.clients import batching_stats, connect, describe_cell, measure_cell, slo_ratios
+from ragkv.bench.serve.clients import KVPeak, batching_stats, connect, describe_cell, measure_cell, slo_ratios
 from ragkv.bench.serve.config import ServeBenchConfig
 from ragkv.bench.serve.peer import make_peer, peer_ratios, run_peer, token_counter
 from ragkv.bench.serve.report import plot_serve_bench, render_markdown
@@ -91,8 +91,9 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
         for c, reqs in zip(cfg.concurrency, work["plans"]):
             payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
             h0 = httpx.get(base + "/health", timeout=10).json()
-            cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
+            with KVPeak(base) as kv:
+                cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
             if len(servers) == 1:  # one server's batching counters; with several, its share would mislead
-                cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()))
+                cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()), kv_bytes_peak=kv.peak)
             progress(f"[serve bench] {mode} c={c}: {describe_cell(cell)}; reused {cell['reused_tokens']} / "
                      f"{cell['prompt_tokens']} prompt tokens")

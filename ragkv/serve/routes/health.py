@@ -16,6 +16,8 @@ async def health(request: Request):
     return {"status": "ok", "model": server.model_id, "dtype": server.engine.dtype_name,
             "decode_weights": server.engine.decode_weights,
             "write_back_pending": server.engine.write_back_pending(),
+            # blocks read in place by kv_layout=shared sequences (besides the caches' kv_bytes_in_use)
+            "block_pool_bytes": server.engine.pool_stats()["bytes"],
             **server.scheduler.stats()}
 
 
