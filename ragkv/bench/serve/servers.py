@@ -154,24 +154,25 @@ def started_together(servers: list[ServerProcess]):
         yield servers
 
 
-def wait_written(base: str, timeout_s: float = 60.0) -> None:
-    """Wait until the server at `base` has no new block on its way to a slower tier (its /health
-    `write_back_pending`), or `timeout_s`."""
+def _wait_health_zero(base: str, field: str, timeout_s: float, every_s: float) -> None:
+    """Poll the server's /health until `field` reads 0 (absent counts as 0), or `timeout_s`."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while httpx.get(base + "/health", timeout=10).json().get("write_back_pending", 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while httpx.get(base + "/health", timeout=10).json().get(field, 0) and time.monotonic() < deadline:
+        time.sleep(every_s)
+
+
+def wait_written(base: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server at `base` has no new block on its way to a slower tier (its /health
+    `write_back_pending`), or `timeout_s`."""
+    _wait_health_zero(base, "write_back_pending", timeout_s, 0.1)
 
 
 def wait_idle(base: str, timeout_s: float = 600.0) -> None:
     """Wait until the server at `base` has no background job left (its start-up profile, whose forwards would
     otherwise run between the benchmark's requests), or `timeout_s`."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(base + "/health", timeout=10).json().get("background_jobs", 0) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_health_zero(base, "background_jobs", timeout_s, 0.2)
 
 
 def cpu_seconds_of(servers: list[ServerProcess]) -> float | None:
