@@ -12,7 +12,7 @@ from ragkv.engine.options import FusionOptions
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.request import Segments
 from ragkv.engine.state import decode_step
-from ragkv.errors import InvalidRequestError
+from ragkv.errors import InvalidRequestError, OptionError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.memory import MemoryStore
 
@@ -95,6 +95,39 @@ def test_reuse_with_one_block_and_no_prefix_equals_full(tiny_engine):
     b, _ = eng.prefill(segs, FusionOptions(mode="full"))
     assert maxdiff(a.logits, b.logits) <= TOL
     assert maxdiff(decode_step(eng.model, a, 11), decode_step(eng.model, b, 11)) <= TOL
+
+
+def test_prefix_conditioned_reuse_with_one_block_equals_full(tiny_engine):
+    """Invariant 5 with a prefix: a block encoded after the prompt's prefix (conditioning=prefix) is computed as in
+    `full` when it is the only one, so the answer is full's; alone-encoded blocks are not. With several blocks the
+    entries are APE's (same conditioning, same encoding): a request after `ape` finds them all."""
+    eng = tiny_engine("llama")
+    one = make_segs(blocks=(30,))
+    full, _ = eng.prefill(one, FusionOptions(mode="full"))
+    cond, _ = eng.prefill(one, FusionOptions(mode="reuse", conditioning="prefix"))
+    alone, _ = eng.prefill(one, FusionOptions(mode="reuse"))
+    assert maxdiff(cond.logits, full.logits) <= TOL and maxdiff(alone.logits, full.logits) > 1e-3
+    assert maxdiff(decode_step(eng.model, cond, 11), decode_step(eng.model, full, 11)) <= TOL
+    segs = make_segs(blocks=(20, 30))
+    eng.prefill(segs, FusionOptions(mode="ape"))
+    _, stats = eng.prefill(segs, FusionOptions(mode="reuse", conditioning="prefix"))
+    assert stats.cache_hits == 3 and stats.cache_misses == 0
+    with pytest.raises(OptionError, match="conditioning"):
+        FusionOptions(mode="full", conditioning="prefix")
+
+
+@pytest.mark.parametrize("select", ["deviation", "query"])
+def test_blend_over_prefix_conditioned_blocks_keeps_the_extremes(tiny_engine, select):
+    """Invariant 6 over prefix-conditioned blocks: r=1 equals full, r=0 equals reuse of the same blocks."""
+    eng = tiny_engine("qwen2")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse", conditioning="prefix"))
+    kw = dict(mode="blend", select=select, conditioning="prefix")
+    one, _ = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL and maxdiff(zero.logits, reuse.logits) <= TOL
+    assert maxdiff(reuse.logits, eng.prefill(segs, FusionOptions(mode="reuse"))[0].logits) > 1e-3
 
 
 @pytest.mark.parametrize("deviation", ["v", "k"])

@@ -111,6 +111,10 @@ class FusionOptions:
     prefix_chunk: int = option(32, "prefix: tokens per hash-chained chunk", ge=1, le=1 << 16, key="chunk")
     positions: str = option("reencoded", "reuse: reencoded (each block re-rotated to its place) or local (each "
                             "block keeps positions 0..n-1, an ablation)", choices=("reencoded", "local"), key="pos")
+    conditioning: str = option("none", "reuse, blend, auto: what each block attended to when encoded: none (itself "
+                               "alone, Block-Attention) or prefix (the prompt's system prefix first, as APE's blocks: "
+                               "no block starts a sequence of its own, and the first block is computed as in full)",
+                               choices=("none", "prefix"), key="cond")
     kv_layout: str = option("copied", "reuse, ape, blend: copied (each block's K re-rotated into the request's own "
                             "cache) or shared (blocks read in place from the engine's device-resident block pool, the "
                             "query rotated per block: the same attention, no per-request copy; blend prefills as "
@@ -125,10 +129,12 @@ class FusionOptions:
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
                               f"{self.check_layers}")
-        if self.positions != "reencoded" and "positions" not in get_mode(self.mode).option_fields:
-            users = [m for m in mode_names() if "positions" in get_mode(m).option_fields]
-            raise OptionError("positions", f"positions={self.positions!r} applies to mode "
-                              f"{' or '.join(map(repr, users))} only, not {self.mode!r}")
+        for name, default in (("positions", "reencoded"), ("conditioning", "none")):
+            value = getattr(self, name)
+            if value != default and name not in get_mode(self.mode).option_fields:
+                users = [m for m in mode_names() if name in get_mode(m).option_fields]
+                raise OptionError(name, f"{name}={value!r} applies to mode {' or '.join(map(repr, users))} only, "
+                                  f"not {self.mode!r}")
 
 
 def fusion_option_specs() -> tuple[OptionSpec, ...]:

@@ -19,8 +19,8 @@ class Ape(BlockMode):
     option_fields = ("ape_temperature", "ape_scale", "kv_layout")
     shares_positions = True
 
-    def conditioning(self, segs):
-        return prefix_conditioning(segs.prefix)
+    def conditioning(self, segs, fusion):
+        return prefix_conditioning(segs.prefix)  # always: the paper's shared prefix
 
     def layout_kind(self, fusion):
         return "shared"

@@ -19,7 +19,7 @@ from ragkv.engine.query_select import prefill_selected
 class Auto(Blend):
     name = "auto"
     summary = "blend with the query-aware selection at r, escalated to a full recompute when its risk exceeds max_risk"
-    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block", "kv_layout")
+    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block", "conditioning", "kv_layout")
 
     def check(self, engine, fusion):
         pass

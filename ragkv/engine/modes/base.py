@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from typing import ClassVar
 
-from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult
+from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult, prefix_conditioning
 from ragkv.engine.flops import head_flops, rows_flops
 from ragkv.engine.history import prefill_history, with_exact_prefix
 from ragkv.engine.layout import Layout, make_layout
@@ -86,8 +86,11 @@ class BlockMode(FusionMode):
     # which recomputes block rows) the mode fuses a copy and keeps only the rows it computed (keep_own_rows)
     fuses_in_place: ClassVar[bool] = True
 
-    def conditioning(self, segs: Segments) -> str:
-        """What the blocks attended to when encoded (part of their cache key)."""
+    def conditioning(self, segs: Segments, fusion: "FusionOptions") -> str:
+        """What the blocks attended to when encoded (part of their cache key): themselves alone, or the prompt's
+        prefix first (`fusion.conditioning`, for the modes that read it)."""
+        if "conditioning" in self.option_fields and fusion.conditioning == "prefix" and segs.prefix:
+            return prefix_conditioning(segs.prefix)
         return NO_CONDITIONING
 
     def layout_kind(self, fusion: "FusionOptions") -> str:
@@ -99,15 +102,16 @@ class BlockMode(FusionMode):
 
     def cache_keys(self, engine, segs, fusion, ns):
         pre = [engine._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
-        return pre + [engine._blocks.key(ids, self.conditioning(segs), ns) for ids in segs.blocks]
+        return pre + [engine._blocks.key(ids, self.conditioning(segs, fusion), ns) for ids in segs.blocks]
 
     def shared_key_count(self, segs, fusion):
         return 1 if segs.prefix else 0
 
-    def ensure_steps(self, blocks: "BlockCache", segs: Segments, ns: str) -> Steps[EnsureResult]:
+    def ensure_steps(self, blocks: "BlockCache", segs: Segments, fusion: "FusionOptions",
+                     ns: str) -> Steps[EnsureResult]:
         """The prefix and every block in the store (encoding misses), as one result in prompt order."""
         prefix_blocks = [segs.prefix] if segs.prefix else []
-        cond = self.conditioning(segs)
+        cond = self.conditioning(segs, fusion)
         if cond == NO_CONDITIONING:
             return (yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns))
         pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
@@ -117,10 +121,11 @@ class BlockMode(FusionMode):
                             pre.hit_tokens + blk.hit_tokens)
 
     def warm(self, engine, segs, fusion, ns):
-        return drain(self.ensure_steps(engine._blocks, segs, ns))
+        return drain(self.ensure_steps(engine._blocks, segs, fusion, ns))
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        if segs.history and self.conditioning(segs) == NO_CONDITIONING and self.layout_kind(fusion) == "sequential":
+        alone = self.conditioning(segs, fusion) == NO_CONDITIONING
+        if segs.history and alone and self.layout_kind(fusion) == "sequential":
             # chat turns: the exactly computable start of the conversation first (engine/history.py)
             return (yield from prefill_history(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks))
         return (yield from self.prefill_blocks(engine, segs, fusion, capacity, stats, ns, chunk, blocks))
@@ -130,7 +135,7 @@ class BlockMode(FusionMode):
         computed exactly (rotated K), used in place of the prefix's block."""
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
         engine._check_length(layout.query_start + len(segs.query))
-        res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), ns)
+        res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), fusion, ns)
         stats.cache_hits, stats.cache_misses = res.hits, res.misses
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
         if res.uncached:

@@ -26,7 +26,7 @@ class Blend(BlockMode):
     name = "blend"
     summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query or sinks"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
-                     "select_per_block", "kv_layout")
+                     "select_per_block", "conditioning", "kv_layout")
     fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
 
     def own_rows(self, segs, fusion):
@@ -67,7 +67,8 @@ class Blend(BlockMode):
         selected = x.get("selected", x.get("blend_selected"))  # query/sinks selections, or CacheBlend's
         block = x.get("block_tokens", x.get("blend_block_tokens"))
         return {"mode": self.name, "exact": selected == block,  # every block token recomputed: full's answer
-                "select": fusion.select, "ratio": fusion.ratio, "recomputed_tokens": stats.recomputed_tokens,
+                "select": fusion.select, "ratio": fusion.ratio, "conditioning": fusion.conditioning,
+                "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
                 # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
                 "signal": risk[name] if risk else None, "signal_name": name if risk else None}

@@ -13,14 +13,15 @@ from ragkv.engine.modes.registry import register
 class Reuse(BlockMode):
     name = "reuse"
     summary = "every block's independently computed KV, re-rotated to its position (Block-Attention)"
-    option_fields = ("positions", "kv_layout")
+    option_fields = ("positions", "conditioning", "kv_layout")
 
     def layout_kind(self, fusion):
         return "local" if fusion.positions == "local" else "sequential"  # local: the no-re-encoding ablation
 
     def fidelity(self, fusion, stats):
-        # blocks that never saw each other: exact only for one block and no prefix (invariant 5)
-        return {"mode": self.name, "exact": False, "positions": fusion.positions, "kv_layout": fusion.kv_layout,
+        # blocks that never saw each other: exact only for one block after no prefix, or one conditioned on it
+        return {"mode": self.name, "exact": False, "positions": fusion.positions,
+                "conditioning": fusion.conditioning, "kv_layout": fusion.kv_layout,
                 "reused_tokens": stats.reused_tokens, "signal": None}
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
