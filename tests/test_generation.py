@@ -5,6 +5,7 @@ import torch
 
 from ragkv.engine.generate import _held_back, _stop_index
 from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.errors import OptionError
 from ragkv.engine.sampling import sample
 
 FULL = FusionOptions(mode="full")
@@ -53,3 +54,31 @@ def test_eos_ends_generation_and_seeded_sampling_repeats(default_engine):
     a = default_engine.generate(segs, FULL, opts)
     b = default_engine.generate(segs, FULL, opts)
     assert a.token_ids == b.token_ids
+
+
+def test_min_tokens_holds_back_every_end_until_reached(tiny_engine):
+    """vLLM's min_tokens: no end-of-sequence token (its logit masked) and no stop string before that many tokens."""
+    from tiny import make_segs
+
+    class Tokens:  # tiny models carry no tokenizer: each token's text is "<id>"
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"<{i}>" for i in ids)
+
+    eng = tiny_engine("llama")
+    eng.tokenizer = Tokens()
+    segs = make_segs(blocks=(12,))
+    free = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12))
+    end = free.token_ids[2]
+    eng.eos_ids = {end}  # the greedy answer's third token now ends it
+    cut = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12))
+    k = free.token_ids.index(end)
+    assert cut.token_ids == free.token_ids[:k] and cut.finish_reason == "stop"
+    held = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12, min_tokens=6))
+    assert len(held.token_ids) >= 6 and end not in held.token_ids[:6] and held.token_ids[:k] == free.token_ids[:k]
+    eng.eos_ids = set()
+    assert eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12, stop=("<",))).text == ""
+    late = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12, stop=("<",), min_tokens=4))
+    assert late.text == Tokens().decode(free.token_ids[:4]) and late.finish_reason == "stop"
+    with pytest.raises(OptionError, match="min_tokens"):
+        GenerationOptions(max_new_tokens=4, min_tokens=5)
+

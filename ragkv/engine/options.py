@@ -151,6 +151,8 @@ class GenerationOptions:
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this probability", gt=0, le=1)
     seed: int | None = option(None, "sampling seed (None: a fresh one)")
     stop: tuple[str, ...] = option((), "strings that end the answer (not included)")
+    min_tokens: int = option(0, "tokens to generate before an end-of-sequence token or a stop string may end the "
+                             "answer (vLLM's; a fixed-length answer for benchmarks)", ge=0)
     top_k: int = option(0, "keep the k most likely tokens; <= 0: off")
     min_p: float = option(0.0, "drop tokens below min_p times the most likely one's probability; 0: off", ge=0, le=1)
     presence_penalty: float = option(0.0, "OpenAI's, on generated tokens")
@@ -162,6 +164,9 @@ class GenerationOptions:
     def __post_init__(self):
         for spec in option_specs(GenerationOptions):
             check_option(spec, getattr(self, spec.name))
+        if self.min_tokens > self.max_new_tokens:
+            raise OptionError("min_tokens", f"min_tokens ({self.min_tokens}) cannot exceed the answer's limit "
+                              f"max_new_tokens ({self.max_new_tokens})")
 
     @property
     def penalized(self) -> bool:

@@ -144,6 +144,7 @@ class _Sampling(_Loose):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None   # -1 or 0: off (vLLM's convention)
     min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # vLLM's: no end before this many tokens
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=100)

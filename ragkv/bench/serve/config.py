@@ -18,6 +18,7 @@ class ServeBenchConfig:
     pool_size: int = 40
     passage_words: int = 210          # ~300 SmolLM2 tokens (MuSiQue: 1.44 tokens per word)
     max_tokens: int = 64
+    min_tokens: int = 0               # > 0: answers of at least this length (a decode-bound workload)
     seed: int = 0
     warmup: bool = True
     timeout_s: float = 900.0          # per request, client side
@@ -39,6 +40,8 @@ class ServeBenchConfig:
             raise InvalidRequestError(f"concurrency levels must be >= 1, got {self.concurrency}")
         if self.requests < 1 or self.max_tokens < 1 or self.passage_words < 1:
             raise InvalidRequestError("--requests, --max-tokens and --passage-words must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"--min-tokens must be in [0, --max-tokens={self.max_tokens}]")
         if not 1 <= self.passages_per_request <= self.pool_size:
             raise InvalidRequestError(f"--passages-per-request must be in [1, --pool-size={self.pool_size}]")
 
