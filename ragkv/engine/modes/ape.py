@@ -1,6 +1,6 @@
 """`ape`: Adaptive Parallel Encoding (Yang, Chen, Chen). Blocks encoded after the shared prefix share one position
-range; the query's attention over the blocks takes a temperature T and a scale S (paper eq. 11-12), in prefill
-and in every decode step. T = S = 1 on the sequential layout equals `reuse` (invariant 7)."""
+range; the query's attention over the blocks takes a temperature T and a scale S (appendix C.4's joint merge,
+engine/ape.py), in prefill and in every decode step. T = S = 1 on the sequential layout equals `reuse` (invariant 7)."""
 
 from __future__ import annotations
 
