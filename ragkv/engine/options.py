@@ -129,12 +129,15 @@ class FusionOptions:
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
                               f"{self.check_layers}")
-        for name, default in (("positions", "reencoded"), ("conditioning", "none")):
+        for name in ("positions", "conditioning"):  # set away from its default for a mode that ignores it
             value = getattr(self, name)
-            if value != default and name not in get_mode(self.mode).option_fields:
+            if value != _DEFAULTS[name] and name not in get_mode(self.mode).option_fields:
                 users = [m for m in mode_names() if name in get_mode(m).option_fields]
                 raise OptionError(name, f"{name}={value!r} applies to mode {' or '.join(map(repr, users))} only, "
                                   f"not {self.mode!r}")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(FusionOptions)}
 
 
 def fusion_option_specs() -> tuple[OptionSpec, ...]:
@@ -165,8 +168,8 @@ class GenerationOptions:
         for spec in option_specs(GenerationOptions):
             check_option(spec, getattr(self, spec.name))
         if self.min_tokens > self.max_new_tokens:
-            raise OptionError("min_tokens", f"min_tokens ({self.min_tokens}) cannot exceed the answer's limit "
-                              f"max_new_tokens ({self.max_new_tokens})")
+            raise OptionError("min_tokens", f"min_tokens ({self.min_tokens}) cannot exceed the answer's limit, "
+                              f"max_new_tokens / max_tokens ({self.max_new_tokens})")
 
     @property
     def penalized(self) -> bool:

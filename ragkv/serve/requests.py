@@ -145,11 +145,8 @@ class RequestBuilder:
             raise FieldError("n", f"n={req.n} choices exceed the {self.max_batch} sequences decoded together "
                                   "(--max-batch)")
         penalty = req.repetition_penalty
-        max_new = default_max if max_new is None else max_new
-        if (req.min_tokens or 0) > max_new:
-            raise FieldError("min_tokens", f"min_tokens={req.min_tokens} exceeds the answer's limit of {max_new} "
-                                           "tokens (max_tokens)")
-        return GenerationOptions(max_new_tokens=max_new, min_tokens=req.min_tokens or 0,
+        return GenerationOptions(max_new_tokens=default_max if max_new is None else max_new,
+                                 min_tokens=req.min_tokens or 0,
                                  temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed,
                                  stop=req.stops(), top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
                                  presence_penalty=req.presence_penalty or 0.0,

