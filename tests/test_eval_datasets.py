@@ -313,3 +313,23 @@ def test_icl_sets_give_every_question_the_same_solved_training_questions():
         asked = {p.text.split("\n")[0][len("Question: "):] for p in demos}
         assert not asked & held_back  # never an evaluation or calibration question
         assert dataset_prompt(f"nq-icl-{k}").query_template.endswith("Answer:")
+
+
+@needs_data
+def test_samsum_icl_summarizes_test_dialogues_after_solved_train_and_validation_dialogues():
+    from ragkv.eval.datasets import dataset_prompt, dataset_stop
+
+    tests = load_dataset("samsum", limit=5)
+    held = {ex.passages[0].text for split in ("train", "validation") for ex in load_dataset("samsum", split=split)}
+    for k in (4, 8, 32):
+        examples = load_dataset(f"samsum-icl-{k}", limit=5)
+        assert [ex.question for ex in examples] == [ex.passages[0].text for ex in tests]  # the dialogue is asked
+        assert [ex.answers for ex in examples] == [ex.answers for ex in tests]
+        assert all(ex.metric == "rouge_l" and ex.meta["split"] == "test" for ex in examples)
+        demos = examples[0].passages
+        assert len(demos) == k and all(ex.passages == demos for ex in examples)  # one set: blocks encoded once
+        dialogues = {p.text[len("Dialogue:\n"):p.text.rindex("\nSummary: ")] for p in demos}
+        assert len(dialogues) == k and dialogues <= held  # solved dialogues, never a test one
+        assert dataset_prompt(f"samsum-icl-{k}").query_template.endswith("Summary:")
+        assert dataset_stop(f"samsum-icl-{k}") == ("\n",)  # a summary is one line
+    assert dataset_stop("samsum") == () and dataset_stop(None) == ()

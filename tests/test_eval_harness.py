@@ -104,6 +104,16 @@ def test_resume_after_interruption_gives_the_same_records(engine, tmp_path):
                         progress=False)["records"]) == 9
 
 
+def test_a_data_sets_stop_string_ends_every_modes_answer(engine):
+    exs, modes = _examples(1), _modes(engine, "full,reuse")
+    words = run_eval(engine, exs, modes, max_new_tokens=6, progress=False)["records"][0]["prediction"].split()
+    stop = " " + words[2]  # the third word, as a one-line summary ends at its newline
+    recs = run_eval(engine, exs, modes, max_new_tokens=6, progress=False, stop=(stop,))["records"]
+    full = next(r for r in recs if r["mode_key"] == "full")
+    assert full["prediction"] == " ".join(words[:2]) and full["finish_reason"] == "stop"
+    assert all(stop not in r["prediction"] for r in recs)
+
+
 def test_changed_mode_parameters_refuse_to_resume(engine, tmp_path):
     path = tmp_path / "r.jsonl"
     run_eval(engine, _examples(1), _modes(engine, "full,blend"), ResultsFile(path, {}), max_new_tokens=2,

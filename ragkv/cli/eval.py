@@ -265,9 +265,10 @@ def run_eval_cmd(args) -> int:
         label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
     engine = _engine(args)
-    from ragkv.eval.datasets import DATASETS, dataset_prompt
+    from ragkv.eval.datasets import DATASETS, dataset_prompt, dataset_stop
 
     prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
+    stop = dataset_stop(kw["name"])  # e.g. a one-line summary
     if args.truncate:
         from ragkv.eval.harness import truncate_to_window
 
@@ -285,12 +286,12 @@ def run_eval_cmd(args) -> int:
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         _say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
-    results = ResultsFile(output, results_config(engine, desc, max_new, prompt), args.overwrite)
+    results = ResultsFile(output, results_config(engine, desc, max_new, prompt, stop), args.overwrite)
     done = len(results.done_keys())
     if done:
         _say(f"resuming {output}: {done} records already there")
     run = run_eval(engine, examples, modes, results, max_new_tokens=max_new, progress=not args.no_progress,
-                   desc=label, prompt_format=prompt,
+                   desc=label, prompt_format=prompt, stop=stop,
                    # in-context examples are the same blocks for every question: encoded once, kept
                    keep_cache=bool(DATASETS[kw["name"]].shots) if kw["name"] in DATASETS else False)
     summary = summarize(run["records"], keys)

@@ -56,8 +56,10 @@ class DatasetInfo:
     #                             calibrations | "train": fine-tuning only
     records: tuple[int, int | None] = (0, None)  # the file's records [start, stop) that make up this data set
     own_distractors: bool = False  # nq with distractors: draw them only from these records (not the whole file)
-    shots: int = 0              # nq: closed book with this many solved questions from the training records as blocks
+    shots: int = 0              # in-context learning: this many solved training examples as blocks (nq: closed book
+    #                             questions; samsum: summarized dialogues), the same for every question
     prompt: PromptFormat | None = None  # the prompt these examples need (None: the engine's RAG prompt)
+    stop: tuple[str, ...] = ()  # strings that end an answer (e.g. a one-line summary), none by default
 
 
 # NQ-open (Lost in the Middle's oracle file, 2,655 questions) is cut in three: the first NQ_EVAL questions are
@@ -67,6 +69,10 @@ NQ_EVAL, NQ_HELDOUT = 500, 700
 # in-context learning (APE section 5.2): each demonstration one block, the question after them
 ICL_PROMPT = PromptFormat(system="Answer each question with a few words, as in the examples.",
                           untitled_block_template="{text}\n\n", query_template="Question: {question}\nAnswer:")
+# few-shot summarization: each solved dialogue one block, the test dialogue after them; a summary is one line
+SAMSUM_ICL_PROMPT = PromptFormat(system="Summarize each dialogue in one or two sentences, as in the examples.",
+                                 untitled_block_template="{text}\n\n",
+                                 query_template="Dialogue:\n{question}\nSummary:")
 
 DATASETS = {
     "musique": DatasetInfo("cacheblend/musique_s.json", "cacheblend", "MuSiQue as CacheBlend ships it (token F1)"),
@@ -91,6 +97,11 @@ DATASETS = {
                                   "training records, the same for every question, each one block: in-context "
                                   "examples encoded once)", records=(0, NQ_EVAL), shots=k, prompt=ICL_PROMPT)
        for k in (8, 32, 128)},
+    **{f"samsum-icl-{k}": DatasetInfo("samsum/uniprompt_samsum.jsonl", "samsum", f"SAMSum test dialogues "
+                                      f"summarized after {k} summarized train/validation dialogues (each one block, "
+                                      "the same for every dialogue; Rouge-L of the first line)", shots=k,
+                                      prompt=SAMSUM_ICL_PROMPT, stop=("\n",))
+       for k in (4, 8, 32)},
     "kv-retrieval": DatasetInfo("lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz", "kv",
                                 "synthetic key-value retrieval, 75 pairs"),
 }
@@ -155,7 +166,11 @@ def load_dataset(name: str | None = None, data_file: str | Path | None = None, f
         if distract:  # the pool is this data set's records only
             examples = nq_with_distractors(examples, num_passages, gold_position=gold_position, seed=seed,
                                            limit=limit)
-    if info.shots:
+    if info.shots and fmt == "samsum":  # the dialogue is the question; solved dialogues are the blocks
+        demos = samsum_demonstrations(path, info.shots, seed)
+        examples = [replace(ex, question=ex.passages[0].text, passages=demos, meta={**ex.meta, "shots": info.shots})
+                    for ex in examples]
+    elif info.shots:
         demos = icl_demonstrations(path, info.shots, seed)
         examples = [replace(ex, passages=demos, meta={"shots": info.shots}) for ex in examples]
     if limit is not None and len(examples) < limit:
@@ -178,9 +193,24 @@ def icl_demonstrations(path: Path, shots: int, seed: int = 0) -> list[Passage]:
             for ex in (_parse_nq(pool[j]) for j in chosen)]
 
 
+def samsum_demonstrations(path: Path, shots: int, seed: int = 0) -> list[Passage]:
+    """`shots` summarized dialogues ("Dialogue:\n...\nSummary: ...") drawn from SAMSum's train and validation
+    splits (never the test split, which is evaluated), deterministically per seed."""
+    pool = _parse_samsum(path, "train", None) + _parse_samsum(path, "validation", None)
+    if len(pool) < shots:
+        raise DatasetError(f"{path}: {len(pool)} train and validation dialogues, fewer than {shots} examples")
+    chosen = random.Random(f"samsum-icl:{seed}").sample(range(len(pool)), shots)
+    return [Passage(text=f"Dialogue:\n{pool[j].passages[0].text}\nSummary: {pool[j].answers[0]}") for j in chosen]
+
+
 def dataset_prompt(name: str | None) -> PromptFormat | None:
     """The prompt a named data set needs, or None for the engine's (the RAG prompt)."""
     return DATASETS[name].prompt if name in DATASETS else None
+
+
+def dataset_stop(name: str | None) -> tuple[str, ...]:
+    """The strings that end a named data set's answers (none for most)."""
+    return DATASETS[name].stop if name in DATASETS else ()
 
 
 def _resolve(name: str | None, data_file: str | Path | None, fmt: str | None) -> DatasetInfo:

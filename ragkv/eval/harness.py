@@ -56,11 +56,12 @@ def fidelity(ref, ans, n: int = FIDELITY_TOKENS) -> dict:
     return out
 
 
-def results_config(engine, dataset: dict, max_new_tokens: int, prompt_format=None) -> dict:
+def results_config(engine, dataset: dict, max_new_tokens: int, prompt_format=None, stop=()) -> dict:
     """What every record of one results file shares (modes and limit excluded: they may grow on resume)."""
     import torch
 
-    return {"harness": HARNESS_VERSION, **dataset, "model": engine.model_name,
+    return {**({"stop": list(stop)} if stop else {}),  # only when set: files written before it still resume
+            "harness": HARNESS_VERSION, **dataset, "model": engine.model_name,
             "fingerprint": engine.fingerprint, "dtype": engine.dtype_name,
             "device": engine.device.type, "threads": torch.get_num_threads(),
             "max_new_tokens": max_new_tokens,
@@ -78,9 +79,9 @@ def check_mode_params(records: Iterable[dict], modes: list[ModeSpec]) -> None:
                              "(e.g. ape:T=0.9,S=0.9), pass another --output, or --overwrite")
 
 
-def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int):
+def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int, stop=()):
     if max_new_tokens:
-        return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens))
+        return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens, stop=tuple(stop)))
     from ragkv.engine.engine import Answer  # first-token fidelity only: no decoding
 
     state, stats = engine.prefill(segs, fusion)
@@ -141,10 +142,11 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
 
 def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: ResultsFile | None = None, *,
              max_new_tokens: int = 32, progress: bool = True, desc: str = "eval", keep_cache: bool = False,
-             prompt_format=None) -> dict:
+             prompt_format=None, stop=()) -> dict:
     """Evaluate `modes` on `examples`, skipping (example, mode) pairs already in `results`.
 
-    `prompt_format`: the data set's own prompt (datasets.dataset_prompt), else the engine's.
+    `prompt_format`: the data set's own prompt (datasets.dataset_prompt), else the engine's; `stop`: strings that
+    end an answer (datasets.dataset_stop).
     Returns {"records": this run's records of these examples and modes, old and new, "skipped": ids of examples
     too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume}.
     """
@@ -176,7 +178,7 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
         bar.set_postfix_str(f"{ex.id[:12]} full")
         # the reference where `full` fits; beyond the window, the other modes run without one (no fidelity)
         fits_full = segs.num_tokens + max_new_tokens <= engine.max_positions
-        ref = _answer(engine, segs, FULL, max_new_tokens) if fits_full else None
+        ref = _answer(engine, segs, FULL, max_new_tokens, stop) if fits_full else None
         rerun += any((ex.id, m.key) in done for m in modes if get_mode(m.mode).is_reference)
         encode: dict[tuple, float] = {}  # blocks read (cache keys) -> their encoding time
         for spec in pending:
@@ -191,7 +193,7 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
             else:
                 if group and group not in encode:
                     encode[group] = engine.warm(mode_segs, spec.fusion).encode_ms
-                ans = _answer(engine, mode_segs, spec.fusion, max_new_tokens)
+                ans = _answer(engine, mode_segs, spec.fusion, max_new_tokens, stop)
             rec = make_record(ex, spec, ans, ref, mode_segs, encode.get(group, 0.0), n_fid)
             if results is not None:
                 results.append(rec)
