@@ -211,6 +211,28 @@ def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
         eng.prefill(segs, FusionOptions(mode="blend", select="sinks"))
 
 
+@pytest.mark.parametrize("per_block", [False, True])
+def test_recent_selection_recomputes_the_tokens_nearest_the_query(tiny_engine, per_block):
+    """Invariant 6 for the static recency selection: r=1 == full, r=0 == reuse; in between, the last r of the block
+    tokens (or of each block's), in one pass that equals stage 2 over the same rows."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    kw = dict(mode="blend", select="recent", select_per_block=per_block)
+    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL and maxdiff(zero.logits, reuse.logits) <= TOL
+    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+    part, sp = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
+    Tq, L = len(segs.query), eng.num_layers
+    # 15 of 75 block tokens: all in the last block (25 tokens), or 4 / 6 / 5 at each block's end
+    assert sp.extra["selected_per_block"] == ([4, 6, 5] if per_block else [0, 0, 15])
+    assert sp.recomputed_token_layers == (15 + Tq) * L and sp.recomputed_tokens == 15 + Tq
+    assert s1.recomputed_token_layers == (75 + Tq) * L  # one pass: no stage 1 over the query
+    assert not sp.fidelity["exact"] and sp.fidelity["select"] == "recent"
+
+
 @pytest.mark.parametrize("check_rows,per_block", [("all", False), ("selected", True), ("all", True)])
 def test_blend_variants_keep_the_extremes(tiny_engine, check_rows, per_block):
     """Invariant 6 for the drift-study variants (issue 14): r=1 is full; r=0 is reuse when only the selected

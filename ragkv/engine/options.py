@@ -86,7 +86,8 @@ class FusionOptions:
     auto_ratio: bool = option(False, "blend: the loading controller raises r to what loading hides")
     select: str = option("deviation", "blend: how the recomputed tokens are chosen: deviation (CacheBlend), query "
                          "(ProphetKV: the query's attention over the reused cache), sinks (EPIC: each block's first "
-                         "sink_tokens only)", choices=SELECTIONS, key="sel")
+                         "sink_tokens only), recent (the last r of the block tokens, nearest the query)",
+                         choices=SELECTIONS, key="sel")
     signal: str | None = option(None, "auto: the risk signal it escalates on: shift (how far the recompute moved the "
                                 "first token's distribution), entropy or margin (1 - top-1 minus top-2 "
                                 "probability) of the answer's first token (default: calibrated, else shift)",

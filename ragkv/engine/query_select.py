@@ -16,7 +16,9 @@ through a full layer 0 or a check layer (CacheBlend's cost): the work is Tq rows
 EPIC's LegoLink needs no stage 1: each block's first `sink_tokens` tokens (where its own attention sink sits) and
 the query are recomputed, nothing chosen at run time. So it runs in one pass: before each layer the reused context
 is fetched and re-rotated into the cache, then the sink rows and the query overwrite theirs and attend (the query
-runs once, not in a stage 1 and again in stage 2): Tq + sinks rows x L.
+runs once, not in a stage 1 and again in stage 2): Tq + sinks rows x L. `recent` is static too: the last r of the
+block tokens (those nearest the query, which in a full prefill have read every earlier passage), per block with
+`select_per_block` (each block's tail), plus any sinks; same one pass.
 
 Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
 no sinks) leaves stage 1's result, which is `reuse`.
@@ -126,11 +128,24 @@ class FetchedRowsPlan(SelectedRowsPlan):
         return x
 
 
-def prefill_sinks(model, layer_iter, layout: Layout, ids: list[int], Tq: int, sink_tokens: int, capacity: int,
-                  stats: RequestStats) -> tuple[DecodeState, torch.Tensor]:
-    """EPIC's LegoLink in one pass: each block's first `sink_tokens` and the query recomputed at every layer."""
+STATIC_SELECTIONS = ("sinks", "recent")  # chosen from the layout alone: one pass, no stage 1
+
+
+def static_choice(select: str, layout: Layout, ratio: float, sink_tokens: int, per_block: bool) -> torch.Tensor:
+    """`sinks`: each block's first `sink_tokens`; `recent`: the top r by position (the last r of the block tokens,
+    or of each block's), plus the sinks."""
+    if select == "sinks":
+        return choose_tokens(None, layout, 0.0, sink_tokens, False)
+    recency = torch.arange(layout.context_len, dtype=torch.float32, device=layout.context_positions.device)
+    return choose_tokens(recency, layout, ratio, sink_tokens, per_block)
+
+
+def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, chosen: torch.Tensor, capacity: int,
+                   stats: RequestStats) -> DecodeState:
+    """A selection known from the layout (EPIC's LegoLink, `recent`) in one pass: the chosen context rows and the
+    query recomputed at every layer, over the reused context fetched layer by layer."""
     N, L, total = layout.context_len, model.args.num_layers, len(ids)
-    chosen = choose_tokens(None, layout, 0.0, sink_tokens, False).to(model.device)
+    chosen = chosen.to(model.device)
     rows = torch.cat([chosen, torch.arange(N, total, device=chosen.device)])
     cache = KVCache.for_model(model, max(capacity, total))
     t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
@@ -142,7 +157,7 @@ def prefill_sinks(model, layer_iter, layout: Layout, ids: list[int], Tq: int, si
     stats.recomputed_token_layers += len(rows) * L
     stats.reused_tokens += N - len(chosen)
     stats.recomputed_tokens += Tq + len(chosen)
-    return DecodeState(cache, total, logits), chosen
+    return DecodeState(cache, total, logits)
 
 
 @torch.inference_mode()
@@ -150,8 +165,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
                      select: str, ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
                      stats: RequestStats, max_signal: float | None = None,
                      signal: str = DEFAULT_SIGNAL) -> DecodeState:
-    """`select="query"`: ProphetKV's two stages; `select="sinks"`: EPIC's static chunk links (stage 1 only fills
-    the cache). With several `ratios` (the quality-bounded mode), stage 2 runs again at the next ratio while the
+    """`select="query"`: ProphetKV's two stages; `select="sinks"` (EPIC's static chunk links) or `"recent"`: one
+    pass over a selection known from the layout. With several `ratios` (the quality-bounded mode), stage 2 runs again at the next ratio while the
     risk `signal` (engine/risk.py: e.g. KL(this answer's first-token distribution || the previous one's)) exceeds
     `max_signal`: the answer is at risk. A larger selection contains the smaller one, so stage 2 simply runs again
     over the same cache (each layer's selected rows are overwritten before they are attended)."""
@@ -163,9 +178,9 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
                                   "reuse or full")
     if layout.query_start != N:
         raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
-    if select == "sinks":
-        state, chosen = prefill_sinks(model, layer_iter, layout, context_ids + query_ids, Tq, sink_tokens, capacity,
-                                      stats)
+    if select in STATIC_SELECTIONS:
+        chosen = static_choice(select, layout, ratios[0], sink_tokens, per_block)
+        state = prefill_static(model, layer_iter, layout, context_ids + query_ids, Tq, chosen, capacity, stats)
         record_selection(stats, select, chosen, layout, [measure(state.logits, None, None)], signal)
         return state  # no stage 1 to compare with: the risk's `shift` is unknown
     recorder = QueryAttentionRecorder(N) if select == "query" else None

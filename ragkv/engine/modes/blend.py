@@ -3,7 +3,8 @@
   recomputed from there on (ragkv/engine/blend.py);
 - `query`: ProphetKV (arXiv 2602.02579): the tokens the query attends to most over the reused cache, recomputed at
   every layer (ragkv/engine/query_select.py);
-- `sinks`: EPIC's LegoLink (arXiv 2410.15332): each block's first `sink_tokens`, nothing chosen at run time.
+- `sinks`: EPIC's LegoLink (arXiv 2410.15332): each block's first `sink_tokens`, nothing chosen at run time;
+- `recent`: the last r of the block tokens (nearest the query), or of each block's, also static.
 The loading controller chooses the tier to read each block from and, with `auto_ratio`, raises r to what loading
 hides. r = 1 equals `full`, r = 0 `reuse`, for every selection (invariant 6)."""
 
@@ -15,16 +16,16 @@ from ragkv.engine.blend import prefill_blend
 from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_flops
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
-from ragkv.engine.query_select import prefill_selected
+from ragkv.engine.query_select import STATIC_SELECTIONS, prefill_selected
 from ragkv.errors import InvalidRequestError
 
-SELECTIONS = ("deviation", "query", "sinks")  # FusionOptions.select; the first is the default
+SELECTIONS = ("deviation", "query", "sinks", "recent")  # FusionOptions.select; the first is the default
 
 
 @register
 class Blend(BlockMode):
     name = "blend"
-    summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query or sinks"
+    summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query, sinks or recency"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
                      "select_per_block", "conditioning", "kv_layout")
     fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
@@ -78,7 +79,7 @@ class Blend(BlockMode):
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         L = a.num_layers
-        if fusion.select == "sinks":  # one pass: the sinks (what was not reused) and the query at every layer
+        if fusion.select in STATIC_SELECTIONS:  # one pass: what was not reused and the query at every layer
             chosen = max(0, context - reused)
             rows = chosen + query
             return L * (rows * linear_flops(a) + attention_flops(a, chosen * context // 2 + query * context)) \
