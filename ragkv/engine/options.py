@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.modes.blend import SELECTIONS
 from ragkv.engine.risk import SIGNALS
-from ragkv.errors import InvalidRequestError, OptionError
+from ragkv.errors import OptionError
 
 
 
