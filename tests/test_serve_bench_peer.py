@@ -169,6 +169,11 @@ def test_llama_server_peer_command_start_and_stop(tmp_path):
     assert extra == {"repeat_penalty": 1.0}
     with pytest.raises(RagkvError, match="scripts/install_llama_server.sh"):
         find_llama_server(str(tmp_path / "nope"))
+    broken = tmp_path / "broken-llama-server"
+    broken.write_text("#!/bin/sh\necho 'error while loading shared libraries: libllama.so' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    with pytest.raises(RagkvError, match="does not run .*libllama.so.*install_llama_server"):
+        find_llama_server(str(broken))
     with pytest.raises(InvalidRequestError, match="--peer-binary is for --peer llama-server"):
         bench.make_peer("llama-cpp", "smollm2", binary=str(binary))
     with pytest.raises(InvalidRequestError, match="--peer-binary"):

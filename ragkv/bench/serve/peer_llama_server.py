@@ -22,14 +22,20 @@ LLAMA_SERVER_INSTALL_HINT = (f"build it with `bash scripts/install_llama_server.
 
 def find_llama_server(path: str | None = None) -> Path:
     """The llama-server binary: `path`, else the one install_llama_server.sh builds (in the working directory or
-    beside the checkout), else `llama-server` on PATH. Raises with the build instructions when there is none."""
+    beside the checkout), else `llama-server` on PATH. Raises with the build instructions when there is none or
+    it does not run (a shared build moved away from its libraries)."""
     default = Path(DEFAULT_LLAMA_SERVER)
     candidates = ([Path(path).expanduser()] if path else
                   [default, Path(__file__).resolve().parents[3] / default, Path("llama-server")])
     for c in candidates:
         found = c if c.is_file() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
-        if found is not None:
+        if found is None:
+            continue
+        check = subprocess.run([str(found), "--version"], capture_output=True, text=True, timeout=60)
+        if check.returncode == 0:
             return found
+        raise RagkvError(f"{found} does not run ({(check.stderr.strip().splitlines() or ['?'])[-1]}); "
+                         + LLAMA_SERVER_INSTALL_HINT)
     raise RagkvError(f"llama-server is not built (no {' or '.join(map(str, candidates))}); "
                      + LLAMA_SERVER_INSTALL_HINT)
 
