@@ -158,7 +158,8 @@ def register(sub) -> None:
                    help="--peer llama-server: the llama-server binary (default: the one scripts/"
                         "install_llama_server.sh builds, else llama-server on PATH)")
     g.add_argument("--peer-url", default=None, help="a running peer server (default: start one here)")
-    g.add_argument("--peer-gguf", default=None, help="the GGUF llama-cpp or llama-server loads (default: the model's own)")
+    g.add_argument("--peer-gguf", default=None,
+                   help="the GGUF llama-cpp or llama-server loads (default: the model's own)")
     g.add_argument("--peer-threads", type=int, default=None,
                    help="the peer's compute threads (default: torch's thread count, as ragkv)")
     g.add_argument("--peer-ctx", type=int, default=4096, help="the peer's context length (n_ctx, max-model-len)")

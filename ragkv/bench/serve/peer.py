@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ragkv.bench.serve.clients import connect, describe_cell, measure_cell
 from ragkv.bench.serve.config import BenchRequest, ServeBenchConfig
-from ragkv.bench.serve.servers import PeerServerProcess, default_threads, find_venv_python
+from ragkv.bench.serve.servers import PeerServerProcess, default_threads, find_venv_python, model_gguf
 from ragkv.errors import InvalidRequestError
 
 PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
@@ -57,17 +57,6 @@ def peer_ratios(cells: list[dict], peer: str) -> dict:
             name: round(c[key] / p[key], 3) if c.get(key) is not None and p.get(key) else None
             for name, (key, _) in PEER_RATIO_KEYS.items()}
     return out
-
-
-def model_gguf(model: str) -> Path:
-    """The GGUF a known model is converted from (the file the registry converts on first use)."""
-    from ragkv.models.registry import KNOWN_MODELS, gguf_path
-
-    known = KNOWN_MODELS.get(model)
-    if known is None:
-        raise InvalidRequestError(f"--peer needs the model's GGUF: {model!r} is not a known model "
-                                  f"({', '.join(KNOWN_MODELS)}); pass --peer-gguf PATH")
-    return gguf_path(known)
 
 
 def find_peer_python(path: str | None = None) -> Path:
@@ -171,6 +160,7 @@ def make_peer(name: str, model: str, dtype: str = "float32", python: str | None 
         from ragkv.bench.serve.peer_vllm import VllmCpuServer
 
         if gguf:
-            raise InvalidRequestError("--peer-gguf is for --peer llama-cpp; vLLM loads the model's folder")
+            raise InvalidRequestError("--peer-gguf is for --peer llama-cpp or llama-server; vLLM loads the model's "
+                                      "folder")
         return VllmCpuServer(model, python, dtype, threads, ctx, extra=extra)
     return LlamaCppServer(model, python, gguf, threads, ctx, extra=extra)

