@@ -148,6 +148,19 @@ def test_blend_extremes(tiny_engine, deviation, checks, gradual):
     assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
 
 
+def assert_selection_extremes(eng, segs, kw: dict):
+    """Invariant 6 for one selection: r=1 equals `full` (logits and a decode step), r=0 equals `reuse`; returns the
+    two runs' stats."""
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
+    zero, s0 = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(one.logits, full.logits) <= TOL
+    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+    assert maxdiff(zero.logits, reuse.logits) <= TOL
+    return s1, s0
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("per_block", [False, True])
 def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block):
@@ -156,14 +169,8 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
     counted is stage 1's query rows plus stage 2's chosen rows and query, at every layer."""
     eng = tiny_engine(family)
     segs = make_segs(blocks=(20, 30, 25))
-    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
-    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     kw = dict(mode="blend", select="query", select_per_block=per_block)
-    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
-    zero, s0 = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
-    assert maxdiff(one.logits, full.logits) <= TOL
-    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
-    assert maxdiff(zero.logits, reuse.logits) <= TOL
+    s1, s0 = assert_selection_extremes(eng, segs, kw)
     n_block, Tq, L = 75, len(segs.query), eng.num_layers
     assert s1.recomputed_tokens == n_block + Tq and s0.recomputed_tokens == Tq
     assert s1.recomputed_token_layers == (Tq + n_block + Tq) * L and s0.recomputed_token_layers == Tq * L
@@ -214,16 +221,11 @@ def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
 @pytest.mark.parametrize("per_block", [False, True])
 def test_recent_selection_recomputes_the_tokens_nearest_the_query(tiny_engine, per_block):
     """Invariant 6 for the static recency selection: r=1 == full, r=0 == reuse; in between, the last r of the block
-    tokens (or of each block's), in one pass that equals stage 2 over the same rows."""
+    tokens (or of each block's), in one pass (no stage 1 over the query)."""
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(20, 30, 25))
-    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
-    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     kw = dict(mode="blend", select="recent", select_per_block=per_block)
-    one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
-    zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
-    assert maxdiff(one.logits, full.logits) <= TOL and maxdiff(zero.logits, reuse.logits) <= TOL
-    assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
+    s1, _ = assert_selection_extremes(eng, segs, kw)
     part, sp = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
     Tq, L = len(segs.query), eng.num_layers
     # 15 of 75 block tokens: all in the last block (25 tokens), or 4 / 6 / 5 at each block's end

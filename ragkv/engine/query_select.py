@@ -168,8 +168,9 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     """`select="query"`: ProphetKV's two stages; `select="sinks"` (EPIC's static chunk links) or `"recent"`: one
     pass over a selection known from the layout. With several `ratios` (the quality-bounded mode), stage 2 runs
     again at the next ratio while the risk `signal` (engine/risk.py: e.g. KL(this answer's first-token
-    distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains the smaller one, so stage 2 simply runs again
-    over the same cache (each layer's selected rows are overwritten before they are attended)."""
+    distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
+    the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
+    before they are attended)."""
     window = model.args.sliding_window
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
     total = N + Tq

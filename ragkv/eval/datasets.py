@@ -196,7 +196,7 @@ def icl_demonstrations(path: Path, shots: int, seed: int = 0) -> list[Passage]:
 def samsum_demonstrations(path: Path, shots: int, seed: int = 0) -> list[Passage]:
     """`shots` summarized dialogues ("Dialogue:\n...\nSummary: ...") drawn from SAMSum's train and validation
     splits (never the test split, which is evaluated), deterministically per seed."""
-    pool = _parse_samsum(path, "train", None) + _parse_samsum(path, "validation", None)
+    pool = [ex for ex in _parse_samsum(path, "all", None) if ex.meta["split"] != "test"]
     if len(pool) < shots:
         raise DatasetError(f"{path}: {len(pool)} train and validation dialogues, fewer than {shots} examples")
     chosen = random.Random(f"samsum-icl:{seed}").sample(range(len(pool)), shots)

