@@ -162,6 +162,36 @@ def assert_selection_extremes(eng, segs, kw: dict):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_drafts_attention_joins_the_querys_and_the_draft_is_forgotten(tiny_engine, family):
+    """Invariant 6 with `draft_tokens`: r=1 equals `full` and r=0 `reuse` (the draft's rows are forgotten: cache,
+    position and the next decode step are reuse's); the draft's rows count as work at every layer; and the tokens
+    chosen are those a query extended by the draft (reuse's greedy tokens) would choose in one pass."""
+    from dataclasses import replace
+
+    eng, n = tiny_engine(family), 4
+    segs = make_segs(blocks=(20, 30, 25))
+    kw = dict(mode="blend", select="query", draft_tokens=n)
+    s1, s0 = assert_selection_extremes(eng, segs, kw)
+    Tq, L = len(segs.query), eng.num_layers
+    assert s0.recomputed_token_layers == (Tq + n) * L
+    assert s1.recomputed_token_layers == (Tq + n + 75 + Tq) * L
+    zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    assert (zero.next_position, zero.cache.length) == (reuse.next_position, reuse.cache.length)
+    assert maxdiff(decode_step(eng.model, zero, 8), decode_step(eng.model, reuse, 8)) <= TOL
+    state, draft = eng.prefill(segs, FusionOptions(mode="reuse"))[0], []
+    for _ in range(n):
+        draft.append(int(state.logits.argmax()))
+        decode_step(eng.model, state, draft[-1])
+    _, drafted = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
+    _, extended = eng.prefill(replace(segs, query=segs.query + draft),
+                              FusionOptions(mode="blend", select="query", ratio=0.2))
+    assert drafted.extra["selected_per_block"] == extended.extra["selected_per_block"]
+    with pytest.raises(InvalidRequestError, match="select='query'"):
+        eng.prefill(segs, FusionOptions(mode="blend", select="deviation", draft_tokens=n))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("per_block", [False, True])
 def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block):
     """Invariant 6 for ProphetKV's query-aware selection: r=1 recomputes every block token at every layer (== full),

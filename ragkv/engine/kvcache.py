@@ -128,6 +128,12 @@ class KVCache:
     def commit(self, n: int) -> None:
         self.length += n
 
+    def truncate(self, length: int) -> None:
+        """Forget the rows from `length` on (a draft decoded only to be scored); later writes replace them."""
+        if not self.offset <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} rows ({self.offset} shared) to {length}")
+        self.length = length
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefix is not None:
             return self._joined(layer, self.length)

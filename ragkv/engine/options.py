@@ -106,6 +106,9 @@ class FusionOptions:
                              "CacheBlend's code)", choices=("selected", "all"), key="rows")
     select_per_block: bool = option(False, "blend: keep the top r of each block, not of all blocks",
                                     key="perblock")
+    draft_tokens: int = option(0, "blend select=query: also choose by the attention of a greedy draft of N tokens "
+                               "decoded over the reused cache (what the answer reads, not only the question)",
+                               ge=0, le=256, key="draft")
     ape_temperature: float | None = option(None, "ape: temperature T (default: calibrated or 0.9)", gt=0, le=100,
                                            key="T")
     ape_scale: float | None = option(None, "ape: scale S (default: calibrated or 0.9)", gt=0, le=100, key="S")

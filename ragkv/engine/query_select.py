@@ -20,6 +20,12 @@ runs once, not in a stage 1 and again in stage 2): Tq + sinks rows x L. `recent`
 block tokens (those nearest the query, which in a full prefill have read every earlier passage), per block with
 `select_per_block` (each block's tail), plus any sinks; same one pass.
 
+With `draft_tokens` (an extension of this project, not in ProphetKV): after stage 1, a greedy draft of that many
+tokens is decoded over the reused cache, each draft row's attention recorded like the query's, and the rows are
+then forgotten; the fused score sums the query's and the draft's rows. The question says what is asked, the draft
+what the answer will read (at gold 0 on NQ-10 the answer's own tokens, not only the question, carry the passage
+it copies from). Counted work: the draft's rows at every layer.
+
 Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
 no sinks) leaves stage 1's result, which is `reuse`.
 """
@@ -36,7 +42,7 @@ from ragkv.engine.fusion import context_rotation, load_context_layer, prefill_ov
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.risk import DEFAULT_SIGNAL, measure
-from ragkv.engine.state import DecodeState
+from ragkv.engine.state import DecodeState, decode_step
 from ragkv.engine.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
@@ -67,8 +73,24 @@ class QueryAttentionRecorder:
 
 def fuse_layer_scores(layer_scores: list[torch.Tensor]) -> torch.Tensor:
     """ProphetKV's uniform fusion: the mean over layers of alpha_l(t) (each layer's scores sum to the same
-    heads x query tokens, so no layer dominates)."""
+    heads x query tokens, so no layer dominates). A draft adds one entry per layer and step: the mean then ranks
+    tokens as the sum over layers and over the query's and the draft's rows, each row weighing the same."""
     return torch.stack(layer_scores).mean(dim=0)
+
+
+def record_draft(model, state: DecodeState, recorder: QueryAttentionRecorder, n: int, stats: RequestStats) -> None:
+    """Decode a greedy draft of `n` tokens over stage 1's cache with `recorder` as the attention policy (each draft
+    row's attention to the context joins the query's scores), then forget it: the cache, position and logits are
+    stage 1's again."""
+    start, logits, policy = state.next_position, state.logits, state.attention
+    state.attention, token = recorder, int(logits.argmax())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = int(decode_step(model, state, token).argmax())
+    state.cache.truncate(start)
+    state.next_position, state.logits, state.attention = start, logits, policy
+    stats.recomputed_token_layers += n * model.args.num_layers
+    stats.extra["draft_ms"] = round((time.perf_counter() - t0) * 1000, 3)
 
 
 def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink_tokens: int,
@@ -164,13 +186,13 @@ def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, c
 def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                      select: str, ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
                      stats: RequestStats, max_signal: float | None = None,
-                     signal: str = DEFAULT_SIGNAL) -> DecodeState:
+                     signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0) -> DecodeState:
     """`select="query"`: ProphetKV's two stages; `select="sinks"` (EPIC's static chunk links) or `"recent"`: one
     pass over a selection known from the layout. With several `ratios` (the quality-bounded mode), stage 2 runs
     again at the next ratio while the risk `signal` (engine/risk.py: e.g. KL(this answer's first-token
     distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
     the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
-    before they are attended)."""
+    before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft)."""
     window = model.args.sliding_window
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
     total = N + Tq
@@ -187,6 +209,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     recorder = QueryAttentionRecorder(N) if select == "query" else None
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
     stats.recomputed_token_layers += Tq * L
+    if draft_tokens and recorder is not None and N:
+        record_draft(model, stage1, recorder, draft_tokens, stats)
     score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
     logits, chosen, risks = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ class Blend(BlockMode):
     name = "blend"
     summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query, sinks or recency"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
-                     "select_per_block", "conditioning", "kv_layout")
+                     "select_per_block", "draft_tokens", "conditioning", "kv_layout")
     fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
 
     def own_rows(self, segs, fusion):
@@ -42,6 +42,9 @@ class Blend(BlockMode):
         if fusion.select == "sinks" and fusion.sink_tokens < 1:
             raise InvalidRequestError("select='sinks' recomputes each block's first sink_tokens tokens: set "
                                       "sink_tokens >= 1 (EPIC recomputes a handful, e.g. 4-16)")
+        if fusion.draft_tokens and fusion.select != "query":
+            raise InvalidRequestError("draft_tokens scores the context by a draft's attention: it needs "
+                                      "select='query' (or set draft_tokens=0)")
 
     def load_schedule(self, engine, res, fusion, stats):
         if res.uncached:  # some blocks live only in this request's memory: nothing to schedule
@@ -59,7 +62,7 @@ class Blend(BlockMode):
         if fusion.select != "deviation":
             return prefill_selected(engine.forward_model, layer_iter, layout, context_ids, segs.query,
                                     fusion.select, (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
-                                    capacity, stats, signal=engine.auto_signal)
+                                    capacity, stats, signal=engine.auto_signal, draft_tokens=fusion.draft_tokens)
         return prefill_blend(engine.forward_model, layer_iter, layout, context_ids, segs.query, fusion, capacity, stats)
 
     def fidelity(self, fusion, stats):
