@@ -92,6 +92,8 @@ def test_ask_states_how_close_to_full_each_answer_is(capsys):
     code, out, _ = run(capsys, *common, "--mode", "blend", "--select", "query", "--json")
     fidelity = json.loads(out)["fidelity"]
     assert fidelity["select"] == "query" and fidelity["exact"] is False and fidelity["signal"] >= 0
+    code, out, _ = run(capsys, *common, "--mode", "blend", "--select", "query", "--draft-tokens", "3", "--json")
+    assert code == 0 and json.loads(out)["fidelity"]["draft_tokens"] == 3
 
 
 @pytest.mark.parametrize("case,needle", [

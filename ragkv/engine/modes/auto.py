@@ -19,7 +19,8 @@ from ragkv.engine.query_select import prefill_selected
 class Auto(Blend):
     name = "auto"
     summary = "blend with the query-aware selection at r, escalated to a full recompute when its risk exceeds max_risk"
-    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block", "conditioning", "kv_layout")
+    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block", "draft_tokens", "conditioning",
+                     "kv_layout")
 
     def check(self, engine, fusion):
         pass
@@ -31,7 +32,8 @@ class Auto(Blend):
         stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None)
         return prefill_selected(engine.forward_model, layer_iter, layout, context_ids, segs.query, "query",
                                 (fusion.ratio, 1.0), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
-                                max_signal=limit, signal=fusion.signal or engine.auto_signal)
+                                max_signal=limit, signal=fusion.signal or engine.auto_signal,
+                                draft_tokens=fusion.draft_tokens)
 
     def fidelity(self, fusion, stats):
         out = super().fidelity(fusion, stats)

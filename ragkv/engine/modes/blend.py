@@ -72,6 +72,7 @@ class Blend(BlockMode):
         block = x.get("block_tokens", x.get("blend_block_tokens"))
         return {"mode": self.name, "exact": selected == block,  # every block token recomputed: full's answer
                 "select": fusion.select, "ratio": fusion.ratio, "conditioning": fusion.conditioning,
+                "draft_tokens": fusion.draft_tokens,
                 "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
                 # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
