@@ -1,25 +1,43 @@
-"""Paired accuracy differences (10,000-resample bootstrap, 95%) of selection_oracles.py's draft-accuracy rows
-against the grid's `full` and plain query-aware rows on the same questions: python paired.py GRID DRAFT_ROWS"""
-import json, random, sys
-grid, diag = sys.argv[1], sys.argv[2]
-rec = [json.loads(l) for l in open(grid)]
-acc = {(r['example_id'], r['mode_key']): r['scores']['accuracy'] for r in rec if 'example_id' in r}
-rows = [json.loads(l) for l in open(diag)]
-cols = {'full': [], 'q0.15': [], 'q0.3': [], 'draft0.15': [], 'draft0.3': []}
-for r in rows:
-    e = r['id']
-    cols['full'].append(acc[(e, 'full')]); cols['q0.15'].append(acc[(e, 'blend:sel=query,r=0.15')])
-    cols['q0.3'].append(acc[(e, 'blend:sel=query,r=0.3')])
-    cols['draft0.15'].append(r['draft0.15']['acc']); cols['draft0.3'].append(r['draft0.3']['acc'])
-n = len(rows)
-def ci(d):
-    rng = random.Random(0); m = []
-    for _ in range(10000):
-        m.append(sum(d[rng.randrange(n)] for _ in range(n)) / n)
-    m.sort(); return sum(d) / n * 100, m[250] * 100, m[9749] * 100
-print("n", n, "full", sum(cols['full']) / n)
-for k in ('q0.15', 'draft0.15', 'q0.3', 'draft0.3'):
-    diff = [a - b for a, b in zip(cols[k], cols['full'])]
-    print(k, "acc %.3f" % (sum(cols[k]) / n), "minus full %.1f [%.1f, %.1f]" % ci(diff))
-for a, b in (('draft0.15', 'q0.15'), ('draft0.3', 'q0.3')):
-    print(a, '-', b, "%.1f [%.1f, %.1f]" % ci([x - y for x, y in zip(cols[a], cols[b])]))
+"""Paired accuracy differences (10,000-resample bootstrap, 95%) on the questions every compared run answered.
+
+  python paired.py GRID DRAFT_ROWS        # selection_oracles.py's draft-accuracy rows against the grid's
+                                          # `full` and plain query-aware rows
+  python paired.py GRID MODE_KEY ...      # each mode key of a results file against its `full`, and each
+                                          # `...,draft=N` key against the same key without the draft
+"""
+import json
+import random
+import sys
+
+Q = "blend:sel=query,r="
+
+
+def bootstrap(d: list[float]) -> str:
+    rng, n = random.Random(0), len(d)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(10000))
+    return "%+.1f [%+.1f, %+.1f]" % (100 * sum(d) / n, 100 * means[250], 100 * means[9749])
+
+
+def main(grid: str, rest: list[str]) -> None:
+    acc = {(r["example_id"], r["mode_key"]): r["scores"]["accuracy"]
+           for r in map(json.loads, open(grid)) if "example_id" in r}
+    if rest[0].endswith(".jsonl"):  # diagnostic rows: columns draft0.15 / draft0.3
+        for r in map(json.loads, open(rest[0])):
+            for x in ("0.15", "0.3"):
+                acc[(r["id"], f"{Q}{x},draft=16")] = r[f"draft{x}"]["acc"]
+        keys = [f"{Q}0.15", f"{Q}0.15,draft=16", f"{Q}0.3", f"{Q}0.3,draft=16"]
+    else:
+        keys = rest
+    ids = [e for e in {e for e, _ in acc} if all((e, k) in acc for k in keys + ["full"])]
+    print("questions", len(ids), "full %.3f" % (sum(acc[(e, "full")] for e in ids) / len(ids)))
+    for k in keys:
+        line = "%-34s acc %.3f  minus full %s" % (k, sum(acc[(e, k)] for e in ids) / len(ids),
+                                                  bootstrap([acc[(e, k)] - acc[(e, "full")] for e in ids]))
+        base = k.split(",draft=")[0]
+        if base != k and base in keys:
+            line += "  minus %s %s" % (base, bootstrap([acc[(e, k)] - acc[(e, base)] for e in ids]))
+        print(line)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
