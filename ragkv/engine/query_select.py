@@ -23,8 +23,9 @@ block tokens (those nearest the query, which in a full prefill have read every e
 With `draft_tokens` (an extension of this project, not in ProphetKV): after stage 1, a greedy draft of that many
 tokens is decoded over the reused cache, each draft row's attention recorded like the query's, and the rows are
 then forgotten; the fused score sums the query's and the draft's rows. The question says what is asked, the draft
-what the answer will read (at gold 0 on NQ-10 the answer's own tokens, not only the question, carry the passage
-it copies from). Counted work: the draft's rows at every layer.
+what the answer will read. Measured (docs/results/quality_selection.md, session 27): +6.7 points at r=0.15 on NQ-10
+with the gold passage farthest from the question, nothing where it is near; counted work is the draft's rows at
+every layer (~1%), but its time is N sequential decode steps.
 
 Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
 no sinks) leaves stage 1's result, which is `reuse`.
@@ -207,7 +208,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
         record_selection(stats, select, chosen, layout, [measure(state.logits, None, None)], signal)
         return state  # no stage 1 to compare with: the risk's `shift` is unknown
     recorder = QueryAttentionRecorder(N) if select == "query" else None
-    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, capacity, stats, recorder)
+    room = total + draft_tokens if recorder is not None else 0  # the draft's rows, so its decode never regrows
+    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, max(capacity, room), stats, recorder)
     stats.recomputed_token_layers += Tq * L
     if draft_tokens and recorder is not None and N:
         record_draft(model, stage1, recorder, draft_tokens, stats)
