@@ -208,8 +208,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
         record_selection(stats, select, chosen, layout, [measure(state.logits, None, None)], signal)
         return state  # no stage 1 to compare with: the risk's `shift` is unknown
     recorder = QueryAttentionRecorder(N) if select == "query" else None
-    room = total + draft_tokens if recorder is not None else 0  # the draft's rows, so its decode never regrows
-    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, max(capacity, room), stats, recorder)
+    room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
+    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
     if draft_tokens and recorder is not None and N:
         record_draft(model, stage1, recorder, draft_tokens, stats)

@@ -1,4 +1,5 @@
-"""Paired accuracy differences (10,000-resample bootstrap, 95%) on the questions every compared run answered.
+"""Paired accuracy differences (ragkv.eval.summary.bootstrap_ci: 10,000 resamples, 95%) on the questions every
+compared run answered.
 
   python paired.py GRID DRAFT_ROWS        # selection_oracles.py's draft-accuracy rows against the grid's
                                           # `full` and plain query-aware rows
@@ -6,16 +7,16 @@
                                           # `...,draft=N` key against the same key without the draft
 """
 import json
-import random
 import sys
+
+from ragkv.eval.summary import bootstrap_ci
 
 Q = "blend:sel=query,r="
 
 
 def bootstrap(d: list[float]) -> str:
-    rng, n = random.Random(0), len(d)
-    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(10000))
-    return "%+.1f [%+.1f, %+.1f]" % (100 * sum(d) / n, 100 * means[250], 100 * means[9749])
+    lo, hi = bootstrap_ci(d)
+    return "%+.1f [%+.1f, %+.1f]" % (100 * sum(d) / len(d), 100 * lo, 100 * hi)
 
 
 def main(grid: str, rest: list[str]) -> None:
