@@ -15,6 +15,7 @@ from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
 from ragkv.eval.harness import fidelity, run_eval, task_scores
 from ragkv.eval.modes import ModeKeyError, engine_defaults, parse_mode_key, resolve_modes, split_mode_list
+from ragkv.eval.references import ReferenceStore
 from ragkv.eval.results import ResultsFile, read_results
 from ragkv.eval.summary import summarize, text_table
 
@@ -89,8 +90,8 @@ def test_resume_after_interruption_gives_the_same_records(engine, tmp_path):
     engine.generate = lambda segs, fusion, gen: calls.append(fusion.mode) or real_generate(segs, fusion, gen)
     resumed = ResultsFile(path, {"c": 1})
     run = run_eval(engine, exs, modes, resumed, max_new_tokens=4, progress=False)
-    # example 2 re-runs its `full` reference only for fidelity; example 3 runs everything once
-    assert calls == ["full", "reuse", "blend", "full", "reuse", "blend"] and run["recomputed_references"] == 1
+    # example 2 reads its `full` reference from the copy kept beside the results; example 3 runs everything once
+    assert calls == ["reuse", "blend", "full", "reuse", "blend"] and run["recomputed_references"] == 0
     _, records = read_results(path)
     assert sorted((r["example_id"], r["mode_key"]) for r in records) == sorted(
         (r["example_id"], r["mode_key"]) for r in clean)
@@ -102,6 +103,38 @@ def test_resume_after_interruption_gives_the_same_records(engine, tmp_path):
     engine.generate = lambda *a, **k: pytest.fail("should not run")
     assert len(run_eval(engine, exs, modes, ResultsFile(path, {"c": 1}), max_new_tokens=4,
                         progress=False)["records"]) == 9
+
+
+def test_adding_modes_reads_fulls_stored_reference_and_recomputes_one_it_cannot_trust(engine, tmp_path):
+    exs, path = _examples(2), tmp_path / "r.jsonl"
+    run_eval(engine, exs, _modes(engine, "full,reuse"), ResultsFile(path, {"c": 1}), max_new_tokens=4,
+             progress=False)
+    modes = _modes(engine, "full,reuse,blend:r=0.5,ape")
+    fresh = {(r["example_id"], r["mode_key"]): r for r in
+             run_eval(engine, exs, modes, max_new_tokens=4, progress=False)["records"]}  # no file: all computed
+    calls = []
+    real_generate = engine.generate
+    engine.generate = lambda segs, fusion, gen: calls.append(fusion.mode) or real_generate(segs, fusion, gen)
+    run = run_eval(engine, exs, modes[:3], ResultsFile(path, {"c": 1}), max_new_tokens=4, progress=False)
+    assert calls == ["blend", "blend"] and run["recomputed_references"] == 0
+    for r in run["records"]:
+        f = fresh[(r["example_id"], r["mode_key"])]["fidelity"]
+        assert r["fidelity"]["first_token_kl"] == pytest.approx(f["first_token_kl"], abs=1e-9)
+        assert r["fidelity"]["greedy_agreement"] == f["greedy_agreement"]
+
+    store = ReferenceStore(path, {"c": 1})
+    full0 = next(r for r in run["records"] if r["example_id"] == "ex0" and r["mode_key"] == "full")
+    assert store.load("ex0", full0).token_ids == full0["token_ids"]
+    assert ReferenceStore(path, {"c": 2}).load("ex0") is None  # made under another run configuration
+    assert store.load("ex0", {**full0, "token_ids": [1, 2, 3, 4]}) is None  # not the `full` that was recorded
+    store._path("ex0").write_bytes(b"not a tensor file")  # a corrupt copy: `full` re-runs and rewrites it
+    calls.clear()
+    run = run_eval(engine, exs, modes, ResultsFile(path, {"c": 1}), max_new_tokens=4, progress=False)
+    assert calls == ["full", "ape", "ape"] and run["recomputed_references"] == 1
+    assert store.load("ex0", full0) is not None
+    for r in run["records"]:
+        f = fresh[(r["example_id"], r["mode_key"])]["fidelity"]
+        assert r["fidelity"]["first_token_kl"] == pytest.approx(f["first_token_kl"], abs=1e-9)
 
 
 def test_a_data_sets_stop_string_ends_every_modes_answer(engine):

@@ -2,9 +2,9 @@
 
 Per example, `full` runs first and is the reference for fidelity (first-token KL, top-1 agreement, greedy
 agreement over the first 32 tokens). Records are appended one by one to a `ResultsFile`, so an interrupted
-run resumes. The reference is not stored: an example with pending modes re-runs `full` (deterministic), which
-costs one extra `full` only for the example cut short (or for every example when modes are added to an old
-file). That keeps fidelity exact, instead of approximating it from a stored top-k of the distribution.
+run resumes. What fidelity needs of the reference (the exact first-token distribution and the greedy tokens) is
+kept beside the results file (eval/references.py), so adding modes to an old run does not re-run `full`; where
+that copy is missing or cannot be trusted, `full` re-runs (it is deterministic).
 
 TTFT of the reuse modes is measured with the blocks already cached, as a serving system has them; the one-time
 cost of encoding the example's blocks is recorded beside it as `encode_ms`. `prefix` is not warmed: only what
@@ -25,6 +25,7 @@ from ragkv.eval.datasets import Example
 from ragkv.eval.metrics import (first_token_kl, greedy_agreement, parse_generation, prefix_agreement, score,
                                 top1_agreement)
 from ragkv.eval.modes import ModeSpec, without_later_defaults
+from ragkv.eval.references import Reference, ReferenceStore
 from ragkv.eval.results import ResultsFile
 
 HARNESS_VERSION = 1
@@ -88,6 +89,18 @@ def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int, stop=()):
     return Answer("", [], "length", stats, state.logits)
 
 
+def _reference(engine, example_id, segs, pending, full_record, refs, max_new_tokens, stop):
+    """`full`'s Answer on the example, or only its stored Reference where `full`'s own row is not pending."""
+    if refs is not None and not any(get_mode(m.mode).is_reference for m in pending):
+        stored = refs.load(example_id, full_record)
+        if stored is not None:
+            return stored
+    ref = _answer(engine, segs, FULL, max_new_tokens, stop)
+    if refs is not None:
+        refs.save(example_id, ref)
+    return ref
+
+
 def _warm_group(engine, segs, fusion) -> tuple | None:
     """Modes that read the same blocks (reuse and blend) share one encoding: its cost is counted once."""
     return tuple(engine.cache_keys(segs, fusion)) if get_mode(fusion.mode).reads_blocks else None
@@ -148,7 +161,8 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
     `prompt_format`: the data set's own prompt (datasets.dataset_prompt), else the engine's; `stop`: strings that
     end an answer (datasets.dataset_stop).
     Returns {"records": this run's records of these examples and modes, old and new, "skipped": ids of examples
-    too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume}.
+    too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume (its
+    stored copy missing or not trusted)}.
     """
     from tqdm import tqdm
 
@@ -157,6 +171,9 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
     old = results.records() if results is not None else []
     check_mode_params(old, modes)
     done = {(r["example_id"], r["mode_key"]) for r in old}
+    ref_keys = {m.key for m in modes if get_mode(m.mode).is_reference}
+    old_full = {r["example_id"]: r for r in old if r["mode_key"] in ref_keys}  # checks a stored reference's tokens
+    refs = ReferenceStore(results.path, results.config) if results is not None else None
     n_fid = min(FIDELITY_TOKENS, max_new_tokens)
     todo = [(ex, [m for m in modes if (ex.id, m.key) not in done]) for ex in examples]
     skipped, rerun = [], 0
@@ -178,8 +195,9 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
         bar.set_postfix_str(f"{ex.id[:12]} full")
         # the reference where `full` fits; beyond the window, the other modes run without one (no fidelity)
         fits_full = segs.num_tokens + max_new_tokens <= engine.max_positions
-        ref = _answer(engine, segs, FULL, max_new_tokens, stop) if fits_full else None
-        rerun += any((ex.id, m.key) in done for m in modes if get_mode(m.mode).is_reference)
+        ref = _reference(engine, ex.id, segs, pending, old_full.get(ex.id), refs, max_new_tokens, stop) \
+            if fits_full else None
+        rerun += ex.id in old_full and ref is not None and not isinstance(ref, Reference)
         encode: dict[tuple, float] = {}  # blocks read (cache keys) -> their encoding time
         for spec in pending:
             if spec.key not in fits:
