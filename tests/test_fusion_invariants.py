@@ -8,6 +8,7 @@ from ragkv.engine.blocks import encode_block
 from ragkv.engine.fusion import prefill_over_context
 from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import make_layout
+from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.request import Segments
@@ -187,6 +188,8 @@ def test_a_drafts_attention_joins_the_querys_and_the_draft_is_forgotten(tiny_eng
     _, extended = eng.prefill(replace(segs, query=segs.query + draft),
                               FusionOptions(mode="blend", select="query", ratio=0.2))
     assert drafted.extra["selected_per_block"] == extended.extra["selected_per_block"]
+    # a server's KV budget reserves the draft's rows too: stage 1's cache holds them until they are forgotten
+    assert get_mode("blend").own_rows(segs, FusionOptions(**kw)) == segs.num_tokens + n
     with pytest.raises(InvalidRequestError, match="select='query'"):
         eng.prefill(segs, FusionOptions(mode="blend", select="deviation", draft_tokens=n))
 

@@ -32,8 +32,9 @@ class Blend(BlockMode):
 
     def own_rows(self, segs, fusion):
         # what its recomputed rows will number is known only after the selection (layers before CacheBlend's
-        # check layer recompute every row): the budget reserves the whole prompt, as copied does
-        return segs.num_tokens
+        # check layer recompute every row): the budget reserves the whole prompt, as copied does, and a draft's
+        # rows, which stage 1's cache holds until they are forgotten
+        return segs.num_tokens + fusion.draft_tokens
 
     def check(self, engine, fusion):
         if fusion.check_layers[-1] >= engine.num_layers:
