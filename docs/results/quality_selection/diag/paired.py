@@ -5,6 +5,8 @@ compared run answered.
                                           # `full` and plain query-aware rows
   python paired.py GRID MODE_KEY ...      # each mode key of a results file against its `full`, and each
                                           # `...,draft=N` key against the same key without the draft
+  --same-questions-as OTHER.jsonl         # (first) only the questions OTHER has a `full` row for, e.g. another
+                                          # model's run on the same data
 """
 import json
 import sys
@@ -19,7 +21,7 @@ def bootstrap(d: list[float]) -> str:
     return "%+.1f [%+.1f, %+.1f]" % (100 * sum(d) / len(d), 100 * lo, 100 * hi)
 
 
-def main(grid: str, rest: list[str]) -> None:
+def main(grid: str, rest: list[str], only: set | None = None) -> None:
     acc = {(r["example_id"], r["mode_key"]): r["scores"]["accuracy"]
            for r in map(json.loads, open(grid)) if "example_id" in r}
     if rest[0].endswith(".jsonl"):  # diagnostic rows: columns draft0.15 / draft0.3
@@ -29,7 +31,8 @@ def main(grid: str, rest: list[str]) -> None:
         keys = [f"{Q}0.15", f"{Q}0.15,draft=16", f"{Q}0.3", f"{Q}0.3,draft=16"]
     else:
         keys = rest
-    ids = [e for e in {e for e, _ in acc} if all((e, k) in acc for k in keys + ["full"])]
+    ids = [e for e in {e for e, _ in acc}
+           if all((e, k) in acc for k in keys + ["full"]) and (only is None or e in only)]
     print("questions", len(ids), "full %.3f" % (sum(acc[(e, "full")] for e in ids) / len(ids)))
     for k in keys:
         line = "%-34s acc %.3f  minus full %s" % (k, sum(acc[(e, k)] for e in ids) / len(ids),
@@ -41,4 +44,8 @@ def main(grid: str, rest: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    args, only = sys.argv[1:], None
+    if args[0] == "--same-questions-as":
+        only = {r["example_id"] for r in map(json.loads, open(args[1])) if r.get("mode_key") == "full"}
+        args = args[2:]
+    main(args[0], args[1:], only)
