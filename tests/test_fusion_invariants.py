@@ -17,7 +17,7 @@ from ragkv.errors import InvalidRequestError, OptionError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.memory import MemoryStore
 
-from tiny import make_segs, rand_ids
+from tiny import IdText, make_segs, rand_ids
 
 TOL = 1e-4
 
@@ -175,7 +175,7 @@ def test_a_drafts_attention_joins_the_querys_and_the_draft_is_forgotten(tiny_eng
     s1, s0 = assert_selection_extremes(eng, segs, kw)
     Tq, L = len(segs.query), eng.num_layers
     assert s0.recomputed_token_layers == (Tq + n) * L
-    assert s1.recomputed_token_layers == (Tq + n + 75 + Tq) * L
+    assert s1.recomputed_token_layers == (Tq + n + 75 + Tq + n) * L  # stage 2 runs the draft's rows too
     zero, _ = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
     reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     assert (zero.next_position, zero.cache.length) == (reuse.next_position, reuse.cache.length)
@@ -192,6 +192,42 @@ def test_a_drafts_attention_joins_the_querys_and_the_draft_is_forgotten(tiny_eng
     assert get_mode("blend").own_rows(segs, FusionOptions(**kw)) == segs.num_tokens + n
     with pytest.raises(InvalidRequestError, match="select='query'"):
         eng.prefill(segs, FusionOptions(mode="blend", select="deviation", draft_tokens=n))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("ratio", [0.02, 1.0])  # a stage 2 near stage 1 (the draft's answer), and one that is `full`
+def test_an_answer_that_begins_as_the_draft_did_takes_its_rows_without_a_forward(tiny_engine, family, ratio,
+                                                                                monkeypatch):
+    """Stage 2 runs the draft's rows after the query (DecodeState.lookahead): each answer token equal to the
+    draft's next one is taken without a forward. The answer is the one decoded step by step (greedy and seeded
+    sampling, and each choice of n > 1), and as many tokens are taken as the answer shares with the draft."""
+    from ragkv.engine.options import GenerationOptions
+    from ragkv.engine.state import DecodeState
+
+    eng = tiny_engine(family)
+    eng.tokenizer, eng.eos_ids = IdText(), set()  # every answer runs to its budget
+    segs = make_segs(blocks=(20, 30, 25))
+    fusion = FusionOptions(mode="blend", select="query", draft_tokens=6, ratio=ratio)
+    gens = [GenerationOptions(max_new_tokens=10), GenerationOptions(max_new_tokens=10, temperature=0.8, seed=3)]
+    fast = [eng.generate(segs, fusion, g) for g in gens]
+    parent = eng.start(segs, fusion, gens[1])
+    choices = [parent, parent.fork(1)]  # n = 2: the choices share the prompt's rows, not the draft's
+    assert not parent.state.lookahead
+    while not all(c.finished for c in choices):
+        for c in choices:
+            c.advance()
+        eng.step(choices)
+    monkeypatch.setattr(DecodeState, "take_lookahead", lambda self, token: self.drop_lookahead())  # every step a forward
+    slow = [eng.generate(segs, fusion, g) for g in gens]
+    for f, s in zip(fast, slow):
+        assert f.token_ids == s.token_ids and maxdiff(f.first_logits, s.first_logits) <= TOL
+        assert "lookahead_taken" not in s.stats.extra
+    draft, answer = fast[0].stats.extra["draft"], fast[0].token_ids
+    shared = next((i for i, (a, b) in enumerate(zip(draft, answer)) if a != b), min(len(draft), len(answer)))
+    assert fast[0].stats.extra.get("lookahead_taken", 0) == min(shared, len(answer) - 1)
+    assert choices[0].out.token_ids == slow[1].token_ids
+    if ratio < 1:  # two tokens recomputed: the greedy answer begins as the whole draft did
+        assert fast[0].stats.extra["lookahead_taken"] == len(draft) == 6
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

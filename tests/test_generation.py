@@ -58,14 +58,10 @@ def test_eos_ends_generation_and_seeded_sampling_repeats(default_engine):
 
 def test_min_tokens_holds_back_every_end_until_reached(tiny_engine):
     """vLLM's min_tokens: no end-of-sequence token (its logit masked) and no stop string before that many tokens."""
-    from tiny import make_segs
-
-    class Tokens:  # tiny models carry no tokenizer: each token's text is "<id>"
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(f"<{i}>" for i in ids)
+    from tiny import IdText, make_segs
 
     eng = tiny_engine("llama")
-    eng.tokenizer = Tokens()
+    eng.tokenizer = IdText()
     segs = make_segs(blocks=(12,))
     free = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12))
     end = free.token_ids[2]
@@ -78,7 +74,7 @@ def test_min_tokens_holds_back_every_end_until_reached(tiny_engine):
     eng.eos_ids = set()
     assert eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12, stop=("<",))).text == ""
     late = eng.generate(segs, FULL, GenerationOptions(max_new_tokens=12, stop=("<",), min_tokens=4))
-    assert late.text == Tokens().decode(free.token_ids[:4]) and late.finish_reason == "stop"
+    assert late.text == IdText().decode(free.token_ids[:4]) and late.finish_reason == "stop"
     with pytest.raises(OptionError, match="min_tokens"):
         GenerationOptions(max_new_tokens=4, min_tokens=5)
 

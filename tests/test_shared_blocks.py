@@ -49,7 +49,8 @@ def test_shared_equals_copied_in_prefill_and_decode(arch, positions, tiny_engine
 
 @pytest.mark.parametrize("blend", [dict(ratio=0.3), dict(ratio=0.3, select="query"), dict(ratio=0.2, select="sinks",
                                                                                         sink_tokens=3),
-                                   dict(mode="auto", ratio=0.2, max_risk=0.0)])  # auto, escalated to all rows
+                                   dict(mode="auto", ratio=0.2, max_risk=0.0),  # auto, escalated to all rows
+                                   dict(ratio=0.3, select="query", draft_tokens=4)])  # its rows kept as lookahead
 @pytest.mark.parametrize("kernel", [True, False])
 def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monkeypatch):
     """blend with kv_layout=shared: prefilled as a copy, then only the rows it recomputed (which override the pooled
@@ -63,7 +64,10 @@ def test_blend_in_place_decodes_as_blend_copied(blend, kernel, tiny_engine, monk
     copied = eng.prefill(segs, FusionOptions(**blend))[0]
     shared, stats = eng.prefill(segs, FusionOptions(kv_layout="shared", **blend))
     assert torch.equal(copied.logits, shared.logits)  # the same prefill
-    assert shared.cache.length == len(segs.query) and shared.next_position == copied.next_position
+    assert shared.cache.length == len(segs.query) + len(shared.lookahead)
+    assert shared.next_position == copied.next_position and len(shared.lookahead) == blend.get("draft_tokens", 0)
+    for (tok_s, ahead_s), (tok_c, ahead_c) in zip(shared.lookahead, copied.lookahead):
+        assert tok_s == tok_c and torch.equal(ahead_s, ahead_c)
     own = stats.extra["own_context_rows"]
     # recomputed rows only, not the whole context (even escalated: layer 0's K/V are projections of the
     # embeddings, bitwise the stored ones, and so read in place)

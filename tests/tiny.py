@@ -55,6 +55,13 @@ def rand_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+class IdText:
+    """A tokenizer's decode for tiny models, which carry none: each token's text is "<id>"."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
 def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
     """Random prefix / blocks / query segments of the given lengths."""
     from ragkv.engine.request import Segments

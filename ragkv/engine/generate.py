@@ -107,6 +107,14 @@ class Sequence:
         self.t0 = time.perf_counter()
 
     def advance(self) -> list[Delta]:
+        deltas = self._advance_one()
+        # tokens the prefill already ran (DecodeState.lookahead): each chosen one needs no forward
+        while self.feed is not None and self.state.take_lookahead(self.feed):
+            self.stats.extra["lookahead_taken"] = self.stats.extra.get("lookahead_taken", 0) + 1
+            deltas += self._advance_one()
+        return deltas
+
+    def _advance_one(self) -> list[Delta]:
         if self.finished:
             return []
         self.feed = None

@@ -79,19 +79,21 @@ def fuse_layer_scores(layer_scores: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(layer_scores).mean(dim=0)
 
 
-def record_draft(model, state: DecodeState, recorder: QueryAttentionRecorder, n: int, stats: RequestStats) -> None:
+def record_draft(model, state: DecodeState, recorder: QueryAttentionRecorder, n: int,
+                 stats: RequestStats) -> list[int]:
     """Decode a greedy draft of `n` tokens over stage 1's cache with `recorder` as the attention policy (each draft
     row's attention to the context joins the query's scores), then forget it: the cache, position and logits are
-    stage 1's again."""
+    stage 1's again. Returns the draft's tokens."""
     start, logits, policy = state.next_position, state.logits, state.attention
-    state.attention, token = recorder, int(logits.argmax())
+    state.attention, draft = recorder, [int(logits.argmax())]
     t0 = time.perf_counter()
     for _ in range(n):
-        token = int(decode_step(model, state, token).argmax())
+        draft.append(int(decode_step(model, state, draft[-1]).argmax()))
     state.cache.truncate(start)
     state.next_position, state.logits, state.attention = start, logits, policy
     stats.recomputed_token_layers += n * model.args.num_layers
-    stats.extra["draft_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+    stats.extra.update(draft_ms=round((time.perf_counter() - t0) * 1000, 3), draft=draft[:n])
+    return draft[:n]
 
 
 def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink_tokens: int,
@@ -211,19 +213,21 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
-    if draft_tokens and recorder is not None and N:
-        record_draft(model, stage1, recorder, draft_tokens, stats)
+    draft = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and recorder and N else []
     score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
-    logits, chosen, risks = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), []
+    logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
     t0 = time.perf_counter()
     for ratio in ratios:
         chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block).to(model.device)
         if not len(chosen):  # nothing to recompute: stage 1's answer is `reuse`'s
             continue
-        rows = torch.cat([chosen, torch.arange(N, total, device=chosen.device)])
-        ids = torch.tensor(context_ids + query_ids, device=model.device)[rows].unsqueeze(0)
-        x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total))
-        new = model.logits(x[:, -1:])[0, -1]
+        # the draft's rows run too, after the query: if the answer begins as the draft did, decoding takes those
+        # tokens without a forward (DecodeState.lookahead; each is the row a decode step would compute)
+        rows = torch.cat([chosen, torch.arange(N, total + len(draft), device=chosen.device)])
+        ids = torch.tensor(context_ids + query_ids + draft, device=model.device)[rows].unsqueeze(0)
+        x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total + len(draft)))
+        out = model.logits(x[:, -1 - len(draft):])[0]
+        new, ahead = out[0], list(zip(draft, out[1:]))
         stats.recomputed_token_layers += len(rows) * L
         risks.append(measure(new, logits, uncovered_share(score, chosen, layout.prefix_len)))
         logits = new
@@ -233,7 +237,8 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
     record_selection(stats, select, chosen, layout, risks, signal)
-    return DecodeState(stage1.cache, total, logits)
+    stage1.cache.commit(len(ahead))
+    return DecodeState(stage1.cache, total, logits, lookahead=ahead)
 
 
 def record_selection(stats: RequestStats, select: str, chosen: torch.Tensor, layout: Layout, risks: list[dict],

@@ -274,16 +274,17 @@ def keep_own_rows(model, state: DecodeState, blocks: list[PooledBlock], layout: 
         overrides.append((state.cache.keys[layer][:, :, idx].clone(), state.cache.values[layer][:, :, idx].clone())
                          if len(idx) else None)
         own_tokens += len(idx)
-    cache = KVCache.for_model(model, max(capacity - N, total - N))
+    own = total - N + len(state.lookahead)  # the query's rows, and a draft's that stage 2 ran after it
+    cache = KVCache.for_model(model, max(capacity - N, own))
     for layer in range(model.args.num_layers):
-        cache.keys[layer][:, :, :total - N] = state.cache.keys[layer][:, :, N:total]
-        cache.values[layer][:, :, :total - N] = state.cache.values[layer][:, :, N:total]
-    cache.commit(total - N)
+        cache.keys[layer][:, :, :own] = state.cache.keys[layer][:, :, N:N + own]
+        cache.values[layer][:, :, :own] = state.cache.values[layer][:, :, N:N + own]
+    cache.commit(own)
     state.cache.release()
     stats.extra["own_context_rows"] = round(own_tokens / model.args.num_layers, 1)  # per layer, on average
     attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout), keep=tuple(keep),
                                          overrides=tuple(overrides))
-    return DecodeState(cache, total, state.logits, attention)
+    return DecodeState(cache, total, state.logits, attention, lookahead=state.lookahead)
 
 
 def block_offsets(layout: Layout) -> list[int]:

@@ -3,7 +3,7 @@ batched decode: every running sequence advances one token in one forward, whatev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -22,11 +22,31 @@ class DecodeState:
     next_position: int
     logits: torch.Tensor  # [V] fp32: distribution of the next token
     attention: AttentionPolicy | None = None
+    # tokens whose rows the prefill already computed, each with the next token's distribution after it (a draft
+    # that blend's stage 2 ran beside the query, query_select.py); their KV are the cache's last rows
+    lookahead: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def take_lookahead(self, token: int) -> bool:
+        """If `token` is the next precomputed one, step past it without a forward (its KV is in the cache) and
+        return True; otherwise forget every precomputed row and return False."""
+        if self.lookahead and self.lookahead[0][0] == token:
+            self.next_position += 1
+            self.logits = self.lookahead.pop(0)[1]
+            return True
+        self.drop_lookahead()
+        return False
+
+    def drop_lookahead(self) -> None:
+        if self.lookahead:
+            self.cache.truncate(self.cache.length - len(self.lookahead))
+            self.lookahead = []
 
     def fork(self) -> "DecodeState":
         """Another continuation of the same prompt (n > 1 choices): the prefill and the prompt's KV are shared,
         not copied (each choice appends its own tokens to buffers of its own: KVCache.fork); the logits (never
-        changed in place: each step replaces them) and the attention policy (stateless) are shared."""
+        changed in place: each step replaces them) and the attention policy (stateless) are shared. Precomputed
+        tokens are dropped first (the choices would share their rows)."""
+        self.drop_lookahead()
         return DecodeState(self.cache.fork(), self.next_position, self.logits, self.attention)
 
     def prompt_rows(self) -> int:
@@ -38,7 +58,7 @@ class DecodeState:
         """Give the KV back now: the sequence is finished, cancelled or failed (its logits too: a view of the
         whole batch's), and let its attention policy drop what it cached for the decode steps."""
         self.cache.release()
-        self.logits = None
+        self.logits, self.lookahead = None, []
         release = getattr(self.attention, "release", None)
         if release is not None:
             release()
@@ -112,6 +132,8 @@ def decode_batch(model, states: list[DecodeState], tokens: list[int], rows: int 
 
 def _forward(model, states: list[DecodeState], tokens: list[int], rows: int | None = None) -> torch.Tensor:
     dev = model.device
+    for s in states:  # a token fed to the model was not the precomputed one (Sequence takes those without a forward)
+        s.drop_lookahead()
     x = model.embed(torch.tensor(tokens, device=dev).unsqueeze(1))
     plan = DecodePlan(states, dev, model.args.sliding_window, rows)
     if plan.pad:
