@@ -25,7 +25,9 @@ tokens is decoded over the reused cache, each draft row's attention recorded lik
 then forgotten; the fused score sums the query's and the draft's rows. The question says what is asked, the draft
 what the answer will read. Measured (docs/results/quality_selection.md, session 27): +6.7 points at r=0.15 on NQ-10
 with the gold passage farthest from the question, nothing where it is near; counted work is the draft's rows at
-every layer (~1%), but its time is N sequential decode steps.
+every layer (~1%), but its time is N sequential decode steps. So that those steps are not all thrown away, stage 2
+runs the draft's rows after the query (N more rows, counted): while the answer repeats the draft, decoding takes
+its tokens' rows without a forward (DecodeState.lookahead; speculative decoding with the draft as the guess).
 
 Invariants (tests/test_fusion_invariants.py): selecting every block token equals `full`; selecting none (r = 0,
 no sinks) leaves stage 1's result, which is `reuse`.
