@@ -7,6 +7,8 @@ compared run answered.
                                           # `...,draft=N` key against the same key without the draft
   --same-questions-as OTHER.jsonl         # (first) only the questions OTHER has a `full` row for, e.g. another
                                           # model's run on the same data
+  python paired.py --between A B MODE_KEY ...   # each mode key in run B minus the same key in run A, on the
+                                          # questions both answered (e.g. the gold passage last against first)
 """
 import json
 import sys
@@ -21,9 +23,23 @@ def bootstrap(d: list[float]) -> str:
     return "%+.1f [%+.1f, %+.1f]" % (100 * sum(d) / len(d), 100 * lo, 100 * hi)
 
 
+def records(path: str) -> dict:
+    return {(r["example_id"], r["mode_key"]): r for r in map(json.loads, open(path)) if "example_id" in r}
+
+
+def between(a_path: str, b_path: str, keys: list[str]) -> None:
+    a, b = records(a_path), records(b_path)
+    for k in keys:
+        ids = [e for e, m in b if m == k and (e, k) in a]
+        acc = [(a[(e, k)]["scores"]["accuracy"], b[(e, k)]["scores"]["accuracy"]) for e in ids]
+        kl = [(a[(e, k)]["fidelity"]["first_token_kl"], b[(e, k)]["fidelity"]["first_token_kl"]) for e in ids]
+        print("%-34s n %d  acc A %.3f B %.3f  B minus A %s  KL to own full A %.3f B %.3f" % (
+            k, len(ids), sum(x for x, _ in acc) / len(ids), sum(y for _, y in acc) / len(ids),
+            bootstrap([y - x for x, y in acc]), sum(x for x, _ in kl) / len(ids), sum(y for _, y in kl) / len(ids)))
+
+
 def main(grid: str, rest: list[str], only: set | None = None) -> None:
-    acc = {(r["example_id"], r["mode_key"]): r["scores"]["accuracy"]
-           for r in map(json.loads, open(grid)) if "example_id" in r}
+    acc = {key: r["scores"]["accuracy"] for key, r in records(grid).items()}
     if rest[0].endswith(".jsonl"):  # diagnostic rows: columns draft0.15 / draft0.3
         for r in map(json.loads, open(rest[0])):
             for x in ("0.15", "0.3"):
@@ -45,6 +61,8 @@ def main(grid: str, rest: list[str], only: set | None = None) -> None:
 
 if __name__ == "__main__":
     args, only = sys.argv[1:], None
+    if args[0] == "--between":
+        sys.exit(between(args[1], args[2], args[3:]))
     if args[0] == "--same-questions-as":
         only = {r["example_id"] for r in map(json.loads, open(args[1])) if r.get("mode_key") == "full"}
         args = args[2:]
