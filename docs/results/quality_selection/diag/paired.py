@@ -5,8 +5,8 @@ compared run answered.
                                           # `full` and plain query-aware rows
   python paired.py GRID MODE_KEY ...      # each mode key of a results file against its `full`, and each
                                           # `...,draft=N` key against the same key without the draft
-  --same-questions-as OTHER.jsonl         # (first) only the questions OTHER has a `full` row for, e.g. another
-                                          # model's run on the same data
+  --same-questions-as OTHER.jsonl         # (first) only the questions OTHER has every compared key for, e.g.
+                                          # another model's run on the same data
   python paired.py --between A B MODE_KEY ...   # each mode key in run B minus the same key in run A, on the
                                           # questions both answered (e.g. the gold passage last against first)
 """
@@ -38,7 +38,7 @@ def between(a_path: str, b_path: str, keys: list[str]) -> None:
             bootstrap([y - x for x, y in acc]), sum(x for x, _ in kl) / len(ids), sum(y for _, y in kl) / len(ids)))
 
 
-def main(grid: str, rest: list[str], only: set | None = None) -> None:
+def main(grid: str, rest: list[str], other: str | None = None) -> None:
     acc = {key: r["scores"]["accuracy"] for key, r in records(grid).items()}
     if rest[0].endswith(".jsonl"):  # diagnostic rows: columns draft0.15 / draft0.3
         for r in map(json.loads, open(rest[0])):
@@ -47,8 +47,9 @@ def main(grid: str, rest: list[str], only: set | None = None) -> None:
         keys = [f"{Q}0.15", f"{Q}0.15,draft=16", f"{Q}0.3", f"{Q}0.3,draft=16"]
     else:
         keys = rest
+    theirs = records(other) if other else None
     ids = [e for e in {e for e, _ in acc}
-           if all((e, k) in acc for k in keys + ["full"]) and (only is None or e in only)]
+           if all((e, k) in acc and (theirs is None or (e, k) in theirs) for k in keys + ["full"])]
     print("questions", len(ids), "full %.3f" % (sum(acc[(e, "full")] for e in ids) / len(ids)))
     for k in keys:
         line = "%-34s acc %.3f  minus full %s" % (k, sum(acc[(e, k)] for e in ids) / len(ids),
@@ -60,10 +61,9 @@ def main(grid: str, rest: list[str], only: set | None = None) -> None:
 
 
 if __name__ == "__main__":
-    args, only = sys.argv[1:], None
+    args, other = sys.argv[1:], None
     if args[0] == "--between":
         sys.exit(between(args[1], args[2], args[3:]))
     if args[0] == "--same-questions-as":
-        only = {r["example_id"] for r in map(json.loads, open(args[1])) if r.get("mode_key") == "full"}
-        args = args[2:]
-    main(args[0], args[1:], only)
+        other, args = args[1], args[2:]
+    main(args[0], args[1:], other)
