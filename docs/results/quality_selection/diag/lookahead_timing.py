@@ -13,7 +13,7 @@ from ragkv.config import cpu_name
 from ragkv.engine.engine import Engine
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.state import DecodeState
-from ragkv.eval.datasets import load_dataset
+from questions import add_question_range, nq10_questions  # this folder's
 
 TAKE = DecodeState.take_lookahead
 
@@ -31,9 +31,7 @@ def run(eng, segs, fusion, gen, lookahead: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--gold", type=int, default=0)
-    p.add_argument("--first", type=int, default=0)
-    p.add_argument("--last", type=int, default=8)
+    add_question_range(p, 8)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--draft", type=int, default=16)
     a = p.parse_args()
@@ -41,8 +39,7 @@ def main() -> None:
     fusion = FusionOptions(mode="blend", select="query", ratio=a.ratio, draft_tokens=a.draft)
     gen = GenerationOptions(max_new_tokens=32)
     rows = []
-    for i, ex in enumerate(load_dataset("nq-distractors", limit=a.last, num_passages=10,
-                                        gold_position=a.gold)[a.first:]):
+    for i, ex in enumerate(nq10_questions(a)):
         segs = eng.segments(ex.question, ex.passages)
         eng.warm(segs, fusion)
         order = (True, False) if i % 2 == 0 else (False, True)  # alternate which goes first

@@ -28,6 +28,7 @@ from ragkv.engine.stepwise import drain
 from ragkv.eval.datasets import load_dataset
 from ragkv.eval.harness import task_scores
 from ragkv.eval.modes import parse_mode_key
+from questions import add_question_range, nq10_questions  # this folder's
 
 SWAP = {"blocks": None, "context": None, "rows": None, "score": None}  # what the current run replaces
 _choose, _fuse, _selected = qs.choose_tokens, qs.fuse_layer_scores, blend_mode.prefill_selected
@@ -94,15 +95,13 @@ def main():
     ap.add_argument("study", choices=("whole-blocks", "exact-score", "answer-score", "draft-accuracy"))
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--bad", type=int, default=5)
-    ap.add_argument("--gold", type=int, default=0)
-    ap.add_argument("--first", type=int, default=0)
-    ap.add_argument("--last", type=int, default=60)
+    add_question_range(ap, 60)
     a = ap.parse_args()
     eng = Engine.load(model="qwen2.5-coder-0.5b", dtype="float32")
     out = open(a.paths[-1], "a")
     q = "blend:sel=query,r="
     if a.study == "draft-accuracy":
-        examples = load_dataset("nq-distractors", limit=a.last, num_passages=10, gold_position=a.gold)[a.first:]
+        examples = nq10_questions(a)
     else:
         wanted = bad_questions(a.paths[0], a.bad)
         examples = [e for e in load_dataset("nq-distractors", limit=60, num_passages=10, gold_position=0)
