@@ -6,7 +6,8 @@ compared run answered.
   python paired.py GRID MODE_KEY ...      # each mode key of a results file against its `full`, and each
                                           # `...,draft=N` key against the same key without the draft
   --same-questions-as OTHER.jsonl         # (first) only the questions OTHER has every compared key for, e.g.
-                                          # another model's run on the same data
+                                          # another model's run on the same data; also prints OTHER's gap to
+                                          # its full minus this run's, per question
   python paired.py --between A B MODE_KEY ...   # each mode key in run B minus the same key in run A, on the
                                           # questions both answered (e.g. the gold passage last against first)
 """
@@ -57,6 +58,9 @@ def main(grid: str, rest: list[str], other: str | None = None) -> None:
         base = k.split(",draft=")[0]
         if base != k and base in keys:
             line += "  minus %s %s" % (base, bootstrap([acc[(e, k)] - acc[(e, base)] for e in ids]))
+        if theirs is not None:  # the other run's gap to its own full, minus this run's, per question
+            gap = {e: theirs[(e, k)]["scores"]["accuracy"] - theirs[(e, "full")]["scores"]["accuracy"] for e in ids}
+            line += "  other's gap minus this %s" % bootstrap([gap[e] - (acc[(e, k)] - acc[(e, "full")]) for e in ids])
         print(line)
 
 
