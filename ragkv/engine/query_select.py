@@ -94,9 +94,8 @@ def record_draft(model, state: DecodeState, recorder: QueryAttentionRecorder, n:
     state.cache.truncate(start)
     state.next_position, state.logits, state.attention = start, logits, policy
     stats.recomputed_token_layers += n * model.args.num_layers
-    del draft[n:]  # the last step's choice: no row of its own was computed
-    stats.extra.update(draft_ms=round((time.perf_counter() - t0) * 1000, 3), draft=draft)
-    return draft
+    stats.extra.update(draft_ms=round((time.perf_counter() - t0) * 1000, 3), draft=draft[:n])
+    return draft[:n]
 
 
 def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink_tokens: int,
@@ -216,8 +215,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
-    drafting = draft_tokens and recorder is not None and N
-    draft = record_draft(model, stage1, recorder, draft_tokens, stats) if drafting else []
+    draft = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and recorder and N else []
     score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
     logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
     t0 = time.perf_counter()
