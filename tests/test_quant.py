@@ -93,9 +93,10 @@ def test_transposed_decode_equals_exact_and_copies_only_wide_linears(tiny_engine
 
 
 @cpu_only
-def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engine):
+def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engine, monkeypatch):
     """`onednn`: every linear (fused q/k/v and gate/up, o, down, the LM head) runs through oneDNN's kernel on the
-    model's own weights; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused."""
+    model's own weights; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused on
+    a CPU without native bf16 (tests/test_cpu_bf16.py tests it where there is)."""
     from ragkv.engine.state import decode_batch
     from ragkv.models.quant import OneDnnLinear
 
@@ -123,18 +124,25 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
             for got in (decode_step(copy_, a, tok), row):
                 assert torch.allclose(want, got, atol=1e-4, rtol=1e-4), (want - got).abs().max()
                 assert want.argmax() == got.argmax()
-    with pytest.raises(InvalidRequestError, match="float32"):
+    import ragkv.models.quant as quant
+
+    monkeypatch.setattr(quant, "bf16_matrix_units", lambda: False)
+    with pytest.raises(InvalidRequestError, match="AVX-512 BF16.*float32"):
         decode_copy(tiny_bf16_engine.model, "onednn")
 
 
 @cpu_only
-def test_auto_weights_choose_onednn_for_fp32_on_a_cpu(tiny_engine, tiny_bf16_engine):
-    """`auto` (the CLI's and server's default): oneDNN's kernel on the model's own weights for fp32 on a CPU, exact
-    otherwise (bf16); any named kind stays itself."""
+def test_auto_weights_choose_onednn_for_fp32_on_a_cpu(tiny_engine, tiny_bf16_engine, monkeypatch):
+    """`auto` (the CLI's and server's default): oneDNN's kernel for fp32 on a CPU, and for bf16 on a CPU that
+    multiplies bf16 natively (AVX-512 BF16 or AMX), exact otherwise; any named kind stays itself."""
+    import ragkv.models.quant as quant
     from ragkv.models.quant import resolve_decode_weights
 
     assert resolve_decode_weights("auto", tiny_engine("qwen2").model)[0] == "onednn"
-    assert resolve_decode_weights("auto", tiny_bf16_engine.model)[0] == "exact"
+    for native in (True, False):
+        monkeypatch.setattr(quant, "bf16_matrix_units", lambda native=native: native)
+        assert resolve_decode_weights("auto", tiny_bf16_engine.model)[0] == ("onednn" if native else "exact")
+    monkeypatch.undo()
     assert resolve_decode_weights("int4", tiny_bf16_engine.model) == ("int4", "asked for")
     eng = tiny_engine("qwen2", decode_weights="auto")
     assert eng.info()["decode_weights"] == eng.decode_weights == "onednn" and eng.forward_model is eng.decode_model

@@ -294,7 +294,9 @@ def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
             counted.append(text)
             return 100, len(text.split())
 
-        bench.run_peer(cfg, work, f"http://127.0.0.1:{httpd.server_address[1]}", lambda m: None, result, count)
+        cells = bench.run_peer(cfg, work, f"http://127.0.0.1:{httpd.server_address[1]}", lambda m: None, result,
+                               count)
+        assert cells(0, 1) == ["llama-cpp c=1"] and cells(1, 2) == ["llama-cpp c=2"]
     finally:
         httpd.shutdown()
     assert result["peer"]["prompt_tokens_reported"] == 77 and result["peer"]["prompt_tokens_counted"] == 100

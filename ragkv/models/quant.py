@@ -13,13 +13,17 @@ bandwidth of the same numbers laid out [in, out] on AMD CPUs (measured on Zen 3,
 head 13 -> 21 GB/s, gate/up 17 -> 31 GB/s; square and narrow ones are no faster and stay shared). Same products,
 summed in another order: equal to the exact path to float rounding. It costs those weights' bytes again.
 
-`onednn` runs every linear through oneDNN's fp32 kernel (what vLLM's CPU backend runs) on the model's own
-weights, read in place: on a 2-core Zen 3, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN was 1.3-2.4x
+`onednn` runs every linear through oneDNN's kernel (what vLLM's CPU backend runs). In fp32 it reads the model's own
+weights in place: on a 2-core Zen 3, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN was 1.3-2.4x
 faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins only from ~1K rows. Until
 session 23 it held a copy of every linear reordered into oneDNN's blocked layout; given the plain [out, in] weight
 oneDNN's kernel was as fast at 1-512 rows and bitwise equal (serve_vllm/s23). q/k/v and gate/up, one product each,
-are moved into one buffer each that the parameters view, so nothing is copied. fp32 on the CPU only (bf16 there
-needs AVX-512 BF16 or AMX).
+are moved into one buffer each that the parameters view, so nothing is copied. In bf16, on a CPU that multiplies
+bf16 natively (AVX-512 BF16 or AMX: `bf16_matrix_units`), products of many rows (prefill) run through oneDNN on the
+model's own weights, at the CPU's bf16 peak (~430 GFLOP/s on a 2-core Zen 4, as torch's own kernel), and those of a
+few rows (decode) through ragkv's bf16 kernel (ragkv.ops.gemv_kernel) on a copy of each weight packed for it: on
+that Zen 4 it reads 29-34 GB/s where torch's bf16 kernel read 14-19 and oneDNN's on a prepacked weight 19-26
+(docs/results/cpu_bf16.md). It costs the linears' bytes again.
 
 Exact copies serve every forward, not only decode: a product of more than FEW_ROWS rows runs in slices of FEW_ROWS
 rows (oneDNN: each slice where its kernel is fastest) or on the model's own weights (transposed, whose copy gains
@@ -36,11 +40,13 @@ import torch
 from torch import nn
 
 from ragkv.errors import InvalidRequestError
+from ragkv.ops import gemv_kernel
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
 EXACT_COPIES = ("transposed", "onednn")  # paths whose weights are the model's own: the same products
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
+PACK_ROWS = 16  # the rows oneDNN's bf16 reorder is tuned for: as fast as 1 at decode, 1.7x faster than 1 at 512 rows
 INT4_GROUP = 32
 
 
@@ -157,13 +163,35 @@ class TransposedLinear(ExactCopyLinear):
         return y + self.bias if self.bias is not None else y
 
 
+def bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where oneDNN's packed bf16 kernels pay;
+    elsewhere bf16 is emulated and slow."""
+    return torch.backends.mkldnn.is_available() and (torch.cpu._is_avx512_bf16_supported()
+                                                     or torch.cpu._is_amx_tile_supported())
+
+
 class OneDnnLinear(ExactCopyLinear):
-    """y = x W^T (+ b) through oneDNN's fp32 kernel reading the model's own W in place (see the module docstring):
-    no copy. Fused linears are one product over their joined weights, which their parameters view."""
+    """y = x W^T (+ b) through oneDNN's kernel (see the module docstring), on the model's own W read in place (no
+    copy; fused linears are one product over their joined weights, which their parameters view). bf16: products of
+    up to gemv_kernel.MAX_ROWS rows (decode) run on a copy of W packed for ragkv's bandwidth-bound kernel
+    (ragkv.ops.gemv_kernel); where that kernel is not built, on a copy reordered into oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__(linear)
         self.weight, self.bias = _joined_in_place(self.parts)
+        self.gemv = None
+        if self.weight.dtype == torch.bfloat16:
+            if gemv_kernel.packable(self.weight):
+                self.gemv = gemv_kernel.pack(self.weight, self.bias)
+            else:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16:  # one kernel for any rows: bf16 GEMMs need no slicing
+            if self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features:
+                return gemv_kernel.gemv(x, *self.gemv, self.out_features)
+            return self.few_rows(x)
+        return super().forward(x)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -210,14 +238,28 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     return new
 
 
+def onednn_refusal(model) -> str | None:
+    """Why `onednn` cannot serve this model here, or None: fp32 on a CPU with oneDNN, or bf16 on one that multiplies
+    bf16 natively."""
+    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return f"oneDNN's kernels are for the CPU (the model is on {model.device.type})"
+    if model.dtype == torch.bfloat16 and not bf16_matrix_units():
+        return "this CPU has neither AVX-512 BF16 nor AMX, so oneDNN's bf16 kernel is emulated: use --dtype float32"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN's kernels here take float32 or bfloat16, not {model.dtype}"
+    return None
+
+
 def resolve_decode_weights(kind: str, model) -> tuple[str, str]:
-    """(weights, why): `auto` becomes `onednn` for an fp32 model on a CPU with oneDNN (no copy; on Zen 3 every
-    exact forward took 0.73-0.92x MKL's time, session 22), else `exact`; any other kind is itself."""
+    """(weights, why): `auto` becomes `onednn` where it applies (`onednn_refusal`): fp32 on a CPU (no copy; on Zen 3
+    every exact forward took 0.73-0.92x MKL's time, session 22), bf16 on AVX-512 BF16 or AMX (packed weights); else
+    `exact`. Any other kind is itself."""
     if kind != "auto":
         return kind, "asked for"
-    if model.device.type != "cpu" or model.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return "exact", f"auto: oneDNN's kernel is for fp32 on a CPU ({model.dtype} on {model.device.type})"
-    return "onednn", "auto: fp32 on a CPU with oneDNN"
+    why_not = onednn_refusal(model)
+    if why_not is not None:
+        return "exact", f"auto: {why_not}"
+    return "onednn", f"auto: {str(model.dtype).removeprefix('torch.')} on a CPU with oneDNN"
 
 
 def decode_copy(model, kind: str):
@@ -229,9 +271,9 @@ def decode_copy(model, kind: str):
     if model.device.type != "cpu":
         raise InvalidRequestError(f"--decode-weights {kind} uses torch's CPU kernels; use 'exact' on "
                                   f"{model.device.type}")
-    if kind == "onednn" and (model.dtype != torch.float32 or not torch.backends.mkldnn.is_available()):
-        raise InvalidRequestError(f"--decode-weights onednn runs oneDNN's fp32 kernel: load the model with --dtype "
-                                  f"float32 (it is {model.dtype}), or use 'exact' or 'transposed'")
+    if kind == "onednn" and onednn_refusal(model):
+        raise InvalidRequestError(f"--decode-weights onednn: {onednn_refusal(model)}; or use 'exact' or "
+                                  f"'transposed'")
     with torch.no_grad():
         copy_ = _swap_linears(model, kind)
     if kind in EXACT_COPIES:  # prefill_chunks runs a long prompt in forwards of this many rows on it

@@ -132,6 +132,12 @@ def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
     if forced in ("kernel", "torch"):
         return forced == "kernel"
+    if q.dtype == torch.bfloat16 and q.dtype not in _KERNEL_WINS:
+        # bf16: the torch path is three small ops with a thread fork/join each; timed alone it was level with the
+        # kernel (0.14-0.28 ms against 0.13-0.24 per layer, Zen 4), but inside `ragkv serve` it took ~0.9 ms per
+        # layer, 30% of a decode step (py-spy), and the kernel made the server's decode 13.7 -> 20 tok/s. A timing
+        # race at start-up cannot see that: the kernel wherever it is built.
+        _KERNEL_WINS[q.dtype] = decode_attention_cpu(q[:, :, :1], k[:, :, :1], v[:, :, :1]) is not None
     if q.dtype not in _KERNEL_WINS:
         k = torch.randn(k.shape[:2] + (2048, k.shape[3]), dtype=k.dtype, device=k.device)
         v = torch.randn_like(k)

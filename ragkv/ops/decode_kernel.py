@@ -13,12 +13,13 @@ behind when a build is killed cannot make later builds wait forever.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 
 import torch
+
+from ragkv.ops.cpp_build import build_extension
 
 log = logging.getLogger(__name__)
 
@@ -350,30 +351,6 @@ _module = None
 _failed = False
 
 
-@contextlib.contextmanager
-def _build_lock(name: str):
-    """Hold an flock on the extension's build folder; inside it, a `lock` file left by torch's builder is stale.
-
-    torch's FileBaton is a plain file that a killed build never removes: every later build then spins on it for ever.
-    An flock dies with its process, so whoever holds ours knows no live ragkv build owns that file."""
-    try:
-        import fcntl
-
-        from torch.utils.cpp_extension import _get_build_directory
-        folder = _get_build_directory(name, verbose=False)
-    except Exception:  # noqa: BLE001 - no flock (Windows) or a moved private helper: build as torch does
-        yield
-        return
-    with open(os.path.join(folder, "ragkv.build.lock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        stale = os.path.join(folder, "lock")
-        if os.path.exists(stale):
-            log.warning("removing %s, left by a build that was killed", stale)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(stale)
-        yield
-
-
 def kernel():
     """The compiled module, or None where it cannot be built (then callers use their torch path)."""
     global _module, _failed
@@ -385,13 +362,8 @@ def kernel():
     with _lock:
         if _module is None and not _failed:
             try:
-                from torch.utils.cpp_extension import load_inline
-
                 # -ffast-math lets the compiler vectorize the fp32 dot-product reductions
-                with _build_lock(_NAME):
-                    _module = load_inline(name=_NAME, cpp_sources=[_SOURCE], verbose=False,
-                                          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                                          extra_ldflags=["-fopenmp"])
+                _module = build_extension(_NAME, _SOURCE, fast_math=True)
             except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
                 log.warning("the C++ decode-attention kernel could not be built (%s); using the torch path", e)
                 _failed = True

@@ -119,7 +119,9 @@ def token_counter(model: str):
 
 
 def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict, count,
-              server_cpu=lambda: None) -> None:
+             server_cpu=lambda: None):
+    """Connect to the peer and warm it up; returns `cells(level, concurrency)`, which runs its cell at one
+    concurrency level (the same requests as ragkv's cells there)."""
     base, client, model = connect(url, cfg)
     peer = cfg.peer
     # Warm-up: one request, not streamed (its usage is reported): loads the weights into the page cache and
@@ -135,10 +137,13 @@ def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict
     progress(f"[serve bench] {peer}: warm-up request in {result['peer']['warmup_s']} s; prompt tokens "
              f"{result['peer']['prompt_tokens_reported']} (server) vs {result['peer']['prompt_tokens_counted']} "
              f"(tokenizer)")
-    for c, reqs in zip(cfg.concurrency, work["plans"]):
-        payloads = [peer_payload(r, work["system"], peer) for r in reqs]
+
+    def cells(level: int, c: int) -> list[str]:
+        payloads = [peer_payload(r, work["system"], peer) for r in work["plans"][level]]
         cell = measure_cell(result["cells"], client, model, payloads, peer, peer, c, cfg, server_cpu, count)
         progress(f"[serve bench] {peer} c={c}: {describe_cell(cell)}")
+        return [f"{peer} c={c}"]
+    return cells
 
 
 def make_peer(name: str, model: str, dtype: str = "float32", python: str | None = None, threads: int | None = None,

@@ -1,7 +1,8 @@
-"""`run_serve_bench`: every (mode, concurrency) cell against one or several ragkv servers, then the peer's."""
+"""`run_serve_bench`: every (mode, concurrency) cell against one or several ragkv servers, interleaved with a peer's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import asdict
@@ -13,6 +14,7 @@ from ragkv.bench.serve.peer import make_peer, peer_ratios, run_peer, token_count
 from ragkv.bench.serve.report import plot_serve_bench, render_markdown
 from ragkv.bench.serve.servers import ServerProcess, cpu_seconds_of, started_together, wait_idle, wait_written
 from ragkv.bench.serve.workload import build_workload, ragkv_payload, warmup_requests
+from ragkv.config import machine
 from ragkv.engine.modes import is_reference
 from ragkv.errors import InvalidRequestError
 
@@ -22,37 +24,48 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
                     peer_url: str | None = None, model: str = "smollm2", count=None) -> dict:
     """Run every (mode, concurrency) cell against `url`, or against a server started here (and stopped after);
     several URLs (servers sharing a store) take the requests round-robin, and only the first is warmed up, so
-    the others' hits come from the shared tiers;
-    then, with `cfg.peer`, the same cells' requests against `peer_url` or a peer started here. Writes
+    the others' hits come from the shared tiers. With `cfg.peer`, the same requests go to `peer_url` or a peer
+    started here, both servers up at once and the cells interleaved: at each concurrency the peer's cell comes
+    first, then ragkv's, and the order flips at the next level, because these machines' speed drifts by up to 3x
+    within an hour (a peer measured after ragkv's whole run would be measured on another machine). Writes
     serve_bench.json, .png and .md under `out_dir`; returns the JSON object. `count` counts the peer's tokens
     (default: `token_counter` of the model)."""
     from ragkv.bench.common import save_json
 
     work = build_workload(cfg)
     result = {"benchmark": "serve", "config": asdict(cfg), "url": None, "server": {},
-              "machine": {"cpus": os.cpu_count()}, "warmup": {}, "cells": []}
-    if cfg.modes:
-        if url is None:
-            group = server if isinstance(server, list) else [server or ServerProcess(model)]
-            with started_together(group) as started:
-                run_ragkv(cfg, work, started[0].url if len(started) == 1 else [s.url for s in started], progress,
-                     result, lambda: cpu_seconds_of(started))
+              "machine": machine(), "warmup": {}, "cells": [],
+              "order": []}
+    with contextlib.ExitStack() as stack:
+        ragkv_cells = None
+        if cfg.modes:
+            if url is None:
+                group = server if isinstance(server, list) else [server or ServerProcess(model)]
+                started = stack.enter_context(started_together(group))
+                url = started[0].url if len(started) == 1 else [s.url for s in started]
                 result["server"]["started_here"] = [" ".join(s.cmd) for s in started]
                 result["server"]["threads"] = [s.threads for s in started]  # None: torch's default (every core)
-        else:
-            run_ragkv(cfg, work, url, progress, result)
-    if cfg.peer:
-        count = count or token_counter(getattr(peer, "model", None) or getattr(server, "model", None) or model)
-        if peer_url is None:
-            with peer or make_peer(cfg.peer, model) as p:
-                run_peer(cfg, work, p.url, progress, result, count, p.cpu_seconds)
+                ragkv_cells = run_ragkv(cfg, work, url, progress, result, lambda: cpu_seconds_of(started))
+            else:
+                ragkv_cells = run_ragkv(cfg, work, url, progress, result)
+        peer_cells = None
+        if cfg.peer:
+            count = count or token_counter(getattr(peer, "model", None) or getattr(server, "model", None) or model)
+            if peer_url is None:
+                p = stack.enter_context(peer or make_peer(cfg.peer, model))
+                peer_cells = run_peer(cfg, work, p.url, progress, result, count, p.cpu_seconds)
                 result["peer"].update(started_here=" ".join(p.cmd), version=p.version(), threads=p.threads,
                                       **p.describe())
-        else:
-            run_peer(cfg, work, peer_url, progress, result, count)
+            else:
+                peer_cells = run_peer(cfg, work, peer_url, progress, result, count)
+        for level, c in enumerate(cfg.concurrency):
+            turns = [t for t in (peer_cells, ragkv_cells) if t is not None]
+            for turn in (turns if level % 2 == 0 else turns[::-1]):
+                result["order"].extend(turn(level, c))
+    if cfg.peer:
         result["ratios_vs_peer"] = peer_ratios(result["cells"], cfg.peer)
-    ragkv_cells = [c for c in result["cells"] if c["system"] == "ragkv"]
-    result["ratios_vs_full"] = slo_ratios(ragkv_cells) if any(map(is_reference, cfg.modes)) else {}
+    ragkv_only = [c for c in result["cells"] if c["system"] == "ragkv"]
+    result["ratios_vs_full"] = slo_ratios(ragkv_only) if any(map(is_reference, cfg.modes)) else {}
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     save_json(out_dir / "serve_bench.json", result)
     plot_serve_bench(result["cells"], out_dir / "serve_bench.png")
@@ -61,7 +74,9 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
 
 
 def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress, result: dict,
-         server_cpu=lambda: None) -> None:
+              server_cpu=lambda: None):
+    """Connect to the ragkv server(s) and warm every mode up; returns `cells(level, concurrency)`, which runs every
+    mode's cell at one concurrency level."""
     import httpx
 
     servers = [connect(u, cfg) for u in ([url] if isinstance(url, str) else url)]
@@ -86,10 +101,13 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
                 wait_written(base)
             progress(f"[serve bench] {mode}: warm-up, {len(work['pool'])} single-passage requests in "
                      f"{result['warmup'][mode]['seconds']} s")
-        for b, _, _ in servers:
-            wait_idle(b)  # a server's start-up profile runs its forwards while idle: before the cells, not inside
-        for c, reqs in zip(cfg.concurrency, work["plans"]):
-            payloads = [ragkv_payload(r, mode, work["system"]) for r in reqs]
+    for b, _, _ in servers:
+        wait_idle(b)  # a server's start-up profile runs its forwards while idle: before the cells, not inside
+
+    def cells(level: int, c: int) -> list[str]:
+        """Every mode's cell at concurrency `c` (the `level`-th); returns the cells' names in the order run."""
+        for mode in cfg.modes:
+            payloads = [ragkv_payload(r, mode, work["system"]) for r in work["plans"][level]]
             h0 = httpx.get(base + "/health", timeout=10).json()
             with KVPeak(base) as kv:
                 cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
@@ -97,3 +115,5 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
                 cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()), kv_bytes_peak=kv.peak)
             progress(f"[serve bench] {mode} c={c}: {describe_cell(cell)}; reused {cell['reused_tokens']} / "
                      f"{cell['prompt_tokens']} prompt tokens")
+        return [f"ragkv {m} c={c}" for m in cfg.modes]
+    return cells
