@@ -177,6 +177,33 @@ def test_document_ids_are_nfc_refuse_invisible_characters_and_errors_name_the_do
     assert nfc not in [d["doc_id"] for d in httpx.get(api + "/v1/documents").json()["data"]]
 
 
+def test_hostile_values_get_a_400_naming_the_field_never_a_500(api):
+    """What the hostile probe found (issue 52): a 5,000-digit seed, a boolean for a number, an empty namespace, an id
+    of only spaces, an impossible check layer; each is a 400 whose `param` names the field, extension fields as
+    `ragkv.<field>`, and the server answers normally afterwards."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    raw = json.dumps(chat)[:-1] + ', "seed": ' + "9" * 5000 + "}"
+    r = httpx.post(api + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and "5000 digits" in r.json()["error"]["message"], r.text
+    cases = [({"temperature": True}, "temperature", "boolean"),
+             ({"ragkv": {"mode": "blend", "ratio": True}}, "ragkv.ratio", "boolean"),
+             ({"ragkv": {"namespace": ""}}, "ragkv.namespace", "at least 1"),
+             ({"ragkv": {"mode": "nonsense"}}, "ragkv.mode", "nonsense"),
+             ({"ragkv": {"mode": "blend", "ratio": 2.0}}, "ragkv.ratio", ""),
+             ({"ragkv": {"mode": "blend", "check_layers": [100], "documents": ["A passage."]}}, "ragkv.check_layers",
+              "does not exist"),
+             ({"ragkv": {"documents": [{"text": "x", "id": "\u00a0"}]}}, "ragkv.documents[0].id", "space")]
+    for extra, param, words in cases:
+        r = post(api, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        e = r.json()["error"]
+        assert e["param"] == param and words in e["message"], (extra, e)
+    r = post(api, "/v1/documents", {"documents": [{"text": "x", "id": "\u3000 "}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents[0].id"
+    assert post(api, "/v1/chat/completions", chat).status_code == 200
+
+
 # -- jobs survive the process -------------------------------------------------------------------------------------
 def job_docs(n: int, tag: str) -> list[dict]:
     return [{"id": f"{tag}-{i}", "text": f"Note {i} of {tag}: the harbour of Lintwick had {i + 3} boats. " * 12}

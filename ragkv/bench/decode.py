@@ -91,7 +91,8 @@ def _profile(engine, segs, steps: int = 8) -> dict:
     for ev in prof.key_averages():
         name, ms = ev.key, ev.self_cpu_time_total / 1000 / steps
         ops += ev.count
-        if any(s in name for s in ("int4pack", "int8pack", "aten::mm", "aten::addmm")):
+        if any(s in name for s in ("int4pack", "int8pack", "aten::mm", "aten::addmm", "ragkv::gemv",
+                                   "_linear_pointwise")):
             kinds["weight matmuls"] += ms
         elif any(s in name for s in ("attention", "aten::bmm", "softmax")):  # ragkv::decode_attention too
             kinds["attention"] += ms
@@ -100,6 +101,33 @@ def _profile(engine, segs, steps: int = 8) -> dict:
     out = {k: round(v, 2) for k, v in kinds.items()}
     out["ops per step"] = round(ops / steps)
     return out
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's read bandwidth, STREAM-like: the best of `repeats` sums over `gib` GiB (far beyond any cache),
+    on torch's threads, in GB/s. What a decode step's weight reads are bound by."""
+    buf = torch.ones(int(gib * 2 ** 30) // 4, dtype=torch.float32)
+    buf.sum()  # pages touched before timing
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
+WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5}  # bytes a decode step reads per weight; other kinds: the dtype's size
+
+
+def decode_bytes(engine, kind: str, prompt_tokens: float) -> dict:
+    """Bytes one batch-1 decode step must read: every linear's weight (the LM head included) at the copy's width,
+    one embedding row, and the KV cache of the prompt."""
+    a = engine.model.args
+    per_weight = WEIGHT_BYTES.get(kind, torch.finfo(engine.model.dtype).bits / 8)
+    linears = sum(m.weight.numel() for name, m in engine.model.named_modules()
+                  if isinstance(m, torch.nn.Linear))
+    kv = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.finfo(engine.model.dtype).bits / 8
+    return {"weights": round(linears * per_weight), "kv": round(prompt_tokens * kv)}
 
 
 def _teacher_forced(engine, segs, tokens: list[int]) -> list[torch.Tensor]:
@@ -119,8 +147,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
     engines = {c: Engine.load(cfg.model, dtype=c[0], device="cpu", decode_weights=c[1]) for c in cfg.configs}
     ref_engine = engines.get(("float32", "exact")) or Engine.load(cfg.model, dtype="float32", device="cpu")
     reqs = _requests(ref_engine, max(cfg.fidelity_examples, max(cfg.batch_sizes)), cfg.passages)
-    progress(f"[bench decode] {len(reqs)} MuSiQue requests, {sum(s.num_tokens for s in reqs) / len(reqs):.0f} "
-             f"tokens on average; CPU {cpu_name()}, {torch.get_num_threads()} threads")
+    prompt_mean = sum(s.num_tokens for s in reqs) / len(reqs)
+    bandwidth = read_bandwidth_gbs()
+    progress(f"[bench decode] {len(reqs)} MuSiQue requests, {prompt_mean:.0f} tokens on average; CPU {cpu_name()}, "
+             f"{torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s")
 
     step_times = {c: [] for c in cfg.configs}
     for r in range(cfg.rounds):
@@ -149,14 +179,18 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
         batched = {b: round(_batched_tok_s(eng, reqs, b, cfg.steps), 1) for b in cfg.batch_sizes}
         prof = _profile(eng, reqs[0])
         med = statistics.median(step_times[c])
-        rows.append({"dtype": c[0], "decode_weights": c[1], "step_ms_median": round(med, 2),
-                     "tokens_per_s": round(1000 / med, 1), "batched_tokens_per_s": batched,
+        reads = decode_bytes(eng, c[1], prompt_mean)
+        bound = bandwidth * 1e9 / (reads["weights"] + reads["kv"])  # tok/s if every byte came at the probe's speed
+        rows.append({"dtype": c[0], "decode_weights": eng.decode_weights, "step_ms_median": round(med, 2),
+                     "tokens_per_s": round(1000 / med, 1), "bytes_per_step": reads,
+                     "bandwidth_bound_tokens_per_s": round(bound, 1),
+                     "fraction_of_bound": round(1000 / med / bound, 3), "batched_tokens_per_s": batched,
                      "kl_to_fp32_exact": round(statistics.mean(kls), 5), "top1_agreement": round(agree / n, 4),
                      "profile_ms": prof})
         progress(f"[bench decode] {c[0]}/{c[1]}: {rows[-1]['tokens_per_s']} tok/s, batched {batched}, "
                  f"KL {rows[-1]['kl_to_fp32_exact']}, top-1 {rows[-1]['top1_agreement']}, profile {prof}")
     result = {"config": asdict(cfg), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-              "prompt_tokens_mean": round(sum(s.num_tokens for s in reqs) / len(reqs), 1), "rows": rows}
+              "read_bandwidth_gbs": round(bandwidth, 1), "prompt_tokens_mean": round(prompt_mean, 1), "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_json(out_dir / "decode.json", result)
     (out_dir / "decode.md").write_text(render_markdown(result))
@@ -166,18 +200,23 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
 def render_markdown(result: dict) -> str:
     base = next((r for r in result["rows"] if r["dtype"] == "float32" and r["decode_weights"] == "exact"), None)
     bs = result["config"]["batch_sizes"]
-    headers = ["dtype", "decode weights", "tok/s (1 stream)", "vs fp32 exact"] + [f"tok/s batch {b}" for b in bs] + [
+    headers = ["dtype", "decode weights", "tok/s (1 stream)", "vs fp32 exact", "bandwidth bound tok/s",
+               "of the bound"] + [f"tok/s batch {b}" for b in bs] + [
         "KL to fp32 exact", "top-1 agree", "step ms: matmuls / attention / other (ops)"]
     rows = []
     for r in result["rows"]:
         p = r["profile_ms"]
         rows.append([r["dtype"], r["decode_weights"], r["tokens_per_s"],
-                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"]
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
+                     r.get("bandwidth_bound_tokens_per_s", "-"),
+                     f"{r['fraction_of_bound']:.0%}" if "fraction_of_bound" in r else "-"]
                     + [r["batched_tokens_per_s"][b] if b in r["batched_tokens_per_s"] else
                        r["batched_tokens_per_s"].get(str(b)) for b in bs]
                     + [r["kl_to_fp32_exact"], r["top1_agreement"],
                        f"{p['weight matmuls']} / {p['attention']} / {p['other ops']} ({p['ops per step']})"])
     return (f"# Decode speed and fidelity\n\nCPU: {result['cpu']}, {result['threads']} threads; "
             f"{result['prompt_tokens_mean']} prompt tokens on average (MuSiQue, 4 passages, reuse); "
-            f"{result['config']['steps']} steps x {result['config']['rounds']} rounds.\n\n"
+            f"{result['config']['steps']} steps x {result['config']['rounds']} rounds. Read bandwidth "
+            f"{result.get('read_bandwidth_gbs', '?')} GB/s (a sum over 1 GiB); the bound is that over the bytes a step "
+            f"reads (weights at the copy's width, the prompt's KV).\n\n"
             + markdown_table(headers, rows) + "\n")

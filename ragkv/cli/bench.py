@@ -67,7 +67,8 @@ def register(sub) -> None:
 
     d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
     d.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    d.add_argument("--configs", default="float32:exact,bfloat16:exact,float32:int8,float32:int4,bfloat16:int4",
+    d.add_argument("--configs", default="float32:exact,float32:onednn,bfloat16:exact,bfloat16:auto,float32:int8,"
+                                         "bfloat16:int4",
                    help="comma-separated dtype:decode-weights pairs")
     d.add_argument("--batch-sizes", default="1,4,16")
     d.add_argument("--steps", type=int, default=32)

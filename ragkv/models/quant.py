@@ -276,6 +276,7 @@ def decode_copy(model, kind: str):
                                   f"'transposed'")
     with torch.no_grad():
         copy_ = _swap_linears(model, kind)
-    if kind in EXACT_COPIES:  # prefill_chunks runs a long prompt in forwards of this many rows on it
-        copy_.forward_rows = FEW_ROWS
+    if kind in EXACT_COPIES and model.dtype != torch.bfloat16:  # prefill_chunks runs a long prompt in forwards of
+        copy_.forward_rows = FEW_ROWS  # this many rows on it; in bf16 oneDNN's GEMM needs no slicing, and the
+        # slices' masked attention made a 1K-token prefill 1.09x one forward's time (Zen 4, docs/results/cpu_bf16)
     return copy_

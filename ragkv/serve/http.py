@@ -37,14 +37,27 @@ def _no_constants(name: str):
     raise ApiError(400, f"the request body contains {name}, which is not a JSON number; send a finite number")
 
 
+MAX_INT_DIGITS = 40  # more than any field takes (a seed is < 2**63: 19 digits); checked before converting
+
+
+def _bounded_int(text: str) -> int:
+    """A JSON integer, refused before conversion when it is longer than any field could take (Python would convert
+    a 4,300-digit one for seconds, and refuse a longer one with a ValueError)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(400, f"the request body contains an integer of {len(text.lstrip('-'))} digits; no field "
+                            f"takes more than {MAX_INT_DIGITS}")
+    return int(text)
+
+
 def field_path(loc) -> str:
     """A pydantic error location as the field's path, list positions in brackets: `documents[2].id`. A union's
-    member names (`str`, `list[int]`) are pydantic's, not fields: left out."""
+    member names (`str`, `list[int]`, a model's class name such as `DocumentIn`) are pydantic's, not fields: left out
+    (fields are lower case)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "list", "dict")):
+        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "list", "dict") or part[:1].isupper()):
             continue
         else:
             out += f".{part}" if out else str(part)
@@ -54,7 +67,7 @@ def field_path(loc) -> str:
 def parse_body(raw: bytes, schema):
     """A request body -> the schema's model; every way it can be wrong is a 400 naming the field."""
     try:
-        data = json.loads(raw, parse_constant=_no_constants)
+        data = json.loads(raw, parse_constant=_no_constants, parse_int=_bounded_int)
         json.dumps(data, ensure_ascii=False).encode("utf-8")  # an unpaired surrogate (\\ud800) cannot be text
     except ApiError:
         raise
@@ -74,7 +87,8 @@ def parse_body(raw: bytes, schema):
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
+        # the deepest error: of a union (a document as text or as an object), the member that got furthest
+        first = max(e.errors(), key=lambda err: len(field_path(err.get("loc", ()))))
         where = field_path(first.get("loc", ()))
         raise ApiError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None)
     except RecursionError:

@@ -16,7 +16,7 @@ from typing import Callable
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
-from ragkv.errors import RagkvError
+from ragkv.errors import OptionError, RagkvError
 from ragkv.rag.order import order_passages
 from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, RagkvExtras
 from ragkv.settings import DEFAULT_TENANT, SERVE
@@ -133,7 +133,12 @@ class RequestBuilder:
         given = e.fusion_fields()
         default = self.history_mode if history else self.default_fusion.mode if has_blocks else "prefix"
         given.setdefault("mode", default)
-        return replace(self.default_fusion, **given)  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...
+        try:  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...; then what needs the model
+            fusion = replace(self.default_fusion, **given)
+            get_mode(fusion.mode).check(self.engine, fusion)
+        except OptionError as err:  # every extension field is named as the client wrote it: ragkv.<field>
+            raise FieldError(f"ragkv.{err.param}", str(err)) from None
+        return fusion
 
     def generation(self, req, default_max: int) -> GenerationOptions:
         # max_completion_tokens wins over max_tokens, even when it is 0 (an answer of no tokens: the prompt is

@@ -38,18 +38,36 @@ class FieldError(InvalidRequestError):
         self.param, self.code = param, code
 
 
+def _kind(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return "a number" if ("int" in text or "float" in text) and "str" not in text else text
+
+
+def _no_bool_as_number(cls, value, info):
+    """JSON's true/false are not numbers: pydantic would read `"ratio": true` as 1.0. Refused for every field
+    whose type has no bool in it (the error names the field)."""
+    field = cls.model_fields.get(info.field_name)
+    if isinstance(value, bool) and field is not None and "bool" not in str(field.annotation):
+        raise ValueError(f"{str(value).lower()} is a boolean; this field takes {_kind(field.annotation)}")
+    return value
+
+
 class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _booleans = field_validator("*", mode="before")(classmethod(_no_bool_as_number))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    _booleans = field_validator("*", mode="before")(classmethod(_no_bool_as_number))
 
 
 def document_id(value: str) -> str:
     """A document id as the library keeps it: NFC (so `café` typed either way is one document), with no invisible
     character (refused, naming it: an id a user cannot see cannot be trusted)."""
     value = unicodedata.normalize("NFC", value)
+    if not value.strip():  # spaces only (U+00A0 and U+3000 included): nothing a user could tell apart
+        raise ValueError(f"the id {value!r} is only space characters; send an id with a visible character")
     for i, ch in enumerate(value):
         if unicodedata.category(ch) in INVISIBLE_CATEGORIES:
             name = unicodedata.name(ch, "a control character")
@@ -95,7 +113,7 @@ class RagkvExtras(_FusionFields):
     """ragkv's per-request extras: FusionOptions' fields (unset ones take the server's defaults) and the context."""
     documents: list[Union[str, DocumentIn]] | None = None  # inline passages, used as they are
     retrieval: Retrieval | None = None  # retrieve top_k chunks from the ingested documents
-    namespace: str | None = None
+    namespace: str | None = Field(None, min_length=1, max_length=256)  # "" is not a name (leave it out: the tenant's)
 
     def fusion_fields(self) -> dict:
         out = {f: getattr(self, f) for f in _FusionFields.model_fields if getattr(self, f) is not None}

@@ -17,7 +17,7 @@ from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_f
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 from ragkv.engine.query_select import STATIC_SELECTIONS, prefill_selected
-from ragkv.errors import InvalidRequestError
+from ragkv.errors import OptionError
 
 SELECTIONS = ("deviation", "query", "sinks", "recent")  # FusionOptions.select; the first is the default
 
@@ -38,14 +38,14 @@ class Blend(BlockMode):
 
     def check(self, engine, fusion):
         if fusion.check_layers[-1] >= engine.num_layers:
-            raise InvalidRequestError(f"check layer {fusion.check_layers[-1]} does not exist: this model's check "
-                                      f"layers are 1..{engine.num_layers - 1} (check_layers)")
+            raise OptionError("check_layers", f"check layer {fusion.check_layers[-1]} does not exist: this model's "
+                                              f"check layers are 1..{engine.num_layers - 1} (check_layers)")
         if fusion.select == "sinks" and fusion.sink_tokens < 1:
-            raise InvalidRequestError("select='sinks' recomputes each block's first sink_tokens tokens: set "
-                                      "sink_tokens >= 1 (EPIC recomputes a handful, e.g. 4-16)")
+            raise OptionError("sink_tokens", "select='sinks' recomputes each block's first sink_tokens tokens: set "
+                                             "sink_tokens >= 1 (EPIC recomputes a handful, e.g. 4-16)")
         if fusion.draft_tokens and fusion.select != "query":
-            raise InvalidRequestError("draft_tokens scores the context by a draft's attention: it needs "
-                                      "select='query' (or set draft_tokens=0)")
+            raise OptionError("draft_tokens", "draft_tokens scores the context by a draft's attention: it needs "
+                                              "select='query' (or set draft_tokens=0)")
 
     def load_schedule(self, engine, res, fusion, stats):
         if res.uncached:  # some blocks live only in this request's memory: nothing to schedule

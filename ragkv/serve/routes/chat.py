@@ -93,6 +93,12 @@ def ragkv_extras(results: list) -> dict:
     return out
 
 
+def _retrieved(fut: asyncio.Future) -> None:
+    """Mark an abandoned job's outcome as seen, so asyncio does not log "Future exception was never retrieved"."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
     server = server_of(request)
     timeout_s = server.scheduler.timeout_s
@@ -103,8 +109,9 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
         while not all(f.done() for f in futs):  # a client that went away frees its batch slots at the next step
             await asyncio.wait([f for f in futs if not f.done()], timeout=0.25)
             if not all(f.done() for f in futs) and (await request.is_disconnected() or time.monotonic() > deadline):
-                for job in jobs:
+                for job, f in zip(jobs, futs):
                     job.cancel()
+                    f.add_done_callback(_retrieved)  # nobody awaits it now: its `cancelled` error is expected
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"generation exceeded {timeout_s:.0f} s")
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
