@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.state import decode_batch, decode_step
 from ragkv.models.quant import bf16_matrix_units
-from ragkv.ops import gemv_kernel
+from ragkv.ops import gemv_kernel, prefill_kernel
 
-from tiny import make_segs
+from tiny import default_model_available, make_segs
 
 native_bf16 = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu" or not bf16_matrix_units(),
                                  reason="needs a CPU with AVX-512 BF16 or AMX")
@@ -98,3 +98,79 @@ def test_bf16_prefill_on_the_onednn_copy_equals_exact(fusion, tiny_dirs):
         want = exact.prefill(segs, fusion)[0].logits.float().softmax(-1)
         got = fast.prefill(segs, fusion)[0].logits.float().softmax(-1)
         assert (want - got).abs().max() < 2e-2 and want.argmax() == got.argmax()
+
+
+needs_prefill_kernel = pytest.mark.skipif(prefill_kernel.kernel() is None,
+                                          reason="the bf16 prefill-attention kernel is not built here")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 64), (6, 2, 128)])
+@pytest.mark.parametrize("past,rows", [(0, 37), (0, 130), (45, 70), (200, 17)])
+def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
+    """Causal rows after `past` cached keys, grouped-query heads, rows and keys off the kernel's blocks: the output
+    is as close to fp32 attention as torch's own bf16 SDPA is (within 2x its error, plus bf16's rounding), and the
+    log-sum-exp equals fp32's to 1e-3; with causal=False every row sees every key."""
+    from ragkv.ops.attention import attention_with_lse, causal_mask
+
+    g = torch.Generator().manual_seed(past * 31 + rows + dim)
+    S = past + rows
+    q = (torch.randn(1, rows, heads, dim, generator=g) * 2).bfloat16().transpose(1, 2)  # the model's layout
+    k = (torch.randn(1, kv_heads, S + 9, dim, generator=g) * 2).bfloat16()[:, :, :S]  # a view of a longer cache
+    v = torch.randn(1, kv_heads, S, dim, generator=g).bfloat16()
+    for causal in (True, False):
+        mask = causal_mask(rows, S) if causal else None
+        want, want_lse = attention_with_lse(q.float(), k.float(), v.float(), mask=mask)
+        torch_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+        got, lse = prefill_kernel.prefill_attention(q, k, v, past=past, causal=causal, want_lse=True)
+        assert got.dtype == torch.bfloat16 and got.shape == q.shape
+        err, torch_err = (got.float() - want).abs().max(), (torch_bf16.float() - want).abs().max()
+        assert err <= 2 * torch_err + 2 ** -7, (err, torch_err)
+        assert (lse - want_lse).abs().max() < 1e-3
+
+
+TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin encompasses seven "
+        "million square kilometres, of which five and a half million are covered by the rainforest. The region "
+        "includes territory belonging to nine nations and 3,344 formally acknowledged indigenous territories. The "
+        "majority of the forest, 60%, is in Brazil, followed by Peru with 13%, Colombia with 10%, and with minor "
+        "amounts in Bolivia, Ecuador, French Guiana, Guyana, Suriname, and Venezuela. Question: which country holds "
+        "most of the Amazon rainforest? Answer:")
+
+
+@needs_prefill_kernel
+@pytest.mark.model
+def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(monkeypatch):
+    """SmolLM2 in bf16 (head dim 64) on a real paragraph: prefilled at once and in two forwards over a cache (rows
+    after `past` keys), through the kernel; every position's next-token distribution is as close to the fp32
+    model's as the SDPA path's is (max difference, greedy agreement), and the cached path equals the whole forward."""
+    from ragkv.engine.kvcache import KVCache
+    from ragkv.models.loader import load_model
+
+    if not default_model_available():
+        pytest.skip("default model not converted")
+    loaded = load_model("smollm2", torch.bfloat16, device="cpu")
+    model = loaded.model
+    ids = torch.tensor([loaded.tokenizer(TEXT, add_special_tokens=False)["input_ids"]])
+    cut = ids.shape[1] // 2
+    calls = []
+    real = prefill_kernel.prefill_attention
+    monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run(m):
+        with torch.inference_mode():
+            whole = m(ids, all_logits=True)[0].float().softmax(-1)
+            cache = KVCache.for_model(m, ids.shape[1])
+            m(ids[:, :cut], cache=cache)
+            rest = m(ids[:, cut:], cache=cache, all_logits=True)[0].float().softmax(-1)
+        return whole, rest
+
+    fast = run(model)
+    assert len(calls) == 3 * model.args.num_layers  # the whole prompt, its first part, the rest
+    monkeypatch.setattr(prefill_kernel, "applies", lambda q, k: False)
+    slow = run(model)
+    ref = run(load_model("smollm2", torch.float32, device="cpu").model)
+    for f, s_, r in zip(fast, slow, ref):
+        assert (f - r).abs().max() <= 1.5 * (s_ - r).abs().max() + 1e-2
+        agree = lambda a: (a.argmax(-1) == r.argmax(-1)).float().mean()  # noqa: E731
+        assert agree(f) >= agree(s_) - 0.03, (agree(f), agree(s_))
+    assert (fast[1] - fast[0][cut:]).abs().max() < 3e-2

@@ -30,6 +30,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def add_linear(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x); a decode copy's linear may add the residual inside its product (models/quant.py)."""
+    add_to = getattr(linear, "add_to", None)
+    return add_to(residual, x) if add_to is not None else residual + linear(x)
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -47,11 +53,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.swiglu(x))
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.__dict__.get("gate_up_proj")  # decode copies fuse gate and up (ragkv.models.quant)
         if fused is not None:
+            if hasattr(fused, "swiglu"):  # oneDNN's copy fuses silu and the product into the GEMMs
+                return fused.swiglu(x)
             gate, up = fused(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+            return F.silu(gate) * up
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)  # SwiGLU
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + MLP(x)."""
+        return add_linear(self.down_proj, residual, self.swiglu(x))
 
 
 class DecoderLayer(nn.Module):
@@ -89,8 +104,8 @@ class DecoderLayer(nn.Module):
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H] residual; attn: [B, Hq, T, D] attention output -> next residual stream."""
         B, T, _ = x.shape
-        x = x + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = add_linear(self.self_attn.o_proj, x, attn.transpose(1, 2).reshape(B, T, -1))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class Inner(nn.Module):

@@ -188,10 +188,33 @@ class OneDnnLinear(ExactCopyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16:  # one kernel for any rows: bf16 GEMMs need no slicing
-            if self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features:
+            if self._few(x):
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
             return self.few_rows(x)
         return super().forward(x)
+
+    def _few(self, x: torch.Tensor) -> bool:
+        return self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features
+
+    def _fuses(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN's post-ops take this product: bf16 on the model's own weights (many rows)."""
+        return self.weight.dtype == torch.bfloat16 and not self._few(x) and not self.weight.is_mkldnn
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). At many rows in bf16, oneDNN applies silu to
+        the gate's product and multiplies the up product by it as each is written (two products, no pass over a
+        [rows, 2I] output, silu in fp32); otherwise the joined product, then torch's ops."""
+        if len(self.parts) == 2 and self._fuses(x):
+            gate = torch.ops.mkldnn._linear_pointwise(x, self.parts[0].weight, None, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.parts[1].weight, None, "mul")
+        gate, up = self(x).chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b): at many rows in bf16 oneDNN adds the residual as it writes the product."""
+        if len(self.parts) == 1 and self._fuses(x) and residual.dtype == x.dtype and residual.is_contiguous():
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + self(x)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
