@@ -199,6 +199,9 @@ def test_hostile_values_get_a_400_naming_the_field_never_a_500(api):
         assert r.status_code == 400, (extra, r.text)
         e = r.json()["error"]
         assert e["param"] == param and words in e["message"], (extra, e)
+    t0 = time.perf_counter()  # 10,000 messages: refused before the template renders any (it is quadratic in them)
+    r = post(api, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 10_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and time.perf_counter() - t0 < 5
     r = post(api, "/v1/documents", {"documents": [{"text": "x", "id": "\u3000 "}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents[0].id"
     assert post(api, "/v1/chat/completions", chat).status_code == 200

@@ -57,7 +57,7 @@ def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path
                          "plain_ratio": round(plain_ms / hf_ms, 3)})
             progress(f"  {dt:9s} {n:>5} tokens  ragkv {engine_ms:8.1f} ms ({kind})  plain forward {plain_ms:8.1f} ms  "
                      f"transformers {hf_ms:8.1f} ms  ratio {engine_ms / hf_ms:.3f} (plain {plain_ms / hf_ms:.3f})")
-        del hf
+        hf = None  # frees the model before the next dtype loads (a `del` would leave the lambdas a free name)
     from ragkv.config import cpu_name
 
     result = {"model": model_name, "cpu": cpu_name(), "threads": torch.get_num_threads(), "repeats": repeats,

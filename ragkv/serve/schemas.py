@@ -19,6 +19,9 @@ DOC_ID = r"^[^\x00-\x1f\x7f]{1,256}$"  # printable, at most 256 characters ("/" 
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI and vLLM's default
 MAX_N = 128        # choices per request (the server also keeps n within --max-batch)
 MAX_PROMPTS = 64   # prompts in one /v1/completions request (each is queued as its own generation)
+# messages in one chat request: cutting a chat into blocks renders the template once per message over the
+# conversation so far (quadratic: 1,000 messages took 84 s, issue 52); more is refused before any rendering
+MAX_MESSAGES = 256
 # characters an id must not contain: controls, format characters (zero-width space U+200B, joiners, bidi overrides,
 # the BOM) and line/paragraph separators; invisible, they would make two ids that look the same differ
 INVISIBLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
@@ -214,7 +217,7 @@ class _Sampling(_Loose):
 
 
 class ChatRequest(_Sampling):
-    messages: list[Message] = Field(..., min_length=1)
+    messages: list[Message] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -56,7 +56,9 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
                 peer_cells = run_peer(cfg, work, p.url, progress, result, count, p.cpu_seconds)
                 result["peer"].update(started_here=" ".join(p.cmd), version=p.version(), threads=p.threads,
                                       **p.describe())
-            else:
+            else:  # a peer that outlives runs keeps their prompts in its prefix cache: the same seed repeats them
+                progress(f"[serve bench] {cfg.peer} at {peer_url} is not started here: its prefix cache may hold an "
+                         f"earlier run's prompts (seed {cfg.seed}, level by level); give each run its own --seed")
                 peer_cells = run_peer(cfg, work, peer_url, progress, result, count)
         for level, c in enumerate(cfg.concurrency):
             turns = [t for t in (peer_cells, ragkv_cells) if t is not None]
