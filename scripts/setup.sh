@@ -36,6 +36,6 @@ bash scripts/install_redis.sh >/dev/null
 bash scripts/install_chromium.sh >/dev/null  # the playground test drives Debian's chromium
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
 .venv/bin/ragkv models --prepare >/dev/null
-echo "== building the C++ decode-attention kernel (once; cached in ~/.cache/torch_extensions)"
-.venv/bin/python -c "from ragkv.ops.decode_kernel import kernel; kernel()"
+echo "== building the C++ kernels (once; cached in ~/.cache/torch_extensions; the bf16 ones only on AVX-512 BF16 CPUs)"
+.venv/bin/python -c "from ragkv.ops import decode_kernel, gemv_kernel, prefill_kernel as p; [m.kernel() for m in (decode_kernel, gemv_kernel, p)]"
 echo "== set-up done"

@@ -36,6 +36,7 @@ from ragkv.engine.stepwise import Steps, drain
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import EXACT_COPIES, decode_copy, resolve_decode_weights
+from ragkv.ops import prefill_kernel
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
@@ -107,8 +108,10 @@ class Engine:
         # the model itself unless copied (shared when `with_store` makes a sibling engine)
         self._decode_model = _decode_model or decode_copy(self.model, decode_weights)
         self._decode_weights = decode_weights
-        if self.model.device.type == "cpu":
-            decode_kernel()  # build (first time) or load the C++ decode attention now, not inside a request
+        if self.model.device.type == "cpu":  # build (first time) or load the C++ kernels now, not inside a request
+            decode_kernel()
+            if self.model.dtype == torch.bfloat16:
+                prefill_kernel.kernel()
         self._store = store if store is not None else MemoryStore()
         self._blocks = BlockCache(self.forward_model, loaded.fingerprint, self._store, namespace)
         # blocks read in place (kv_layout=shared); its own, like its store

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +45,34 @@ def build_extension(name: str, source: str, fast_math: bool = False):
     with _build_lock(name):
         return load_inline(name=name, cpp_sources=[source], verbose=False, extra_cflags=flags,
                            extra_ldflags=["-fopenmp"])
+
+
+class LazyExtension:
+    """A C++ kernel module built on first call, once per process: the module, or None where it cannot be (no
+    compiler, a CPU without what `needs` checks, the module's `available()` false, or RAGKV_NO_CPP_KERNELS=1); its
+    callers then keep their torch path."""
+
+    def __init__(self, name: str, source: str, what: str, fast_math: bool = False,
+                 needs: Callable[[], bool] = lambda: True):
+        self.name, self.source, self.what, self.fast_math, self.needs = name, source, what, fast_math, needs
+        self._lock = threading.Lock()
+        self._module, self._failed = None, False
+
+    def __call__(self):
+        if self._module is not None or self._failed:
+            return self._module
+        if os.environ.get("RAGKV_NO_CPP_KERNELS") == "1" or not self.needs():
+            self._failed = True
+            return None
+        with self._lock:
+            if self._module is None and not self._failed:
+                try:
+                    mod = build_extension(self.name, self.source, self.fast_math)
+                    if getattr(mod, "available", lambda: True)():
+                        self._module = mod
+                    else:
+                        self._failed = True
+                except Exception as e:  # noqa: BLE001 - a missing compiler must not break inference
+                    log.warning("the C++ %s could not be built (%s); using the torch path", self.what, e)
+                    self._failed = True
+        return self._module

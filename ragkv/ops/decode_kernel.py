@@ -13,15 +13,9 @@ behind when a build is killed cannot make later builds wait forever.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-from ragkv.ops.cpp_build import build_extension
-
-log = logging.getLogger(__name__)
+from ragkv.ops.cpp_build import LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -346,28 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _NAME = "ragkv_decode_attention_v10"
-_lock = threading.Lock()
-_module = None
-_failed = False
-
-
-def kernel():
-    """The compiled module, or None where it cannot be built (then callers use their torch path)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("RAGKV_NO_CPP_KERNELS") == "1":
-        _failed = True
-        return None
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                # -ffast-math lets the compiler vectorize the fp32 dot-product reductions
-                _module = build_extension(_NAME, _SOURCE, fast_math=True)
-            except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
-                log.warning("the C++ decode-attention kernel could not be built (%s); using the torch path", e)
-                _failed = True
-    return _module
+# the compiled module, or None where it cannot be built (then callers use their torch path); -ffast-math lets the
+# compiler vectorize the fp32 dot-product reductions
+kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
 
 def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

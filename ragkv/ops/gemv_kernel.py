@@ -14,15 +14,9 @@ RAGKV_NO_CPP_KERNELS=1, `kernel()` is None and callers keep oneDNN's path. Teste
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-from ragkv.ops.cpp_build import build_extension
-
-log = logging.getLogger(__name__)
+from ragkv.ops.cpp_build import LazyExtension
 
 BLOCK = 64  # outputs per packed block: four 16-lane accumulators per row
 MAX_ROWS = 16  # rows this kernel takes; more are compute-bound, where oneDNN's GEMM is at the CPU's peak
@@ -135,31 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _NAME = "ragkv_bf16_gemv_v3"
-_lock = threading.Lock()
-_module = None
-_failed = False
-
-
-def kernel():
-    """The compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("RAGKV_NO_CPP_KERNELS") == "1" or not torch.cpu._is_avx512_bf16_supported():
-        _failed = True
-        return None
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                mod = build_extension(_NAME, _SOURCE)
-                if mod.available():
-                    _module = mod
-                else:
-                    _failed = True
-            except Exception as e:  # noqa: BLE001 - a missing compiler must not break decoding
-                log.warning("the C++ bf16 product kernel could not be built (%s); using oneDNN's", e)
-                _failed = True
-    return _module
+# the compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)
+kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=torch.cpu._is_avx512_bf16_supported)
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

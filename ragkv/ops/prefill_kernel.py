@@ -15,15 +15,9 @@ callers keep SDPA. Tested against fp32 SDPA (tests/test_cpu_bf16.py).
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-from ragkv.ops.cpp_build import build_extension
-
-log = logging.getLogger(__name__)
+from ragkv.ops.cpp_build import LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -228,32 +222,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _NAME = "ragkv_bf16_prefill_attention_v1"
-_lock = threading.Lock()
-_module = None
-_failed = False
 HEAD_DIMS = (64, 128)
-
-
-def kernel():
-    """The compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("RAGKV_NO_CPP_KERNELS") == "1" or not torch.cpu._is_avx512_bf16_supported():
-        _failed = True
-        return None
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                mod = build_extension(_NAME, _SOURCE)
-                if mod.available():
-                    _module = mod
-                else:
-                    _failed = True
-            except Exception as e:  # noqa: BLE001 - a missing compiler must not break prefill
-                log.warning("the C++ bf16 prefill-attention kernel could not be built (%s); using SDPA", e)
-                _failed = True
-    return _module
+# the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
+kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
 
 
 def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
