@@ -174,3 +174,30 @@ def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(m
         agree = lambda a: (a.argmax(-1) == r.argmax(-1)).float().mean()  # noqa: E731
         assert agree(f) >= agree(s_) - 0.03, (agree(f), agree(s_))
     assert (fast[1] - fast[0][cut:]).abs().max() < 3e-2
+
+
+@needs_prefill_kernel
+@pytest.mark.model
+def test_a_block_encoded_in_bf16_through_the_kernel_has_the_sdpa_paths_kv(monkeypatch):
+    """Block encoding (alone, and after a prefix as APE and conditioning=prefix do) attends causally after the
+    prefix: through the kernel, every layer's K and V equal the SDPA path's to bf16 rounding."""
+    from ragkv.engine.blocks import encode_block
+    from ragkv.models.loader import load_model
+
+    if not default_model_available():
+        pytest.skip("default model not converted")
+    loaded = load_model("smollm2", torch.bfloat16, device="cpu")
+    ids = loaded.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    prefix_ids, block_ids = ids[:40], ids[40:]
+    calls = []
+    real = prefill_kernel.prefill_attention
+    monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = [encode_block(loaded.model, block_ids)]
+    fast.append(encode_block(loaded.model, block_ids, encode_block(loaded.model, prefix_ids)))
+    assert calls
+    monkeypatch.setattr(prefill_kernel, "applies", lambda q, k: False)
+    slow = [encode_block(loaded.model, block_ids)]
+    slow.append(encode_block(loaded.model, block_ids, encode_block(loaded.model, prefix_ids)))
+    for f, s_ in zip(fast, slow):
+        for a, b in zip(f.keys + f.values, s_.keys + s_.values):
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 0.05
