@@ -1,7 +1,6 @@
 """The real default model (SmolLM2-135M, fp32): docs/invariants.md, invariant 2, against transformers, greedy generation, chat
 template composition, and every fusion mode end to end on real passages (prompts well under 1K tokens)."""
 
-import json
 
 import pytest
 import torch

@@ -8,9 +8,7 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
-import torch
-
-from ragkv.ops.divergence import _logits_pair, first_token_kl, kl_divergence  # also metrics of this module
+from ragkv.ops.divergence import _logits_pair, first_token_kl, kl_divergence  # noqa: F401 - metrics of this module too
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ragkv.store.errors import StoreSpecError
 from ragkv.store.sizes import parse_size
+
+if TYPE_CHECKING:  # annotations only: importing these at run time would import upward or in a circle
+    from ragkv.store.tiered import TieredStore
 
 DEFAULT_SPEC = "memory:2GiB"
 DEFAULT_MEMORY = "2GiB"
