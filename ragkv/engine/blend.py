@@ -15,7 +15,6 @@ with a single check layer or gradual filtering (docs/invariants.md, invariant 6)
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +23,6 @@ from ragkv.engine.kvcache import KVCache
 from ragkv.engine.layout import Layout
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.state import DecodeState
-
-if TYPE_CHECKING:  # annotations only: importing these at run time would import upward or in a circle
-    from ragkv.engine.options import FusionOptions
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa

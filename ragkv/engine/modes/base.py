@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult, prefix_conditioning
 from ragkv.engine.flops import head_flops, rows_flops
@@ -23,11 +23,6 @@ from ragkv.engine.shared_attention import keep_own_rows, prefill_shared
 from ragkv.engine.state import DecodeState
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
-
-if TYPE_CHECKING:  # annotations only: importing these at run time would import upward or in a circle
-    from ragkv.engine.blocks import BlockCache
-    from ragkv.engine.engine import Engine
-    from ragkv.engine.options import FusionOptions
 from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
 
