@@ -27,10 +27,12 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
 
         g.add_argument("--decode-weights", default="auto", choices=WEIGHT_CHOICES,
                        help="weights of the decode steps (prefill stays exact): auto (default) is onednn for an "
-                            "fp32 model on a CPU, else exact; transposed is an exact copy of "
+                            "fp32 model on a CPU and for a bf16 model on an AVX-512 BF16 or AMX CPU, else exact; "
+                            "transposed is an exact copy of "
                             "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
                             "their bytes again); onednn runs every linear through oneDNN's kernel on the model's own "
-                            "weights (fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3, no copy); with either, "
+                            "weights (fp32 CPU; 1.3-2.4x faster matmuls at 1-46 rows on Zen 3, no copy; in bf16 a "
+                            "packed copy for ragkv's decode kernel, 1.6x faster decode on Zen 4); with either, "
                             "every prefill forward runs on that path too, each linear choosing its kernel by rows; "
                             "int4/int8 are "
                             "weight-only quantized copies, 2-4x faster decode on CPU, with the fidelity cost "
