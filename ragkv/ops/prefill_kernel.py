@@ -115,18 +115,21 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
     const uint16_t* vb = vp + (k0 / 2) * (D * 2);
     int64_t pairs = (last - k0 + 1 + 1) / 2;
     if (pairs > KB / 2) pairs = KB / 2;
-    for (int r = 0; r < R; ++r) {
-      __m512 acc[2 * DP];
-      for (int c = 0; c < 2 * DP; ++c) acc[c] = _mm512_loadu_ps(o[r] + 16 * c);
-      const uint32_t* pr = reinterpret_cast<const uint32_t*>(p16[r]);
-      for (int64_t j = 0; j < pairs; ++j) {
-        __m512bh pb = (__m512bh)_mm512_set1_epi32(pr[j]);
-        const uint16_t* vj = vb + j * D * 2;
-        for (int c = 0; c < 2 * DP; ++c)
-          acc[c] = _mm512_dpbf16_ps(acc[c], pb, (__m512bh)_mm512_loadu_si512(vj + 32 * c));
+    // each pair's V vectors loaded once for all R rows (R x 2DP accumulators stay in registers)
+    __m512 acc[R][2 * DP];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * DP; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + 16 * c);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint16_t* vj = vb + j * D * 2;
+      __m512bh vv[2 * DP];
+      for (int c = 0; c < 2 * DP; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vj + 32 * c);
+      for (int r = 0; r < R; ++r) {
+        __m512bh pb = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const uint32_t*>(p16[r])[j]);
+        for (int c = 0; c < 2 * DP; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
       }
-      for (int c = 0; c < 2 * DP; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[c]);
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * DP; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
   }
   for (int r = 0; r < R; ++r) {
     float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -221,7 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v1"
+_NAME = "ragkv_bf16_prefill_attention_v2"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)

@@ -164,30 +164,38 @@ class KVPeak:
     """Samples a server's /health while a cell runs: the most KV its running answers held at once, their caches
     (`kv_bytes_in_use`) plus the pooled blocks `kv_layout=shared` reads in place (`block_pool_bytes`)."""
 
-    def __init__(self, base: str, every_s: float = 0.25):
-        self.base, self.every_s, self.peak = base, every_s, None
+    def __init__(self, base: str, every_s: float = 0.25, enabled: bool = True):
+        """enabled=False samples nothing (peak stays None): where a peer is measured beside ragkv, whose cells get
+        no such poller, ragkv's must not pay for one either."""
+        self.base, self.every_s, self.peak, self.enabled = base, every_s, None, enabled
         self._stop = threading.Event()
 
     def _sample(self) -> None:
         import httpx
 
-        while not self._stop.is_set():
-            try:
-                h = httpx.get(self.base + "/health", timeout=10).json()
-                now = h.get("kv_bytes_in_use", 0) + h.get("block_pool_bytes", 0)
-                self.peak = now if self.peak is None else max(self.peak, now)
-            except Exception:  # noqa: BLE001 - a missed sample only lowers the peak's resolution
-                pass
-            self._stop.wait(self.every_s)
+        with httpx.Client(timeout=10) as http:  # one connection for the cell, not one per sample
+            while not self._stop.is_set():
+                self._sample_once(http)
+                self._stop.wait(self.every_s)
+
+    def _sample_once(self, http) -> None:
+        try:
+            h = http.get(self.base + "/health").json()
+            now = h.get("kv_bytes_in_use", 0) + h.get("block_pool_bytes", 0)
+            self.peak = now if self.peak is None else max(self.peak, now)
+        except Exception:  # noqa: BLE001 - a missed sample only lowers the peak's resolution
+            pass
 
     def __enter__(self) -> "KVPeak":
         self._thread = threading.Thread(target=self._sample, name="kv-peak", daemon=True)
-        self._thread.start()
+        if self.enabled:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(15)
+        if self.enabled:
+            self._thread.join(15)
 
 
 def batching_stats(before: dict, after: dict) -> dict:

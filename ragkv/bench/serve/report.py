@@ -91,7 +91,8 @@ def render_markdown(result: dict) -> str:
                                    "-" if c.get("kv_bytes_peak") is None else round(c["kv_bytes_peak"] / 1e6, 1)]
                                   for c in batching]),
                   "", "KV peak: the most KV the server held at once during the cell (/health sampled every 0.25 s): "
-                      "the running answers' caches plus the pooled blocks `kv_layout=shared` reads in place."]
+                      "the running answers' caches plus the pooled blocks `kv_layout=shared` reads in place (not "
+                      "sampled in runs with a peer, whose cells have no such poller: `-`)."]
     ratios = result.get("ratios_vs_peer") or {}
     if ratios:
         peer = result["peer"]["name"]

@@ -111,7 +111,7 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
         for mode in cfg.modes:
             payloads = [ragkv_payload(r, mode, work["system"]) for r in work["plans"][level]]
             h0 = httpx.get(base + "/health", timeout=10).json()
-            with KVPeak(base) as kv:
+            with KVPeak(base, enabled=not cfg.peer) as kv:  # beside a peer, no poller ragkv's cells alone pay for
                 cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
             if len(servers) == 1:  # one server's batching counters; with several, its share would mislead
                 cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()), kv_bytes_peak=kv.peak)
