@@ -14,8 +14,7 @@ import torch
 
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.models.loop import run_layers
-from ragkv.ops import prefill_kernel
-from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.attention import causal_attention, prefill_mask, sdpa
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
 NO_CONDITIONING = "none"
@@ -36,8 +35,7 @@ class EncodePlan:
         self.prefix_positions = torch.arange(P, device=dev)
         window = model.args.sliding_window
         self.mask = prefill_mask(T, P + T, window, dev)
-        # causal after the prefix, no window in reach: ragkv's bf16 prefill kernel takes it
-        self.causal_after = P if window is None or window >= P + T else None
+        self.causal_after = P if window is None or window >= P + T else None  # no window in reach: plain causal
         self.keys, self.values = [], []
 
     def begin(self, layer, decoder_layer, x):
@@ -56,8 +54,8 @@ class EncodePlan:
         return k, v
 
     def attend(self, layer, q, kv):
-        if self.causal_after is not None and prefill_kernel.applies(q, kv[0]):
-            return prefill_kernel.prefill_attention(q, *kv, past=self.causal_after)
+        if self.causal_after is not None:
+            return causal_attention(q, *kv, self.causal_after, self.mask)
         return sdpa(q, *kv, mask=self.mask, causal=self.mask is None)
 
 

@@ -12,8 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ragkv.ops import prefill_kernel
-from ragkv.ops.attention import SegmentedMask, prefill_mask, sdpa
+from ragkv.ops.attention import SegmentedMask, causal_attention, prefill_mask, sdpa
 from ragkv.ops.rope import apply_rope
 
 
@@ -61,7 +60,7 @@ class CausalPlan:
         self.positions, self.cache, self.segments = positions, cache, None
         T = positions.shape[-1]
         past = cache.length if cache is not None else 0
-        given = mask if window is None or window >= past + T else "window"  # a window in reach limits rows too
+        plain = mask is None and (window is None or window >= past + T)  # nothing but causality limits the rows
         if isinstance(mask, SegmentedMask):  # fine-tuning's Block-Attention mask, attended block by block
             if past == 0 and (window is None or window >= T):
                 self.segments, mask = mask, None
@@ -73,8 +72,7 @@ class CausalPlan:
         elif window is not None and window < past + T:  # one row: only the window limits it
             mask = prefill_mask(T, past + T, window, positions.device) if mask is None else mask
         self.mask, self.causal = mask, mask is None and T > 1 and self.segments is None
-        # rows attending causally after `past` cached keys and nothing else: what ragkv's bf16 kernel computes
-        self.causal_after = past if T > 1 and self.segments is None and (self.causal or given is None) else None
+        self.causal_after = past if T > 1 and plain else None  # ops.attention.causal_attention takes these
 
     def begin(self, layer, decoder_layer, x):
         return x
@@ -85,6 +83,6 @@ class CausalPlan:
     def attend(self, layer, q, kv):
         if self.segments is not None:
             return self.segments.attend(q, *kv)
-        if self.causal_after is not None and prefill_kernel.applies(q, kv[0]):
-            return prefill_kernel.prefill_attention(q, *kv, past=self.causal_after)
+        if self.causal_after is not None:
+            return causal_attention(q, *kv, self.causal_after, self.mask)
         return sdpa(q, *kv, mask=self.mask, causal=self.causal)

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ragkv.ops import prefill_kernel
 from ragkv.ops.decode_kernel import decode_attention_cpu
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=gqa)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """Rows attending causally after `past` cached keys and to nothing else: ragkv's bf16 kernel where it applies
+    (ops/prefill_kernel.py), else SDPA with `mask` (None: the square causal case)."""
+    if prefill_kernel.applies(q, k):
+        return prefill_kernel.prefill_attention(q, k, v, past=past)
+    return sdpa(q, k, v, mask=mask, causal=mask is None)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
