@@ -109,6 +109,7 @@ def run_serve(args) -> int:
 
     import uvicorn
 
+    from ragkv.engine.kvbudget import freeze_long_lived
     from ragkv.serve.app import create_app
     from ragkv.serve.auth import ApiKeys
     from ragkv.serve.server import Limits, Server
@@ -137,6 +138,7 @@ def run_serve(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    freeze_long_lived()  # the loaded model out of every later collection (a full one stalled requests ~150 ms)
     web.start()
     # the loading controller's profile (tier bandwidths, recompute cost): measured once, in the background, only
     # while the server is idle (a background job of one forward per unit, never between two decode steps of an

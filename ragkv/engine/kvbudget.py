@@ -37,6 +37,16 @@ def _malloc_trim():
 _TRIM = _malloc_trim()
 
 
+def freeze_long_lived() -> None:
+    """Exclude what exists now (the model, the tokenizer, imported modules) from every later garbage collection.
+    A full collection walked those ~340K objects for ~150 ms holding the GIL (Qwen 0.5B server, Zen 4): the idle
+    collection in `give_back` then delayed the next request's parsing by that much (about 40% of a `reuse` TTFT),
+    and the automatic ones paused decode steps. After this a full collection takes ~0 ms; objects made later are
+    still collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def give_back(collect: bool = False) -> None:
     """Return freed heap pages to the system (glibc `malloc_trim`); `collect`: first free what only reference
     cycles still hold (an abandoned stream's objects sit in one until a full collection)."""

@@ -8,7 +8,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from ragkv.engine.kvbudget import KVBudget, kv_need
+from ragkv.engine.kvbudget import KVBudget, freeze_long_lived, kv_need
 from ragkv.engine.kvcache import bytes_per_token
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.modes import get_mode
@@ -72,6 +72,7 @@ class Server:
             if self._library is None:  # loading the embedder costs seconds: only when documents are used
                 from ragkv.rag.library import DocumentLibrary
                 self._library = DocumentLibrary(self.engine, self.index_dir)
+                freeze_long_lived()  # the embedder's objects, as the model's, out of later collections
         return self._library.tenant(tenant)
 
     def start(self, p: Prepared, emit=None) -> Job:
