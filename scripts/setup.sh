@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, pytest, openai, ninja, hiredis, matplotlib, prometheus_client, selenium, langchain_core, llama_index.core" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, pytest, openai, ninja, hiredis, matplotlib, prometheus_client, selenium, langchain_core, llama_index.core, ruff" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
     "${PIP[@]}" -e ".[test,plots]"
 fi

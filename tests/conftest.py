@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import ARCHS, default_model_available, make_tiny  # noqa: E402
+from redis_fixture import redis_server, redis_url  # noqa: E402, F401 (fixtures for every test module)
 
 torch.set_num_threads(2)
 # RAGKV_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (the engine's CUDA check); CI runs them on the CPU.

@@ -1,6 +1,6 @@
 """A real redis-server for the store tests: started on a free port in a temp dir, killed afterwards.
 
-Import the fixtures into a test module (`from redis_fixture import redis_server, redis_url  # noqa: F401`).
+The fixtures reach every test module through conftest.py (it imports them); `free_port` is re-exported here.
 Tests using them are skipped, with the reason, only when no redis-server binary is installed.
 """
 

@@ -52,6 +52,22 @@ def test_the_check_catches_an_upward_import():
     assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion", "ragkv.engine.blend")
 
 
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or
+                                         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (imports for annotations only, never executed: they
+    make no import circle; they still may not import upward, which the check above sees)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [child for child in ast.iter_child_nodes(node) if not _type_checking_block(child)]
+
+
 def _module_graph() -> dict[str, set[str]]:
     """module -> the ragkv modules it imports (function-level imports included: a circle through one is still a
     circle in the design). `from ragkv.x import y` counts as importing ragkv.x.y when that is a module."""
@@ -59,7 +75,7 @@ def _module_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:

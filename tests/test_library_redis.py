@@ -22,7 +22,7 @@ from ragkv.rag.pipeline import Retriever
 from ragkv.rag.redis_catalog import DEFAULT_PREFIX, LibraryUnavailableError, RedisCatalog
 from ragkv.store.redis_server import private_redis
 from redis_cluster_fixture import empty, redis_cluster  # noqa: F401
-from redis_fixture import free_port, redis_server, redis_url  # noqa: F401
+from redis_fixture import free_port
 from test_library_durable import HashEmbedder, doc, words, write_concurrently
 from tiny import make_tiny_served
 

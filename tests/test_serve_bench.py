@@ -8,7 +8,6 @@ from ragkv.errors import InvalidRequestError
 from ragkv.bench.serve import ServeBenchConfig, ServerProcess, run_serve_bench
 from ragkv.bench.serve.clients import percentile, slo_ratios
 from ragkv.bench.serve.workload import draw_requests
-from redis_fixture import redis_server, redis_url  # noqa: F401
 from tiny import default_model_available, make_tiny_served
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from redis_fixture import redis_server  # noqa: F401
 from ragkv.bench.serve import ServerProcess as BenchServerProcess
 from tiny import default_model_available
 

@@ -21,7 +21,6 @@ from ragkv.store.memory import MemoryStore
 from ragkv.store.probe import tier_layer_nbytes
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.spec import DiskTierSpec, MemoryTierSpec, open_store, parse_spec
-from redis_fixture import redis_server, redis_url  # noqa: F401
 from store_helpers import H, L, make_key, make_kv
 from tiny import make_segs
 

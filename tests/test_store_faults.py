@@ -16,7 +16,6 @@ from ragkv.store.memory import MemoryStore
 from ragkv.store.redis_server import private_redis
 from ragkv.store.redis_store import DEFAULT_PREFIX
 from ragkv.store.spec import open_store
-from redis_fixture import redis_server, redis_url  # noqa: F401
 from tiny import make_segs
 
 MODES = ("reuse", "blend", "ape")

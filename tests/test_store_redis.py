@@ -7,7 +7,7 @@ import torch
 from ragkv.store import serde
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.redis_store import DEFAULT_PREFIX, RedisStore, redact
-from redis_fixture import free_port, redis_server, redis_url  # noqa: F401
+from redis_fixture import free_port
 from store_helpers import L, make_key, make_kv, same
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,7 @@ from ragkv.store.memory import MemoryStore
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.sizes import format_size, parse_size
 from ragkv.store.spec import (DEFAULT_SPEC, DiskTierSpec, MemoryTierSpec, RedisTierSpec, open_store, parse_spec)
-from redis_fixture import free_port, redis_server, redis_url  # noqa: F401
+from redis_fixture import free_port
 from store_helpers import make_key, make_kv, same
 
 

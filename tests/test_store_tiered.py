@@ -11,7 +11,6 @@ from ragkv.store.errors import MissingBlockError
 from ragkv.store.memory import MemoryStore
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.tiered import TieredStore
-from redis_fixture import redis_server, redis_url  # noqa: F401
 from store_helpers import L, make_key, make_kv, same
 
 

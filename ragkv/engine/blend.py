@@ -15,6 +15,7 @@ with a single check layer or gradual filtering (docs/invariants.md, invariant 6)
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from ragkv.engine.state import DecodeState
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa
+
+if TYPE_CHECKING:  # annotations only: the options import the modes, which import this module
+    from ragkv.engine.options import FusionOptions
 
 # `opts` below is a FusionOptions, named but not imported: the options import the modes that run this module
 

@@ -2,7 +2,7 @@
 
 A mode is a stateless object; the engine hands it itself (`engine`: the model, the block cache, the loading planner,
 the APE defaults) and the request. The annotations "Engine", "FusionOptions" and "BlockCache" name those types
-without importing them: the engine and the options import the modes, never the other way round.
+through type-checking imports only: the engine and the options import the modes, never the other way round.
 
 `BlockMode` is the shared shape of the modes that fuse independently encoded blocks (reuse, ape, blend, auto):
 ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from ragkv.engine.blocks import NO_CONDITIONING, EnsureResult, prefix_conditioning
+from ragkv.engine.blocks import NO_CONDITIONING, BlockCache, EnsureResult, prefix_conditioning
 from ragkv.engine.flops import head_flops, rows_flops
 from ragkv.engine.history import prefill_history, with_exact_prefix
 from ragkv.engine.layout import Layout, make_layout
@@ -25,6 +25,10 @@ from ragkv.engine.stats import RequestStats
 from ragkv.engine.stepwise import Steps, drain
 from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
+
+if TYPE_CHECKING:  # annotations only: importing these at run time would be a circle (they import the modes)
+    from ragkv.engine.engine import Engine
+    from ragkv.engine.options import FusionOptions
 
 
 class FusionMode:
