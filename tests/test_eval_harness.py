@@ -388,13 +388,13 @@ def test_cli_shards_merge_into_the_unsharded_run(default_engine, tmp_path, capsy
 def test_cli_gold_position_names_the_run():
     import argparse
 
-    from ragkv.cli.eval import _dataset
+    from ragkv.cli.eval_data import dataset_spec
 
     args = argparse.Namespace(dataset="nq-distractors", data_file=None, format=None, num_passages=None, split=None,
                               gold_position=4)
-    label, desc, kw = _dataset(args, None)
+    label, desc, kw = dataset_spec(args, None)
     assert label == "nq-distractors-g4" and desc["gold_position"] == 4 and kw["gold_position"] == 4
-    label, desc, kw = _dataset(argparse.Namespace(**{**vars(args), "gold_position": None}), None)
+    label, desc, kw = dataset_spec(argparse.Namespace(**{**vars(args), "gold_position": None}), None)
     assert label == "nq-distractors" and "gold_position" not in desc  # older results files still resume
 
 

@@ -18,7 +18,7 @@ def test_best_last_is_the_default_and_reverses_a_ranking():
 
 def test_eval_ranks_each_examples_passages_by_a_real_retriever():
     """`ragkv eval --passage-order`: MiniLM cosine ranking; the gold passage's index follows it."""
-    from ragkv.cli.eval import rank_passages
+    from ragkv.cli.eval_data import rank_passages
     from ragkv.eval.datasets import load_dataset
 
     ex = load_dataset("nq-distractors", limit=1, gold_position=4)[0]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_from_args, ints, print_json
+from ragkv.cli.common import add_fusion_args, add_model_args, floats, ints, print_json
 from ragkv.engine.modes import MODES, get_mode
 from ragkv.engine.risk import SIGNALS
 from ragkv.errors import RagkvError
-from ragkv.rag.order import PASSAGE_ORDERS, order_passages
+from ragkv.cli.eval_data import (base_fusion, dataset_spec, load_engine, load_examples, model_label,
+                                  rank_passages, say)
+from ragkv.rag.order import PASSAGE_ORDERS
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
 
@@ -160,85 +161,6 @@ def register(sub) -> None:
     r.set_defaults(func=run_report_cmd)
 
 
-# -- shared plumbing --------------------------------------------------------------------------------------
-
-def _base_fusion(args):
-    from ragkv.engine.options import FusionOptions
-
-    if not hasattr(args, "check_layers"):  # calibrate has no mode parameters
-        return FusionOptions(mode="full")
-    return fusion_from_args(args, mode="full")
-
-
-def _dataset(args, name: str | None) -> tuple[str, dict, dict]:
-    """(label, description for the results config, load_dataset keyword arguments)."""
-    if args.data_file and args.dataset:
-        raise RagkvError("pass either --dataset or --data-file (with --format), not both")
-    name = None if args.data_file else (args.dataset or name)
-    if name is None and not args.data_file:
-        raise RagkvError("no data: pass --dataset NAME or --data-file PATH --format F")
-    label = name or Path(args.data_file).stem
-    gold = getattr(args, "gold_position", None)
-    if args.num_passages:
-        label += f"-k{args.num_passages}"
-    if gold is not None:
-        label += f"-g{gold}"
-    desc = {"dataset": name, "data_file": str(Path(args.data_file).resolve()) if args.data_file else None,
-            "format": args.format, "num_passages": args.num_passages, "split": args.split}
-    if gold is not None:  # only when set: results files written before the flag existed still resume
-        desc["gold_position"] = gold
-    order = getattr(args, "passage_order", "as-given")
-    if order != "as-given":
-        desc["passage_order"] = order
-        label += f"-{order}"
-    kw = {"name": name, "data_file": args.data_file, "fmt": args.format, "num_passages": args.num_passages,
-          "split": args.split, "gold_position": gold}
-    return label, desc, kw
-
-
-def rank_passages(examples, order: str):
-    """Each example's passages ranked by a real retriever (the MiniLM embedder ingest uses: cosine of question and
-    passage) and put in `order`; `meta["gold_index"]`, where there is one, follows the gold passage."""
-    from dataclasses import replace
-
-    import numpy as np
-
-    from ragkv.rag.embedding import Embedder
-
-    embedder, out = Embedder(), []
-    for ex in examples:
-        vecs = embedder.encode([ex.question] + [f"{p.title}\n{p.text}" if p.title else p.text for p in ex.passages])
-        ranked = [int(i) for i in np.argsort(-(vecs[1:] @ vecs[0]), kind="stable")]  # best first
-        placed = order_passages(ranked, order)
-        meta = dict(ex.meta)
-        if "gold_index" in meta:
-            meta["retrieved_gold_rank"] = ranked.index(meta["gold_index"])  # 0: the retriever's best
-            meta["gold_index"] = placed.index(meta["gold_index"])
-        out.append(replace(ex, passages=[ex.passages[i] for i in placed], meta=meta))
-    return out
-
-
-def _load(kw: dict, limit):
-    from ragkv.eval.datasets import load_dataset
-
-    return load_dataset(kw["name"], kw["data_file"], kw["fmt"], limit, split=kw["split"],
-                        num_passages=kw["num_passages"], gold_position=kw.get("gold_position"))
-
-
-def _engine(args):
-    from ragkv.engine.engine import Engine
-
-    return Engine.load(args.model, dtype=args.dtype, device=args.device)
-
-
-def _model_label(args) -> str:
-    return Path(args.model).name
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # -- handlers ---------------------------------------------------------------------------------------------
 
 def run_eval_cmd(args) -> int:
@@ -250,12 +172,12 @@ def run_eval_cmd(args) -> int:
     from ragkv.eval.results import ResultsFile
     from ragkv.eval.summary import summarize, text_table
 
-    base = _base_fusion(args)
+    base = base_fusion(args)
     keys = split_mode_list(args.modes)
     for k in keys:  # fail on a bad key before loading anything
         parse_mode_key(k, base)
-    label, desc, kw = _dataset(args, None)
-    examples = _load(kw, args.limit)
+    label, desc, kw = dataset_spec(args, None)
+    examples = load_examples(kw, args.limit)
     if args.passage_order != "as-given":
         examples = rank_passages(examples, args.passage_order)
     if args.shard:
@@ -264,7 +186,7 @@ def run_eval_cmd(args) -> int:
         desc["shard"] = f"{k}/{n}"  # only when set: unsharded files resume as before
         label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
-    engine = _engine(args)
+    engine = load_engine(args)
     from ragkv.eval.datasets import DATASETS, dataset_prompt, dataset_stop
 
     prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
@@ -282,21 +204,21 @@ def run_eval_cmd(args) -> int:
         engine.ape_temperature, engine.ape_scale, engine.ape_source)
     modes = resolve_modes(keys, base, engine_defaults(engine, T, S))
     if any(":" not in m.key and "max_risk" in get_mode(m.mode).option_fields for m in modes):
-        _say(f"auto: escalates when {engine.auto_signal} > {engine.auto_max_risk:g} ({engine.auto_source})")
+        say(f"auto: escalates when {engine.auto_signal} > {engine.auto_max_risk:g} ({engine.auto_source})")
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
-        _say(f"ape: T={T:g}, S={S:g} ({source})")
-    output = Path(args.output or f"runs/eval-{label}-{_model_label(args)}.jsonl")
+        say(f"ape: T={T:g}, S={S:g} ({source})")
+    output = Path(args.output or f"runs/eval-{label}-{model_label(args)}.jsonl")
     results = ResultsFile(output, results_config(engine, desc, max_new, prompt, stop), args.overwrite)
     done = len(results.done_keys())
     if done:
-        _say(f"resuming {output}: {done} records already there")
+        say(f"resuming {output}: {done} records already there")
     run = run_eval(engine, examples, modes, results, max_new_tokens=max_new, progress=not args.no_progress,
                    desc=label, prompt_format=prompt, stop=stop,
                    # in-context examples are the same blocks for every question: encoded once, kept
                    keep_cache=bool(DATASETS[kw["name"]].shots) if kw["name"] in DATASETS else False)
     summary = summarize(run["records"], keys)
     if run["skipped"]:
-        _say(f"skipped {len(run['skipped'])} examples longer than the model's {engine.max_positions} positions")
+        say(f"skipped {len(run['skipped'])} examples longer than the model's {engine.max_positions} positions")
     if args.json:
         print_json({"summary": summary, "dataset": label, "n_examples": len(examples) - len(run["skipped"]),
                     "skipped": run["skipped"], "results_file": str(output)})
@@ -311,7 +233,7 @@ def _sweep_run(args, label, desc, engine, out_dir, max_new):
     from ragkv.bench.sweeps import SweepRun
 
     return SweepRun(engine, Path(out_dir), Path(args.results_dir), label, desc, max_new,
-                    _base_fusion(args), args.overwrite, not args.no_progress)
+                    base_fusion(args), args.overwrite, not args.no_progress)
 
 
 def run_sweep_cmd(args) -> int:
@@ -320,7 +242,7 @@ def run_sweep_cmd(args) -> int:
     default = {"blend-ratio": "musique", "ape-grid": "hotpotqa", "passages": "nq-distractors"}[args.kind]
     if args.kind == "passages" and args.num_passages:
         raise RagkvError("--num-passages does not apply to the passages sweep; use --counts")
-    label, desc, kw = _dataset(args, default)
+    label, desc, kw = dataset_spec(args, default)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (0 if args.kind == "ape-grid" else 32)
     if args.kind == "passages":
         counts = _ints(args.counts)
@@ -336,18 +258,18 @@ def run_sweep_cmd(args) -> int:
         from ragkv.eval.datasets import DATASETS
 
         nq = (kw["fmt"] or DATASETS[kw["name"]].fmt if kw["name"] in DATASETS else kw["fmt"]) == "nq"
-        first = None if nq else _load(kw, args.limit)
+        first = None if nq else load_examples(kw, args.limit)
 
         def load(k: int):  # nq: gold + k-1 distractors; other formats: the first k passages of each example
             if nq:
-                return _load({**kw, "num_passages": k}, args.limit)
+                return load_examples({**kw, "num_passages": k}, args.limit)
             return [replace(ex, passages=ex.passages[:k]) for ex in first]
-        engine = _engine(args)
+        engine = load_engine(args)
         result = sweeps.passages_sweep(_sweep_run(args, label, desc, engine, args.output_dir, max_new), load,
                                        counts, tuple(keys))
     else:
-        examples = _load(kw, args.limit)
-        engine = _engine(args)
+        examples = load_examples(kw, args.limit)
+        engine = load_engine(args)
         sw = _sweep_run(args, label, desc, engine, args.output_dir, max_new)
         if args.kind == "blend-ratio":
             ratios = _floats(args.ratios)
@@ -359,7 +281,7 @@ def run_sweep_cmd(args) -> int:
     if args.json:
         print_json(result)
     else:
-        _say(f"wrote {Path(args.output_dir)}/sweep-{args.kind}-{label}.json and .png")
+        say(f"wrote {Path(args.output_dir)}/sweep-{args.kind}-{label}.json and .png")
         _print_sweep(result)
     return 0
 
@@ -394,8 +316,8 @@ def run_calibrate_cmd(args) -> int:
         return _calibrate_auto(args)
     from ragkv.bench import sweeps
 
-    label, desc, kw = _dataset(args, "hotpotqa-train")
-    examples = _load(kw, args.limit)
+    label, desc, kw = dataset_spec(args, "hotpotqa-train")
+    examples = load_examples(kw, args.limit)
     temps, scales = _floats(args.temperatures), _floats(args.scales)
     if not temps or not scales or min(temps + scales) <= 0:
         raise RagkvError("--temperatures and --scales want positive numbers")
@@ -404,7 +326,7 @@ def run_calibrate_cmd(args) -> int:
         raise RagkvError("--objective score compares answers: give --max-new-tokens > 0 (default 32), or use "
                          "--objective kl")
     max_new = (32 if args.objective == "score" else 0) if max_new is None else max_new
-    engine = _engine(args)
+    engine = load_engine(args)
     sw = _sweep_run(args, label, desc, engine, args.output_dir, max_new)
     grid = sweeps.calibrate_ape(sw, examples, temps, scales, args.objective)
     if args.json:
@@ -442,10 +364,10 @@ def _calibrate_auto(args) -> int:
             raise RagkvError(f"{args.records} does not say which model wrote it (no fingerprint in its header)")
         fingerprint, model, dtype = config["fingerprint"], config.get("model"), config.get("dtype")
     else:
-        engine = _engine(args)
+        engine = load_engine(args)
         fingerprint, model, dtype = engine.fingerprint, engine.model_name, engine.dtype_name
-        label, desc, kw = _dataset(args, "hotpotqa-train")
-        examples = _load(kw, args.limit)
+        label, desc, kw = dataset_spec(args, "hotpotqa-train")
+        examples = load_examples(kw, args.limit)
         if args.passage_order != "as-given":
             examples = rank_passages(examples, args.passage_order)
         sw = _sweep_run(args, label, desc, engine, args.output_dir, 0)  # the first token is all it compares
