@@ -156,6 +156,7 @@ def assert_selection_extremes(eng, segs, kw: dict):
     reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     one, s1 = eng.prefill(segs, FusionOptions(ratio=1.0, **kw))
     zero, s0 = eng.prefill(segs, FusionOptions(ratio=0.0, **kw))
+    assert maxdiff(full.logits, reuse.logits) > 100 * TOL  # the prompts tell the two apart: not vacuous
     assert maxdiff(one.logits, full.logits) <= TOL
     assert maxdiff(decode_step(eng.model, one, 8), decode_step(eng.model, full, 8)) <= TOL
     assert maxdiff(zero.logits, reuse.logits) <= TOL
@@ -243,9 +244,46 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
     n_block, Tq, L = 75, len(segs.query), eng.num_layers
     assert s1.recomputed_tokens == n_block + Tq and s0.recomputed_tokens == Tq
     assert s1.recomputed_token_layers == (Tq + n_block + Tq) * L and s0.recomputed_token_layers == Tq * L
-    _, part = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
+    seen = []  # what stage 1 scored and what was chosen from it
+    import ragkv.engine.query_select as qs
+
+    def spy(score, layout, *args):
+        seen.append((score.clone(), layout, qs_choose(score, layout, *args)))
+        return seen[-1][2]
+
+    qs_choose = qs.choose_tokens
+    try:
+        qs.choose_tokens = spy
+        _, part = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
+    finally:
+        qs.choose_tokens = qs_choose
     assert part.extra["selected"] == (15 if not per_block else 4 + 6 + 5)
     assert part.extra["stage2_kl"][0] >= 0 and part.extra["escalations"] == 0
+    (score, layout, chosen), = seen
+    groups = list(zip(layout.block_offsets(), layout.block_lens)) if per_block else [(layout.prefix_len, n_block)]
+    for off, n in groups:  # every chosen token is attended at least as much as every one left out
+        inside = chosen[(chosen >= off) & (chosen < off + n)]
+        left = torch.ones(n, dtype=torch.bool)
+        left[inside - off] = False
+        assert len(inside) and float(score[inside].min()) >= float(score[off:off + n][left].max())
+    assert float(score[:layout.prefix_len].sum()) >= 0 and (chosen >= layout.prefix_len).all()
+
+
+def test_the_query_attention_score_is_each_context_tokens_softmax_mass():
+    """ProphetKV's stage-1 score, checked against a per-head loop: sum over query heads and rows of the softmax over
+    the context keys only, each query head reading the KV head it shares (GQA)."""
+    from ragkv.engine.query_select import QueryAttentionRecorder
+
+    g = torch.Generator().manual_seed(0)
+    N, Tq, Hq, Hkv, D = 9, 3, 4, 2, 8
+    q = torch.randn(1, Hq, Tq, D, generator=g)
+    k, v = torch.randn(1, Hkv, N + Tq, D, generator=g), torch.randn(1, Hkv, N + Tq, D, generator=g)
+    rec = QueryAttentionRecorder(N)
+    rec(0, q, k, v)
+    want = torch.zeros(N)
+    for h in range(Hq):
+        want += ((q[0, h] @ k[0, h // (Hq // Hkv), :N].T) / D ** 0.5).softmax(-1).sum(0)
+    assert maxdiff(rec.layer_scores[0], want) <= 1e-5 and abs(float(want.sum()) - Hq * Tq) < 1e-4
 
 
 def test_auto_escalates_to_full_exactly_when_its_signal_exceeds_the_budget(tiny_engine):
@@ -344,9 +382,13 @@ def test_blend_intermediate_ratio_is_between(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(40, 40, 40))
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
-    _, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, sink_tokens=2))
+    reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
+    mid, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, sink_tokens=2))
     assert stats.extra["blend_selected"] >= 30  # 25% of 120 plus forced sinks
     assert stats.recomputed_tokens == stats.extra["blend_selected"] + len(segs.query)
+    # neither extreme, and nearer `full` than `reuse` is: the recompute moved the answer toward the exact one
+    assert maxdiff(mid.logits, full.logits) > TOL and maxdiff(mid.logits, reuse.logits) > TOL
+    assert maxdiff(mid.logits, full.logits) < maxdiff(reuse.logits, full.logits)
 
 
 def test_lse_merge_equals_single_attention():
