@@ -10,16 +10,16 @@ echo "== ragkv generate"
 echo
 echo "== ragkv ask --mode reuse (Block-Attention style reuse): watch 'blocks hit' on the second question"
 .venv/bin/ragkv ask --docs-dir examples/docs --mode reuse --dtype float32 --max-new-tokens 32 \
-    --question "Which paper recomputes a small fraction of tokens?" \
-    --question "What does APE use to align parallel encoding with sequential encoding?"
+    --question "Which method recomputes a small fraction of tokens? Answer with its name." \
+    --question "What is the name of the method that selectively recomputes the KV of a few tokens?"
 echo
 echo "== the same questions with CacheBlend's selective recompute (r = 0.15) and JSON statistics"
 .venv/bin/ragkv ask --docs-dir examples/docs --mode blend --ratio 0.15 --dtype float32 --max-new-tokens 32 --json \
-    --question "Which paper recomputes a small fraction of tokens?"
+    --question "Which method recomputes a small fraction of tokens? Answer with its name."
 echo
 echo "== one question, four ways: each answer with its time and its own statement of how close to full it is"
 for way in "--mode full" "--mode reuse" "--mode blend --ratio 0.15" "--mode blend --select query --ratio 0.15"; do
     # shellcheck disable=SC2086  # the words of $way are separate flags
     .venv/bin/ragkv ask --docs-dir examples/docs $way --dtype float32 --max-new-tokens 32 \
-        --question "Which paper recomputes a small fraction of tokens?" 2>&1
+        --question "Which method recomputes a small fraction of tokens? Answer with its name." 2>&1
 done

