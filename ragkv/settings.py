@@ -56,6 +56,13 @@ class ServeDefaults:
     max_prompt_tokens: int | None = None  # --max-prompt-tokens: prompt tokens (None: the model's positions)
     ingest_timeout_s: float = 1800.0   # --ingest-timeout: deadline of a document ingestion job
     kv_memory_bytes: int = 4 << 30     # --kv-memory: KV the running generations may reserve (prompt + n x max_tokens)
+    # --max-request-cost: token-layers one request's prefill may cost on a cold cache (None: this many windows of
+    # the model, positions x layers; 0: no limit). 4 windows admit `auto` over a full window (~2.2x) and `ape` over
+    # documents of up to ~4 windows (the hostile probe's 32K tokens on SmolLM2's 8K window, 0.98 of the limit), and
+    # refuse its 2 MB request (~400K tokens), which grew the server's RSS by 1.2 GB and never answered
+    max_request_windows: float = 4.0
+    # --tenant-budget: token-layers a tenant's admitted requests may cost per minute (None: no budget; 429 above)
+    tenant_budget: int | None = None
     # --history-mode: the mode of a chat whose earlier turns are blocks, when the request names none (exact while
     # the conversation is only extended; after an edit the turns behind it are fused by this mode). blend: at an
     # edit 0.34-0.47x full's TTFT at a first-token KL of 0.02-0.32 (docs/results/blocks_beyond_rag.md); auto

@@ -61,6 +61,13 @@ def register(sub) -> None:
                      help="KV memory the running generations may reserve, e.g. 4GiB (default: "
                           f"{SERVE.kv_memory_bytes >> 30}GiB): each reserves its prompt's rows plus n x max_tokens "
                           "rows; one that does not fit waits, one that never could gets a 400")
+    lim.add_argument("--max-request-cost", type=int, default=None, metavar="TOKEN_LAYERS",
+                     help="the most one request's prefill may cost, in token-layers (prompt rows through layers, "
+                          "cold cache, the mode's worst case); above it a 400 states the cost (default: "
+                          f"{SERVE.max_request_windows:g} x the model's positions x layers; 0: no limit)")
+    lim.add_argument("--tenant-budget", type=int, default=SERVE.tenant_budget, metavar="TOKEN_LAYERS",
+                     help="token-layers each tenant's admitted requests may cost per minute; above it a 429 with "
+                          "Retry-After (default: no budget)")
     p.add_argument("--history-mode", default=SERVE.history_mode,
                    help="mode of a chat without documents when the request names none: earlier turns are blocks, "
                         "exact while the conversation only grows; after an edit the turns behind it are fused by "
@@ -83,6 +90,10 @@ def check_flags(args) -> None:
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise InvalidRequestError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if args.max_request_cost is not None and args.max_request_cost < 0:
+        raise InvalidRequestError(f"--max-request-cost must be >= 0 (0: no limit), got {args.max_request_cost}")
+    if args.tenant_budget is not None and args.tenant_budget < 1:
+        raise InvalidRequestError(f"--tenant-budget must be >= 1 token-layers per minute, got {args.tenant_budget}")
     if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
         raise InvalidRequestError(f"--prefill-stall-ms must be a number of milliseconds >= 0, got "
                                   f"{args.prefill_stall_ms}")
@@ -121,7 +132,7 @@ def run_serve(args) -> int:
     # one failing mid-run is: a replica restarted during an outage serves instead of staying down
     engine = engine_from_args(args, must_reach=False)
     limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
-                    args.ingest_timeout, args.kv_memory)
+                    args.ingest_timeout, args.kv_memory, args.max_request_cost, args.tenant_budget)
     server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                     args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
                     served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,

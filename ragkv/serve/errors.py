@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.engine.scheduler import Cancelled, JobTimeout, QueueFull, ShuttingDown
+from ragkv.serve.budget import TenantOverBudget
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.rag.redis_catalog import LibraryUnavailableError
 from ragkv.serve.requests import NamespaceForbidden
@@ -44,6 +45,8 @@ def to_api_error(e: BaseException) -> ApiError:
         return ApiError(403, str(e), "permission_error", e.code, e.param)
     if isinstance(e, RagkvError):  # FieldError and every other input error: a 400 naming the field
         return ApiError(400, str(e), code=getattr(e, "code", None), param=getattr(e, "param", None))
+    if isinstance(e, TenantOverBudget):
+        return ApiError(429, str(e), "rate_limit_error", "tenant_budget_exceeded", retry_after=e.retry_after_s)
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), "rate_limit_error", "queue_full", retry_after=QueueFull.retry_after_s)
     if isinstance(e, ShuttingDown):

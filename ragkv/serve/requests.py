@@ -18,6 +18,7 @@ from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
 from ragkv.errors import OptionError, RagkvError
 from ragkv.rag.order import order_passages
+from ragkv.serve.budget import TenantBudget, check_cost
 from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, RagkvExtras
 from ragkv.settings import DEFAULT_TENANT, SERVE
 
@@ -50,8 +51,15 @@ class RequestBuilder:
     `library(tenant)` gives a tenant's document library (retrieval)."""
 
     def __init__(self, engine, keys, limits, default_fusion: FusionOptions, max_batch: int,
-                 library: Callable[[str], object], history_mode: str = SERVE.history_mode):
+                 library: Callable[[str], object], history_mode: str = SERVE.history_mode,
+                 budget: TenantBudget | None = None):
         self.engine, self.keys, self.limits = engine, keys, limits
+        self.budget = budget if budget is not None else TenantBudget(None)
+        # token-layers one request's prefill may cost (0: no limit)
+        limit = getattr(limits, "max_request_cost", None)
+        if limit is None:
+            limit = int(SERVE.max_request_windows * engine.max_positions * engine.num_layers)
+        self.max_request_cost = limit or None
         self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
         self.max_batch, self.library = max_batch, library
         self.history_mode = history_mode  # a chat's turns as blocks, when the request names no mode
@@ -108,9 +116,10 @@ class RequestBuilder:
                                  "empty_document")
 
     def check_prompt(self, segs: Segments, gen: GenerationOptions, fusion: FusionOptions,
-                     field: str = "messages") -> None:
-        """The prompt's tokens within --max-prompt-tokens, and the positions its mode lays it out on within the
-        model's window (with `ape`, blocks share positions: a prompt longer than the window may fit)."""
+                     field: str = "messages") -> int:
+        """The prompt's tokens within --max-prompt-tokens, the positions its mode lays it out on within the
+        model's window (with `ape`, blocks share positions: a prompt longer than the window may fit), and its
+        prefill's worst cost within --max-request-cost. Returns that cost (token-layers)."""
         lim = self.limits.max_prompt_tokens
         if lim and segs.num_tokens > lim:
             raise FieldError(field, f"the prompt has {segs.num_tokens} tokens; the limit is {lim} "
@@ -127,6 +136,10 @@ class RequestBuilder:
         if gen.max_new_tokens > self.engine.max_positions:
             raise FieldError("max_tokens", f"max_tokens {gen.max_new_tokens} exceeds the model's "
                                            f"{self.engine.max_positions} positions")
+        layers = self.engine.num_layers
+        cost = get_mode(fusion.mode).worst_token_layers(segs, fusion, layers)
+        check_cost(cost, self.max_request_cost, segs.num_tokens, layers, fusion.mode, field)
+        return cost
 
     def fusion(self, extras: RagkvExtras | None, has_blocks: bool, history: bool = False) -> FusionOptions:
         e = extras or RagkvExtras()
@@ -181,7 +194,7 @@ class RequestBuilder:
             fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
-        self.check_prompt(segs, gen, fusion)
+        self.budget.charge(tenant, self.check_prompt(segs, gen, fusion))
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
@@ -191,7 +204,7 @@ class RequestBuilder:
             raise FieldError("prompt", "the prompt list is empty; send at least one prompt")
         gen = self.generation(req, 16)
         namespace = self.namespace(req.ragkv, tenant, req.cache_salt)
-        out = []
+        out, cost = [], 0
         for i, prompt in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, list):
@@ -203,8 +216,9 @@ class RequestBuilder:
                 fusion = self.fusion(req.ragkv, bool(passages))
                 segs = self.engine.segments(prompt, passages) if passages else self.engine.text_segments(prompt)
             segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
-            self.check_prompt(segs, gen, fusion, field)
+            cost += self.check_prompt(segs, gen, fusion, field)
             out.append(Prepared(segs, fusion, gen, namespace, sources, req.n))
+        self.budget.charge(tenant, cost)  # the prompts are admitted together or not at all
         return out
 
     def token_prompt(self, req: CompletionRequest, ids: list[int], field: str) -> Segments:

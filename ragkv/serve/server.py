@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 
 from ragkv.engine.kvbudget import KVBudget, freeze_long_lived, kv_need
+from ragkv.serve.budget import TenantBudget
 from ragkv.engine.kvcache import bytes_per_token
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.modes import get_mode
@@ -33,6 +34,8 @@ class Limits:
     max_prompt_tokens: int | None = SERVE.max_prompt_tokens  # --max-prompt-tokens (None: the model's positions)
     ingest_timeout_s: float = SERVE.ingest_timeout_s    # --ingest-timeout: deadline of a document ingestion job
     kv_memory_bytes: int = SERVE.kv_memory_bytes        # --kv-memory: KV the running generations may reserve
+    max_request_cost: int | None = None  # --max-request-cost: token-layers (None: SERVE.max_request_windows; 0: none)
+    tenant_budget: int | None = SERVE.tenant_budget     # --tenant-budget: token-layers per tenant per minute
 
 
 class Server:
@@ -60,7 +63,8 @@ class Server:
                                    on_finish=self.metrics.observe_stats, lock=engine.lock, thread=worker_thread,
                                    kv_budget=KVBudget(limits.kv_memory_bytes), prefill_stall_ms=prefill_stall_ms)
         self._library, self._library_lock = None, threading.Lock()
-        self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode)
+        self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode,
+                                       TenantBudget(limits.tenant_budget))
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
         # that a tokenizer resetting its truncation or padding settings on first use does it before any race
         engine.tokenize("ragkv")

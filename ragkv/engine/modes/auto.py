@@ -25,6 +25,11 @@ class Auto(Blend):
     def check(self, engine, fusion):
         pass
 
+    def worst_token_layers(self, segs, fusion, num_layers):
+        # blend's, then the escalation: every block token and the query (and a draft) recomputed once more
+        escalation = segs.num_tokens + len(segs.query) + fusion.draft_tokens
+        return super().worst_token_layers(segs, fusion, num_layers) + escalation * num_layers
+
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
         # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults

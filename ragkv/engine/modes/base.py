@@ -76,6 +76,11 @@ class FusionMode:
         unless the mode counts its own)."""
         return stats.recomputed_tokens * num_layers
 
+    def worst_token_layers(self, segs: Segments, fusion: "FusionOptions", num_layers: int) -> int:
+        """The most rows this request's prefill can run through a layer, summed over layers, on a cold cache (every
+        block encoded): what a server weighs before admitting it (the unit of `token_layers`)."""
+        return segs.num_tokens * num_layers
+
     def first_token_flops(self, a: ModelArgs, fusion: "FusionOptions", context: int, query: int,
                           prefix_len: int = 0, reused: int = 0) -> int:
         """Analytic FLOPs to the first token; context = prefix + block tokens, `reused` = tokens taken from the

@@ -79,6 +79,13 @@ class Blend(BlockMode):
                 # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
                 "signal": risk[name] if risk else None, "signal_name": name if risk else None}
 
+    def worst_token_layers(self, segs, fusion, num_layers):
+        # blocks encoded, then the query again (stage 1) and the selected rows with the query and a draft twice
+        blocks = sum(len(b) for b in segs.blocks)
+        again = len(segs.query) + int(fusion.ratio * blocks + 0.999) + fusion.sink_tokens * len(segs.blocks)
+        again += len(segs.query) + 2 * fusion.draft_tokens
+        return super().worst_token_layers(segs, fusion, num_layers) + min(again, 2 * segs.num_tokens) * num_layers
+
     def token_layers(self, stats, num_layers):
         return stats.recomputed_token_layers  # counted per layer by prefill_blend: selections shrink with depth
 
