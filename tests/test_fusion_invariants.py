@@ -12,6 +12,8 @@ from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.request import Segments
+from ragkv.engine.selections import SELECTIONS, get_selection
+from ragkv.engine.selections.base import Selection
 from ragkv.engine.state import decode_step
 from ragkv.errors import InvalidRequestError, OptionError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
@@ -362,7 +364,7 @@ def test_blend_per_block_selection_keeps_r_of_each_block(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(20, 40, 60))
     _, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, select_per_block=True))
-    assert stats.extra["blend_selected_per_block"] == [5, 10, 15] and stats.extra["blend_selected"] == 30
+    assert stats.extra["selected_per_block"] == [5, 10, 15] and stats.extra["selected"] == 30
 
 
 def test_blend_check_rows_all_runs_every_row_through_the_check_layer(tiny_engine):
@@ -373,8 +375,8 @@ def test_blend_check_rows_all_runs_every_row_through_the_check_layer(tiny_engine
     _, sel = eng.prefill(segs, FusionOptions(**opts))
     _, every = eng.prefill(segs, FusionOptions(check_rows="all", **opts))
     total = segs.num_tokens  # every row of the prompt (the prefix too) runs the layers before the selection
-    kept = sel.extra["blend_selected"] + len(segs.query)
-    assert every.extra["blend_selected"] == sel.extra["blend_selected"] == 20
+    kept = sel.extra["selected"] + len(segs.query)
+    assert every.extra["selected"] == sel.extra["selected"] == 20
     assert every.recomputed_token_layers - sel.recomputed_token_layers == total - kept
 
 
@@ -384,8 +386,8 @@ def test_blend_intermediate_ratio_is_between(tiny_engine):
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
     reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     mid, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, sink_tokens=2))
-    assert stats.extra["blend_selected"] >= 30  # 25% of 120 plus forced sinks
-    assert stats.recomputed_tokens == stats.extra["blend_selected"] + len(segs.query)
+    assert stats.extra["selected"] >= 30  # 25% of 120 plus forced sinks
+    assert stats.recomputed_tokens == stats.extra["selected"] + len(segs.query)
     # neither extreme, and nearer `full` than `reuse` is: the recompute moved the answer toward the exact one
     assert maxdiff(mid.logits, full.logits) > TOL and maxdiff(mid.logits, reuse.logits) > TOL
     assert maxdiff(mid.logits, full.logits) < maxdiff(reuse.logits, full.logits)
@@ -529,3 +531,24 @@ def test_cached_tokens_count_only_what_the_store_held(tiny_engine, mode):
         assert again.cached_tokens == again.reused_tokens == (segs.num_tokens - 1) // 32 * 32
     else:
         assert again.cached_tokens == 6 + 20 + 30 and again.cache_misses == 0
+
+
+@pytest.mark.parametrize("select", [s for s in SELECTIONS if s != "sinks"])  # sinks: its own test above
+def test_every_registered_selection_keeps_the_extremes(tiny_engine, select):
+    """Invariant 6 for each selection object in engine/selections (a new one is covered by being registered), and
+    the one vocabulary every selection records."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    s1, s0 = assert_selection_extremes(eng, segs, dict(mode="blend", select=select))
+    for stats, chosen in ((s1, 75), (s0, 0)):
+        x = stats.extra
+        assert (x["select"], x["selected"], x["block_tokens"], sum(x["selected_per_block"])) == (select, chosen, 75,
+                                                                                                 chosen)
+    sel = get_selection(select)
+    assert isinstance(sel, Selection) and sel.name == select and sel.summary and sel.source
+
+
+def test_an_unknown_selection_names_the_field_and_the_choices():
+    with pytest.raises(OptionError) as e:
+        FusionOptions(mode="blend", select="bogus")
+    assert e.value.param == "select" and all(s in str(e.value) for s in SELECTIONS)

@@ -110,9 +110,9 @@ def test_one_block_at_different_offsets_is_pooled_once_and_read_in_place(tiny_en
     a = Segments(rand_ids(12, 1), [other, common], rand_ids(8, 7))
     b = Segments(rand_ids(12, 1), [common, rand_ids(15, 8)], rand_ids(11, 9))
     sa, _ = eng.prefill(a, SHARED)
-    before = eng._pool.stats()
+    before = eng.block_pool.stats()
     sb, _ = eng.prefill(b, SHARED)
-    after = eng._pool.stats()
+    after = eng.block_pool.stats()
     assert after["hits"] - before["hits"] == 2 and after["misses"] - before["misses"] == 1  # prefix + common
     ref_a, ref_b = eng.prefill(a, COPIED)[0], eng.prefill(b, COPIED)[0]
     assert maxdiff(sa.logits, ref_a.logits) <= TOL and maxdiff(sb.logits, ref_b.logits) <= TOL
@@ -183,10 +183,10 @@ def test_the_pool_is_bounded_and_an_evicted_block_still_serves_its_sequence(tiny
     ref, _ = eng.prefill(segs, COPIED)
     state, _ = eng.prefill(segs, SHARED)
     one = max(b.nbytes for b in state.attention.blocks)
-    eng._pool.max_bytes = one  # everything but the newest block goes
+    eng.block_pool.max_bytes = one  # everything but the newest block goes
     for seed in (6, 7):
         eng.prefill(make_segs(seed=seed), SHARED)
-    stats = eng._pool.stats()
+    stats = eng.block_pool.stats()
     assert stats["bytes"] <= stats["max_bytes"] and stats["blocks"] == 1
     assert maxdiff(decode_step(eng.model, state, 42), decode_step(eng.model, ref, 42)) <= TOL
 
@@ -195,9 +195,9 @@ def test_forget_drops_the_pooled_blocks(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs(seed=8)
     eng.prefill(segs, SHARED)
-    blocks = eng._pool.stats()["blocks"]
+    blocks = eng.block_pool.stats()["blocks"]
     eng.forget(segs)
-    assert eng._pool.stats()["blocks"] == blocks - len(segs.blocks)  # the shared prefix is kept
+    assert eng.block_pool.stats()["blocks"] == blocks - len(segs.blocks)  # the shared prefix is kept
 
 
 def test_a_sliding_window_in_reach_is_refused_with_what_to_do(tiny_engine):

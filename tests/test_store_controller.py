@@ -121,7 +121,7 @@ def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_pa
     store = open_store(f"memory:64MiB?cost=1,disk:{tmp_path}:1GiB?cost=0.01")
     engine = tiny_engine(store=store)
     engine.profile_store()
-    profiles = engine._planner.profiles.data  # the test sets the disk's speed instead of timing a real one
+    profiles = engine.loading_planner.profiles.data  # the test sets the disk's speed instead of timing a real one
     profiles[profile_id(store.tiers[1])].update(bytes_per_s=1e15 if disk_hides else 1.0, latency_s=0.0)
     segs = make_segs(prefix=0, blocks=(30,))
     engine.prefill(segs, FusionOptions(mode="reuse"))

@@ -76,7 +76,7 @@ def run_shared_bench(engine, cfg: SharedBenchConfig, out_dir: Path, progress=pri
               "context_tokens": statistics.median(s.num_tokens for s in reqs), "rows": rows,
               "ttft_shared_vs_copied": shared["ttft_ms"] / copied["ttft_ms"],
               "step_shared_vs_copied": {b: shared["step_ms"][b] / copied["step_ms"][b] for b in cfg.batch_sizes},
-              "greedy_tokens_equal": agree, "pool": engine._pool.stats()}
+              "greedy_tokens_equal": agree, "pool": engine.block_pool.stats()}
     save_json(out_dir / "shared.json", result)
     table = markdown_table(
         ["layout", "TTFT ms (vs copied)"] + [f"decode step ms, batch {b} (vs copied)" for b in cfg.batch_sizes],

@@ -31,8 +31,6 @@ from ragkv.ops.attention import sdpa
 if TYPE_CHECKING:  # annotations only: the options import the modes, which import this module
     from ragkv.engine.options import FusionOptions
 
-# `opts` below is a FusionOptions, named but not imported: the options import the modes that run this module
-
 
 def keep_count(ratio: float, n_block: int) -> int:
     return min(n_block, int(round(ratio * n_block)))
@@ -202,6 +200,8 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     stats.recomputed_token_layers = plan.token_layers
     sel = plan.sel if plan.pending is None else plan.sel[plan.pending]
     per_block = [int(((sel >= off) & (sel < off + n)).sum()) for off, n in plan.blocks]
-    stats.extra.update(blend_selected=plan.kept_block, blend_selected_per_block=per_block, blend_block_tokens=plan.n_block,
-                       blend_check_layers=list(opts.check_layers), blend_projected_rows=plan.projected_rows)
+    # the selections' one vocabulary (query_select.record_selection), and what only CacheBlend's has
+    stats.extra.update(select="deviation", selected=plan.kept_block, selected_per_block=per_block,
+                       block_tokens=plan.n_block, check_layers=list(opts.check_layers),
+                       projected_rows=plan.projected_rows)
     return DecodeState(cache, total, logits)

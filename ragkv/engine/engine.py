@@ -93,7 +93,10 @@ class Engine:
     """Public surface: the request methods below, the model facts (`model_name`, `fingerprint`, `device`,
     `num_layers`, `info()`), tokenizing (`tokenize`, `passage_ids`, `*_segments`), the cache (`warm`,
     `cache_keys`, `forget`, `store_stats`) and the store profile. `model`, `decode_model` and `tokenizer` are
-    there for raw forwards in benchmarks and tests; everything else is internal."""
+    there for raw forwards in benchmarks and tests. What a mode (engine/modes) may use of the engine, and nothing
+    else: `forward_model`, `fingerprint`, `block_cache` (keys, encoding), `block_pool` (blocks read in place),
+    `layer_stream` (per-layer KV of keys), `loading_planner` (which tier, which ratio), `check_length`,
+    `num_layers`, and the APE and `auto` defaults; everything else is internal."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore | None = None, namespace: str = "default",
                  prompt_format: PromptFormat = PromptFormat(), decode_weights: str = "exact",
@@ -113,9 +116,9 @@ class Engine:
             if self.model.dtype == torch.bfloat16:
                 prefill_kernel.kernel()
         self._store = store if store is not None else MemoryStore()
-        self._blocks = BlockCache(self.forward_model, loaded.fingerprint, self._store, namespace)
+        self.block_cache = BlockCache(self.forward_model, loaded.fingerprint, self._store, namespace)
         # blocks read in place (kv_layout=shared); its own, like its store
-        self._pool = BlockPool(self.model, pool_bytes)
+        self.block_pool = BlockPool(self.model, pool_bytes)
         self.namespace = namespace
         self.prompt_format = prompt_format
         self.eos_ids = _eos_ids(loaded)
@@ -123,8 +126,8 @@ class Engine:
         self.ape_temperature, self.ape_scale, self.ape_source = ape_params
         self.auto_signal, self.auto_max_risk, self.auto_source = auto_params  # `auto`'s calibrated defaults
         self.lock = threading.RLock()  # the model runs one request at a time
-        self._planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
-        self._blocks.place = lambda tokens: self._planner.placement(tokens, FusionOptions().ratio)
+        self.loading_planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
+        self.block_cache.place = lambda tokens: self.loading_planner.placement(tokens, FusionOptions().ratio)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -140,10 +143,10 @@ class Engine:
     def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
         """An engine over the same model (weights shared) reading and writing another store."""
         return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
-                      (self.ape_temperature, self.ape_scale, self.ape_source), self._planner.profiles,
+                      (self.ape_temperature, self.ape_scale, self.ape_source), self.loading_planner.profiles,
                       _decode_model=self._decode_model,
                       auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
-                      pool_bytes=self._pool.max_bytes)
+                      pool_bytes=self.block_pool.max_bytes)
 
     # -- model facts ------------------------------------------------------------------------------------
     @property
@@ -205,7 +208,7 @@ class Engine:
 
     def pool_stats(self) -> dict:
         """The block pool that `kv_layout=shared` reads blocks from in place (engine/block_pool.py)."""
-        return self._pool.stats()
+        return self.block_pool.stats()
 
     def flush_store(self) -> None:
         """Wait for the store's background write-back (new blocks on their way to slower tiers)."""
@@ -231,14 +234,14 @@ class Engine:
             fusion = FusionOptions(mode=name, prefix_chunk=prefix_chunk)
             own = self.cache_keys(segs, fusion, namespace)[get_mode(name).shared_key_count(segs, fusion):]
             keys.update(dict.fromkeys(own))
-        self._pool.discard(keys)
+        self.block_pool.discard(keys)
         return sum(bool(self._store.delete(k)) for k in keys)
 
     def profile_store(self, refresh: bool = False) -> dict:
         """Measure (or re-measure) what the loading controller needs: each tier's load bandwidth and this
         model's recompute cost; saved for later processes. Runs at start-up or on `ragkv store profile`."""
         with self.lock:
-            return self._planner.profile(refresh)
+            return self.loading_planner.profile(refresh)
 
     def profile_in_background(self, submit_background) -> None:
         """Start-up profiling that holds up a request by one forward at most: tier bandwidths on a thread (no model
@@ -248,15 +251,15 @@ class Engine:
 
         def measure(lengths):
             for n in lengths:
-                yield from self._planner.measuring_recompute_at(n)
+                yield from self.loading_planner.measuring_recompute_at(n)
 
         def run():
             try:
-                self._planner.profile_tiers()
+                self.loading_planner.profile_tiers()
             except Exception as e:  # noqa: BLE001 - no profile only means no loading plan yet
                 log.warning("could not profile the store tiers (%s); blend runs without a loading plan until "
                             "`ragkv store profile` succeeds", e)
-            lengths = self._planner.recompute_lengths()
+            lengths = self.loading_planner.recompute_lengths()
             if lengths:
                 submit_background(lambda: measure(lengths))
 
@@ -304,7 +307,7 @@ class Engine:
         """After a chat reply (`history_segments`), in units: encode its turns the store lacks as blocks (a later
         edit fuses them) and prefill its history exactly into the prefix cache if a fused reply left it out (the
         next turn is exact again); engine/history.py. The server runs it in the background while idle."""
-        return settle_history(self.forward_model, self._blocks, self.fingerprint, segs, namespace or self.namespace,
+        return settle_history(self.forward_model, self.block_cache, self.fingerprint, segs, namespace or self.namespace,
                               prefix_chunk, chunk)
 
     def positions_needed(self, segs: Segments, fusion: FusionOptions = FusionOptions()) -> int:
@@ -324,7 +327,7 @@ class Engine:
         return split_blocks(segs, room) if room >= 1 else segs
 
     # -- prefill ----------------------------------------------------------------------------------------
-    def _check_length(self, positions: int, what: str = "fused prompt") -> None:
+    def check_length(self, positions: int, what: str = "fused prompt") -> None:
         if positions > self.max_positions:
             raise PromptTooLongError(positions, self.max_positions, what)
 
@@ -344,7 +347,7 @@ class Engine:
         A store that fails (a tier down, an entry that vanished or cannot be read) never fails the request: its
         blocks are computed again into request-local memory and used from there (`store_fault` in the stats)."""
         try:
-            return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, self._blocks))
+            return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, self.block_cache))
         except (MissingBlockError, StoreUnavailableError) as e:
             log.warning("store failed during a request (%s); computing its blocks without the cache", e)
             local = BlockCache(self.forward_model, self.fingerprint, MemoryStore(), self.namespace)
@@ -375,7 +378,7 @@ class Engine:
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
 
-    def _layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):
+    def layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):
         """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store (from
         the tiers the loading plan names, when there is one)."""
         if not keys:

@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 
 from ragkv.engine.modes import get_mode, mode_names
-from ragkv.engine.modes.blend import SELECTIONS
+from ragkv.engine.selections import SELECTIONS
 from ragkv.engine.risk import SIGNALS
 from ragkv.errors import OptionError
 

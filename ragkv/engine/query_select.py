@@ -155,16 +155,14 @@ class FetchedRowsPlan(SelectedRowsPlan):
         return x
 
 
-STATIC_SELECTIONS = ("sinks", "recent")  # chosen from the layout alone: one pass, no stage 1
-
-
-def static_choice(select: str, layout: Layout, ratio: float, sink_tokens: int, per_block: bool) -> torch.Tensor:
-    """`sinks`: each block's first `sink_tokens`; `recent`: the top r by position (the last r of the block tokens,
-    or of each block's), plus the sinks."""
-    if select == "sinks":
-        return choose_tokens(None, layout, 0.0, sink_tokens, False)
-    recency = torch.arange(layout.context_len, dtype=torch.float32, device=layout.context_positions.device)
-    return choose_tokens(recency, layout, ratio, sink_tokens, per_block)
+def check_selectable(model, layout: Layout, total: int) -> None:
+    """What every selection but CacheBlend's needs: no sliding window within the prompt, the sequential layout."""
+    window = model.args.sliding_window
+    if window is not None and window < total:
+        raise InvalidRequestError("query-aware and sink selections are not supported past a sliding window; use "
+                                  "reuse or full")
+    if layout.query_start != layout.context_len:
+        raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
 
 
 def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, chosen: torch.Tensor, capacity: int,
@@ -188,35 +186,25 @@ def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, c
 
 
 @torch.inference_mode()
-def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
-                     select: str, ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
-                     stats: RequestStats, max_signal: float | None = None,
-                     signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0) -> DecodeState:
-    """`select="query"`: ProphetKV's two stages; `select="sinks"` (EPIC's static chunk links) or `"recent"`: one
-    pass over a selection known from the layout. With several `ratios` (the quality-bounded mode), stage 2 runs
+def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
+                        ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
+                        stats: RequestStats, max_signal: float | None = None,
+                        signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0) -> DecodeState:
+    """ProphetKV's two stages (the static selections run `prefill_static` instead: selections/base.py). With
+    several `ratios` (the quality-bounded mode), stage 2 runs
     again at the next ratio while the risk `signal` (engine/risk.py: e.g. KL(this answer's first-token
     distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
     the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
     before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft)."""
-    window = model.args.sliding_window
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
     total = N + Tq
-    if window is not None and window < total:
-        raise InvalidRequestError("query-aware and sink selections are not supported past a sliding window; use "
-                                  "reuse or full")
-    if layout.query_start != N:
-        raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
-    if select in STATIC_SELECTIONS:
-        chosen = static_choice(select, layout, ratios[0], sink_tokens, per_block)
-        state = prefill_static(model, layer_iter, layout, context_ids + query_ids, Tq, chosen, capacity, stats)
-        record_selection(stats, select, chosen, layout, [measure(state.logits, None, None)], signal)
-        return state  # no stage 1 to compare with: the risk's `shift` is unknown
-    recorder = QueryAttentionRecorder(N) if select == "query" else None
+    check_selectable(model, layout, total)
+    recorder = QueryAttentionRecorder(N)
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
     stage1 = prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
-    draft = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and recorder and N else []
-    score = fuse_layer_scores(recorder.layer_scores) if recorder is not None and N else None
+    draft = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and N else []
+    score = fuse_layer_scores(recorder.layer_scores) if N else None
     logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
     t0 = time.perf_counter()
     for ratio in ratios:
@@ -238,7 +226,7 @@ def prefill_selected(model, layer_iter, layout: Layout, context_ids: list[int], 
     stats.recompute_ms += (time.perf_counter() - t0) * 1000
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
-    record_selection(stats, select, chosen, layout, risks, signal)
+    record_selection(stats, "query", chosen, layout, risks, signal)
     stage1.cache.commit(len(ahead))
     return DecodeState(stage1.cache, total, logits, lookahead=ahead)
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from ragkv.engine.modes.blend import Blend
 from ragkv.engine.modes.registry import register
-from ragkv.engine.query_select import prefill_selected
+from ragkv.engine.selections import get_selection
 
 
 @register
@@ -35,10 +35,10 @@ class Auto(Blend):
         # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults
         limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
         stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None)
-        return prefill_selected(engine.forward_model, layer_iter, layout, context_ids, segs.query, "query",
-                                (fusion.ratio, 1.0), fusion.sink_tokens, fusion.select_per_block, capacity, stats,
-                                max_signal=limit, signal=fusion.signal or engine.auto_signal,
-                                draft_tokens=fusion.draft_tokens)
+        # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
+        return get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
+                                              fusion, capacity, stats, fusion.signal or engine.auto_signal,
+                                              ratios=(fusion.ratio, 1.0), max_signal=limit)
 
     def fidelity(self, fusion, stats):
         out = super().fidelity(fusion, stats)

@@ -110,8 +110,8 @@ class BlockMode(FusionMode):
         return layout.query_start + len(segs.query)  # shared (APE): the longest block, not the sum
 
     def cache_keys(self, engine, segs, fusion, ns):
-        pre = [engine._blocks.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
-        return pre + [engine._blocks.key(ids, self.conditioning(segs, fusion), ns) for ids in segs.blocks]
+        pre = [engine.block_cache.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
+        return pre + [engine.block_cache.key(ids, self.conditioning(segs, fusion), ns) for ids in segs.blocks]
 
     def shared_key_count(self, segs, fusion):
         return 1 if segs.prefix else 0
@@ -130,7 +130,7 @@ class BlockMode(FusionMode):
                             pre.hit_tokens + blk.hit_tokens)
 
     def warm(self, engine, segs, fusion, ns):
-        return drain(self.ensure_steps(engine._blocks, segs, fusion, ns))
+        return drain(self.ensure_steps(engine.block_cache, segs, fusion, ns))
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
         alone = self.conditioning(segs, fusion) == NO_CONDITIONING
@@ -143,7 +143,7 @@ class BlockMode(FusionMode):
         """Fetch (or encode) the prefix and the blocks, then `fuse`. `exact`: a cache already holding the prefix
         computed exactly (rotated K), used in place of the prefix's block."""
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
-        engine._check_length(layout.query_start + len(segs.query))
+        engine.check_length(layout.query_start + len(segs.query))
         res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), fusion, ns)
         stats.cache_hits, stats.cache_misses = res.hits, res.misses
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
@@ -152,13 +152,13 @@ class BlockMode(FusionMode):
         pooled = None
         if exact is None and self.reads_in_place(fusion):  # shared block attention: no copy, no re-rotation
             t0 = time.perf_counter()
-            pooled = engine._pool.blocks(res.keys, lambda keys: engine._layer_stream(keys, res.uncached,
+            pooled = engine.block_pool.blocks(res.keys, lambda keys: engine.layer_stream(keys, res.uncached,
                                                                                     blocks.store))
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
             if self.fuses_in_place:
                 return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
         fusion, tiers = self.load_schedule(engine, res, fusion, stats)
-        layer_iter = engine._layer_stream(res.keys, res.uncached, blocks.store, tiers)
+        layer_iter = engine.layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
         state = self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
         if hasattr(layer_iter, "wait_ms"):

@@ -18,7 +18,7 @@ class Full(FusionMode):
         return {"mode": self.name, "exact": True}
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        engine._check_length(segs.num_tokens, "prompt")
+        engine.check_length(segs.num_tokens, "prompt")
         return (yield from prefill_full(engine.forward_model, segs.all_ids(), capacity, stats, chunk))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):

@@ -40,7 +40,7 @@ class Prefix(FusionMode):
         return {"mode": self.name, "exact": True, "cached_prefix_tokens": stats.reused_tokens}
 
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        engine._check_length(segs.num_tokens, "prompt")
+        engine.check_length(segs.num_tokens, "prompt")
         return (yield from prefill_prefix(engine.forward_model, blocks.store, engine.fingerprint, ns, segs.all_ids(),
                                           fusion.prefix_chunk, capacity, stats, chunk))
 
