@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 import torch
 
-from ragkv.engine.options import GenerationOptions
+from ragkv.engine.generation import GenerationOptions
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.sampling import TokenLogprob, apply_penalties, sample, token_logprob
 from ragkv.engine.state import DecodeState, decode_batch

@@ -1,81 +1,17 @@
-"""Per-request options: the fusion mode and its parameters, and decoding. Each field is declared once (`option`)."""
+"""Per-request options: the fusion mode and its parameters (FusionOptions), and decoding (GenerationOptions, from
+engine/generation.py, which sits below the modes). Each field is declared once (engine/option_spec.py)."""
 
 from __future__ import annotations
 
-import functools
-import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
+from ragkv.engine.generation import GenerationOptions
 from ragkv.engine.modes import get_mode, mode_names
+from ragkv.engine.option_spec import OptionSpec, check_option, option, option_specs
 from ragkv.engine.selections import SELECTIONS
 from ragkv.engine.risk import SIGNALS
 from ragkv.errors import OptionError
 
-
-
-def option(default, help: str, *, choices: tuple | None = None, ge=None, le=None, gt=None, key: str | None = None,
-           max_items: int | None = None, word: tuple[str, str] | None = None):
-    """A field declared once: its default, help, and bounds or choices. The CLI flags, the HTTP schema and the eval
-    mode keys are derived from these declarations (`option_specs`), and `__post_init__` checks them for all three.
-    `key`: its short name in an eval mode key (blend:r=0.3); `word`: a word the CLI takes in place of a value,
-    setting a boolean field instead (--ratio auto)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "le": le, "gt": gt,
-                                            "key": key, "max_items": max_items, "word": word})
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    name: str
-    type: type             # int, float, str, bool, or tuple (of ints)
-    optional: bool         # None allowed (means: the engine's calibrated or configured value)
-    default: object
-    help: str
-    choices: tuple | None
-    ge: float | None
-    le: float | None
-    gt: float | None
-    key: str | None
-    max_items: int | None
-    word: tuple[str, str] | None
-
-
-@functools.cache  # read once per class: options are built on every request
-def option_specs(cls) -> tuple[OptionSpec, ...]:
-    """Every declared field of an options dataclass, with its type read from the annotation."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in fields(cls):
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = type(None) in typing.get_args(hint)
-        base = typing.get_origin(hint) or hint
-        if optional:
-            base = typing.get_origin(args[0]) or args[0]
-        out.append(OptionSpec(f.name, base, optional, f.default, f.metadata.get("help", ""),
-                              *(f.metadata.get(k) for k in ("choices", "ge", "le", "gt", "key", "max_items",
-                                                            "word"))))
-    return tuple(out)
-
-
-def check_option(spec: OptionSpec, value) -> None:
-    """The one check of a declared field's value, whatever it came from (flag, HTTP body, eval key)."""
-    name = spec.name
-    if value is None:
-        if not spec.optional:
-            raise OptionError(name, f"{name} must be set")
-        return
-    items = value if spec.type is tuple else (value,)
-    if spec.max_items is not None and len(items) > spec.max_items:
-        raise OptionError(name, f"{name} takes at most {spec.max_items} values, got {len(items)}")
-    for v in items:
-        if spec.choices is not None and v not in spec.choices:
-            raise OptionError(name, f"{name} must be one of {', '.join(map(repr, spec.choices))}, got {v!r}")
-        if spec.gt is not None and not v > spec.gt:
-            raise OptionError(name, f"{name} must be > {spec.gt}, got {v}")
-        if spec.ge is not None and not v >= spec.ge:
-            raise OptionError(name, f"{name} must be >= {spec.ge}, got {v}")
-        if spec.le is not None and not v <= spec.le:
-            raise OptionError(name, f"{name} must be <= {spec.le}, got {v}")
 
 @dataclass(frozen=True)
 class FusionOptions:
@@ -150,31 +86,5 @@ def fusion_option_specs() -> tuple[OptionSpec, ...]:
     return (replace(specs[0], choices=mode_names()),) + specs[1:]
 
 
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    max_new_tokens: int = option(128, "tokens to generate at most", ge=0)
-    temperature: float = option(0.0, "sampling temperature; 0: greedy", ge=0)
-    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this probability", gt=0, le=1)
-    seed: int | None = option(None, "sampling seed (None: a fresh one)")
-    stop: tuple[str, ...] = option((), "strings that end the answer (not included)")
-    min_tokens: int = option(0, "tokens to generate before an end-of-sequence token or a stop string may end the "
-                             "answer (vLLM's; a fixed-length answer for benchmarks)", ge=0)
-    top_k: int = option(0, "keep the k most likely tokens; <= 0: off")
-    min_p: float = option(0.0, "drop tokens below min_p times the most likely one's probability; 0: off", ge=0, le=1)
-    presence_penalty: float = option(0.0, "OpenAI's, on generated tokens")
-    frequency_penalty: float = option(0.0, "OpenAI's, on generated tokens")
-    repetition_penalty: float = option(1.0, "CTRL's, on prompt and generated tokens; 1: off", gt=0)
-    logprobs: int | None = option(None, "None: none; k: each chosen token's log-probability and the k most likely",
-                                  ge=0)
-
-    def __post_init__(self):
-        for spec in option_specs(GenerationOptions):
-            check_option(spec, getattr(self, spec.name))
-        if self.min_tokens > self.max_new_tokens:
-            raise OptionError("min_tokens", f"min_tokens ({self.min_tokens}) cannot exceed the answer's limit, "
-                              f"max_new_tokens / max_tokens ({self.max_new_tokens})")
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+__all__ = ["FusionOptions", "GenerationOptions", "OptionSpec", "check_option", "fusion_option_specs", "option",
+           "option_specs"]
