@@ -552,3 +552,29 @@ def test_an_unknown_selection_names_the_field_and_the_choices():
     with pytest.raises(OptionError) as e:
         FusionOptions(mode="blend", select="bogus")
     assert e.value.param == "select" and all(s in str(e.value) for s in SELECTIONS)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_a_block_encoded_in_units_equals_it_encoded_at_once(tiny_engine, family, with_prefix):
+    """A long block's encoding yields every `chunk` tokens (so it pauses other requests for one unit): each unit runs
+    after the block's earlier rows, so the raw K and V equal the one-shot encode's (with APE's prefix too)."""
+    from ragkv.engine.blocks import encode_block_steps
+    from ragkv.engine.stepwise import drain
+
+    eng = tiny_engine(family)
+    ids, prefix = rand_ids(70, 5), encode_block(eng.model, rand_ids(9, 6)) if with_prefix else None
+    whole = encode_block(eng.model, ids, prefix)
+    units = encode_block_steps(eng.model, ids, prefix, chunk=16)
+    yields = 0
+    try:
+        while True:
+            next(units)
+            yields += 1
+    except StopIteration as done:
+        parts = done.value
+    assert yields == 4  # 16 + 16 + 16 + 16 + 6
+    assert parts.keys.shape == whole.keys.shape
+    assert maxdiff(parts.keys, whole.keys) <= TOL and maxdiff(parts.values, whole.values) <= TOL
+    sized = drain(encode_block_steps(eng.model, ids, prefix, chunk=lambda: 32))  # a function giving each size
+    assert maxdiff(sized.keys, whole.keys) <= TOL

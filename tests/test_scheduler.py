@@ -1,5 +1,6 @@
 """The continuous-batching scheduler (ragkv.engine.scheduler) and prefill in units (Engine.start_steps)."""
 
+import queue
 import threading
 import time
 
@@ -226,3 +227,51 @@ def test_prefill_in_units_equals_prefill_at_once(mode, tiny_engine):
     assert drain(eng.prefill_steps(segs, fusion, chunk=16))[0].next_position == ref.next_position
     assert isinstance(state.logits, torch.Tensor) and stats.ttft_ms > 0
 
+
+
+def test_another_tenants_request_prefills_beside_a_long_one_and_a_tenants_own_wait_in_order():
+    """Tenant A's prefill of many units (a long `ape` request) does not hold the model until it ends: tenant B's
+    request is admitted beside it, their units alternate, and B answers first; A's second request waits for A's
+    first (one prefill in flight per tenant)."""
+    order = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=4)
+    gate = threading.Event()
+
+    def start(name, units):
+        def gen():
+            for _ in range(units):
+                order.append(name)
+                if name == "a1" and len(order) == 1:
+                    gate.wait(5)  # the other requests queue while A's first unit runs
+                yield
+            return FakeSeq(1, name), name
+        return gen
+
+    a1 = sched.submit_generation(start("a1", 20), tenant="A")
+    time.sleep(0.1)
+    a2 = sched.submit_generation(start("a2", 2), tenant="A")
+    b = sched.submit_generation(start("b", 3), tenant="B")
+    gate.set()
+    run_jobs(sched, [a1, a2, b])
+    assert order.index("b") < 3 and len([n for n in order[:order.index("b") + 6] if n == "b"]) == 3, order
+    assert max(i for i, n in enumerate(order) if n == "b") < max(i for i, n in enumerate(order) if n == "a1")
+    assert min(i for i, n in enumerate(order) if n == "a2") > max(i for i, n in enumerate(order) if n == "a1")
+
+
+def test_waiting_requests_are_taken_round_robin_by_tenant():
+    from ragkv.engine.scheduler import Job, TenantQueues
+
+    q = TenantQueues(maxsize=4)
+    for name, tenant in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B")):
+        job = Job(10, start=None, tenant=tenant)
+        job.name = name
+        q.put_nowait(job)
+    with pytest.raises(queue.Full):
+        q.put_nowait(Job(10, start=None, tenant="C"))
+    assert q.get(block=False, skip={"A"}).name == "b1"
+    assert [q.get(block=False).name for _ in range(3)] == ["a1", "a2", "a3"] and q.empty()
+    for name, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B")):
+        job = Job(10, start=None, tenant=tenant)
+        job.name = name
+        q.put_nowait(job)
+    assert [q.get(block=False).name for _ in range(4)] == ["a1", "b1", "a2", "b2"]

@@ -21,7 +21,8 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, "
+                                           "fairness, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -170,6 +171,18 @@ def register(sub) -> None:
     add_model_args(v)
     v.set_defaults(func=run_serve)
 
+    fa = bsub.add_parser("fairness", help="another tenant's TTFT while one tenant's long request (ape over many "
+                                          "documents) runs, against a `ragkv serve` started here")
+    fa.add_argument("--mode", default="ape", help="the long request's mode")
+    fa.add_argument("--docs", type=int, default=8, help="documents of the long request")
+    fa.add_argument("--words", type=int, default=1500, help="words per document (about one token each)")
+    fa.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for the started server, repeatable")
+    _output_args(fa)
+    fa.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    fa.add_argument("--dtype", default="float32")
+    fa.set_defaults(func=run_fairness)
+
     k = bsub.add_parser("soak", help="N clients for M minutes against `ragkv serve` (two tenants, memory+disk+Redis "
                                      "store) while faults are injected: crashes, 5xx, lost documents, cross-tenant "
                                      "reads, changed greedy answers")
@@ -255,6 +268,14 @@ def _finish(args, result: dict, markdown: str) -> int:
     else:
         print((Path(args.output_dir) / markdown).read_text())
     return 0
+
+
+def run_fairness(args) -> int:
+    from ragkv.bench.fairness import FairnessConfig, run_fairness_bench
+
+    cfg = FairnessConfig(model=args.model, dtype=args.dtype, mode=args.mode, docs=args.docs, words=args.words,
+                         server_args=tuple(args.server_arg))
+    return _finish(args, run_fairness_bench(cfg, Path(args.output_dir), say), "fairness.md")
 
 
 def _modes(text: str) -> tuple[str, ...]:

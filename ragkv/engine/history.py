@@ -125,7 +125,7 @@ def settle_history(model, blocks, fingerprint: str, segs: Segments, ns: str, pre
     it (the next turn is exact again). Yields between blocks and between `prefill_chunk`-token units."""
     # the question just answered is a turn of the next request: encoded now, it is not a miss after an edit
     turns = segs.blocks + ([segs.next_turn] if segs.next_turn else [])
-    res = yield from blocks.ensure_steps(turns, NO_CONDITIONING, namespace=ns)
+    res = yield from blocks.ensure_steps(turns, NO_CONDITIONING, namespace=ns, chunk=prefill_chunk)
     # the whole prompt, its question too: the next request repeats it as a turn, so the prefix cache then reaches
     # into the new exchange and only that is prefilled
     ids = segs.all_ids()

@@ -10,6 +10,11 @@ each batched step (throughput), while the running answers wait longer between to
 (client gone) and timed-out generations leave the batch at once. A generation arrives prepared (retrieved,
 tokenized, its segments built by the caller's thread): the worker only runs the model.
 
+Fairness across tenants: waiting generations queue per tenant and are admitted round-robin by tenant; each tenant
+may have one generation prefilling at a time, and the units of the prefills in flight go round-robin (one tenant's
+long prefill, e.g. `ape` over 32K tokens, no longer holds the model until it ends: another tenant's request is
+admitted beside it and its units interleave). Within one tenant, generations prefill first come, first served.
+
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
 can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
@@ -59,6 +64,51 @@ class KVTooLarge(RagkvError):
     param, code = "max_tokens", "kv_memory_exceeded"
 
 
+class TenantQueues:
+    """Waiting generations, one FIFO per tenant, taken round-robin by tenant (the drop-in for a queue.Queue the
+    scheduler used: put_nowait raises queue.Full at `maxsize` in all, get raises queue.Empty)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._queues: dict[str, deque] = {}  # tenant -> its waiting jobs; insertion order is the rotation
+        self._cond = threading.Condition()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def put_nowait(self, job: "Job") -> None:
+        with self._cond:
+            if sum(len(q) for q in self._queues.values()) >= self.maxsize:
+                raise queue.Full
+            self._queues.setdefault(job.tenant, deque()).append(job)
+            self._cond.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None, skip=frozenset()) -> "Job":
+        """The first job of the next tenant in the rotation that is not in `skip` (that tenant goes to the end)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for tenant in list(self._queues):
+                    q = self._queues[tenant]
+                    if q and tenant not in skip:
+                        job = q.popleft()
+                        del self._queues[tenant]  # to the end of the rotation (dropped when empty)
+                        if q:
+                            self._queues[tenant] = q
+                        return job
+                left = None if deadline is None else deadline - time.monotonic()
+                if not block or (left is not None and left <= 0):
+                    raise queue.Empty
+                self._cond.wait(left)
+
+    def get_nowait(self) -> "Job":
+        return self.get(block=False)
+
+
 class Job:
     """A background job (`start()` gives a generator doing the work in units and returning the result) or a
     generation (`start()` gives a generator that prefills in units and returns (sequence, info), or (sequences,
@@ -66,8 +116,8 @@ class Job:
     streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
     def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                 settle: Callable | None = None):
-        self.start, self.emit = start, emit
+                 settle: Callable | None = None, tenant: str = "default"):
+        self.start, self.emit, self.tenant = start, emit, tenant
         self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
         # (sequences) -> the most KV they can hold now that the prefill is done (what it kept is known), or None
         self.settle = settle
@@ -119,10 +169,11 @@ class Scheduler:
         self.prefill_stall_ms = prefill_stall_ms
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
-        self.prefilling: Job | None = None
+        self.prefilling: list[Job] = []  # admitted, mid-prefill: at most one per tenant, units round-robin
+        self._turn = 0
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.jobs = TenantQueues(max_queue)
         self.background: deque[Job] = deque()  # ingestion jobs, one unit at a time when nothing else waits
         self.max_background = max(1, max_queue // 4)
         self.running: list[Job] = []
@@ -159,12 +210,14 @@ class Scheduler:
         return job
 
     def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                          settle: Callable | None = None) -> Job:
+                          settle: Callable | None = None, tenant: str = "default") -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
-        to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need)."""
+        to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need). `tenant`:
+        whose turn it takes (tenants are served round-robin)."""
         if not self.kv.fits_ever(kv_bytes):
             raise KVTooLarge(f"the generation needs {kv_bytes} bytes of KV memory; the limit is {self.kv.limit}")
-        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle))
+        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle,
+                             tenant=tenant))
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -178,9 +231,9 @@ class Scheduler:
                     self._unit()
                 if self.running:
                     self._step()
-                elif self.waiting is not None and self.prefilling is None:
+                elif self.waiting is not None and not self.prefilling:
                     time.sleep(0.01)  # a guard: with nothing running every reservation is back, so it fits
-                idle = not self.running and self.prefilling is None and self.waiting is None and not self.depth
+                idle = not self.running and not self.prefilling and self.waiting is None and not self.depth
                 self.kv.maybe_give_back(idle)
             except BaseException:  # the worker must survive anything
                 log.exception("scheduler iteration failed")
@@ -188,7 +241,7 @@ class Scheduler:
 
     def _abort_all(self) -> None:
         """On shutdown: every running, prefilling, queued and background job ends now with ShuttingDown."""
-        jobs = list(self.running) + ([self.prefilling] if self.prefilling else []) + list(self.background)
+        jobs = list(self.running) + list(self.prefilling) + list(self.background)
         jobs += [self.waiting] if self.waiting else []
         while True:
             try:
@@ -201,40 +254,48 @@ class Scheduler:
             self._release(job, "shutdown")
             if not job.future.done():
                 job.future.set_exception(ShuttingDown("the server is shutting down; retry on another instance"))
-        self.running, self.prefilling, self.waiting = [], None, None
+        self.running, self.prefilling, self.waiting = [], [], None
         self.background.clear()
 
     def _more_prefill(self) -> bool:
         """Whether a newcomer's prefill unit could run now (not a background job's: those wait for a step)."""
-        if self.prefilling is not None:
+        if self.prefilling:
             return True
         return self.waiting is None and not self.jobs.empty() and self.batch_size < self.max_batch
 
+    def _next_prefill(self) -> Job | None:
+        """The prefill whose unit runs next: a newly admitted one (of a tenant with none in flight) joins those in
+        flight, and their units go round-robin, one tenant after another."""
+        job = self._admit()
+        if job is not None:
+            self.prefilling.append(job)
+        if not self.prefilling:
+            return None
+        self._turn = (self._turn + 1) % len(self.prefilling)
+        return self.prefilling[self._turn]
+
     def _unit(self) -> None:
-        """One unit of work besides decoding: a unit of the current prefill, else a newly admitted job's first."""
-        job = self.prefilling
+        """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one)."""
+        job = self._next_prefill()
         if job is None:
-            job = self._admit()
-            if job is None:
-                self._background_unit()
-                return
+            self._background_unit()
+            return
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.should_stop():
-                self.prefilling = None
+                self.prefilling.remove(job)
                 if job.steps is not None:
                     job.steps.close()
                 self._release(job, "cancelled")
                 job.future.set_exception(JobTimeout("request timed out before its first token")
                                          if not job.cancelled.is_set() else RuntimeError("cancelled"))
             else:
-                self.prefilling = job
                 if job.steps is None:
                     job.steps = job.start()
                 with self.lock:
                     next(job.steps)
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
-            self.prefilling = None
+            self.prefilling.remove(job)
             seqs, job.info = done.value
             job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
             self._settle(job)
@@ -246,7 +307,8 @@ class Scheduler:
             else:
                 self.running.append(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
-            self.prefilling = None
+            if job in self.prefilling:
+                self.prefilling.remove(job)
             self._release(job, "error")
             if not job.future.done():
                 job.future.set_exception(e)
@@ -285,13 +347,16 @@ class Scheduler:
         self.stopping.set()
 
     def _admit(self) -> Job | None:
-        if self.running and self.batch_size >= self.max_batch:
+        if (self.running or self.prefilling) and self.batch_size + len(self.prefilling) >= self.max_batch:
             return None
         job = self.waiting  # stays set until it leaves the line: stats() (other threads) never sees it vanish
         if job is None:
             try:
-                # wakes up to notice stop(); never waits while background work is pending
-                job = self.jobs.get(block=not self.running and not self.background, timeout=0.5)
+                # wakes up to notice stop(); never waits while anything else could run. A tenant with a prefill in
+                # flight waits for it (its own requests prefill in order); another tenant's joins it
+                busy = frozenset(j.tenant for j in self.prefilling)
+                job = self.jobs.get(block=not self.running and not self.background and not self.prefilling,
+                                    timeout=0.5, skip=busy)
             except queue.Empty:
                 return None
         if job.cancelled.is_set():
@@ -369,6 +434,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"queue_depth": self.depth, "background_jobs": len(self.background), "batch_size": self.batch_size,
+                "prefilling": len(self.prefilling),
                 "max_batch": self.max_batch, **self.kv.stats(), "kv_waiting": int(self.waiting is not None),
                 "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,

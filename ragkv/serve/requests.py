@@ -37,6 +37,7 @@ class Prepared:
     namespace: str | None
     sources: list[dict]
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
+    tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
 
 
 def salted_namespace(namespace: str, salt: str) -> str:
@@ -195,7 +196,7 @@ class RequestBuilder:
         gen = self.generation(req, 256)
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
         self.budget.charge(tenant, self.check_prompt(segs, gen, fusion))
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n)
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant)
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""
@@ -217,7 +218,7 @@ class RequestBuilder:
                 segs = self.engine.segments(prompt, passages) if passages else self.engine.text_segments(prompt)
             segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
             cost += self.check_prompt(segs, gen, fusion, field)
-            out.append(Prepared(segs, fusion, gen, namespace, sources, req.n))
+            out.append(Prepared(segs, fusion, gen, namespace, sources, req.n, tenant))
         self.budget.charge(tenant, cost)  # the prompts are admitted together or not at all
         return out
 

@@ -25,6 +25,9 @@ from ragkv.store.sizes import human_size
 log = logging.getLogger(__name__)
 
 
+ALONE_UNITS = 4  # a prefill with nothing else waiting runs in units of this many --prefill-chunk chunks
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask of the server; each refusal names the limit and its flag (defaults: settings)."""
@@ -90,8 +93,14 @@ class Server:
         if not self.scheduler.kv.fits_ever(need):
             raise self.kv_refusal(p, need)
 
-        def chunk():  # chunk a full/prefix prefill while other answers are decoding (always, batch-invariant)
-            return self.prefill_chunk if self.scheduler.running or self.batch_invariant else None
+        def chunk():
+            # units of --prefill-chunk tokens while anything else waits on the model (answers decoding, other
+            # prefills in flight, queued requests) or always (batch-invariant); alone, units of ALONE_UNITS
+            # chunks: a prompt that short is one forward, and a longer one (a long block, `ape` beyond the window)
+            # still yields to a request arriving meanwhile within one unit
+            sched = self.scheduler
+            busy = sched.running or len(sched.prefilling) > 1 or sched.depth or self.batch_invariant
+            return self.prefill_chunk if busy else ALONE_UNITS * self.prefill_chunk
 
         def begin():
             seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
@@ -102,7 +111,7 @@ class Server:
                 return None
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
-        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle)
+        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
             self.warm_turns(p)
         return job

@@ -117,14 +117,16 @@ class BlockMode(FusionMode):
         return 1 if segs.prefix else 0
 
     def ensure_steps(self, blocks: "BlockCache", segs: Segments, fusion: "FusionOptions",
-                     ns: str) -> Steps[EnsureResult]:
-        """The prefix and every block in the store (encoding misses), as one result in prompt order."""
+                     ns: str, chunk=None) -> Steps[EnsureResult]:
+        """The prefix and every block in the store (encoding misses, in units of `chunk` tokens), as one result in
+        prompt order."""
         prefix_blocks = [segs.prefix] if segs.prefix else []
         cond = self.conditioning(segs, fusion)
         if cond == NO_CONDITIONING:
-            return (yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns))
-        pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns)
-        blk = yield from blocks.ensure_steps(segs.blocks, cond, segs.prefix, ns)
+            return (yield from blocks.ensure_steps(prefix_blocks + segs.blocks, NO_CONDITIONING, namespace=ns,
+                                                   chunk=chunk))
+        pre = yield from blocks.ensure_steps(prefix_blocks, NO_CONDITIONING, namespace=ns, chunk=chunk)
+        blk = yield from blocks.ensure_steps(segs.blocks, cond, segs.prefix, ns, chunk=chunk)
         return EnsureResult(pre.keys + blk.keys, pre.hits + blk.hits, pre.misses + blk.misses,
                             pre.encode_ms + blk.encode_ms, {**pre.uncached, **blk.uncached},
                             pre.hit_tokens + blk.hit_tokens)
@@ -144,7 +146,8 @@ class BlockMode(FusionMode):
         computed exactly (rotated K), used in place of the prefix's block."""
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
         engine.check_length(layout.query_start + len(segs.query))
-        res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), fusion, ns)
+        res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), fusion, ns,
+                                           chunk)
         stats.cache_hits, stats.cache_misses = res.hits, res.misses
         stats.cached_tokens, stats.encode_ms = res.hit_tokens, res.encode_ms
         if res.uncached:
