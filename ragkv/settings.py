@@ -39,7 +39,7 @@ class ServeDefaults:
     max_queue: int = 64                # --max-queue: waiting requests before answering 429
     timeout_s: float = 300.0           # --timeout: seconds a request may wait and run
     max_batch: int = 16                # --max-batch: sequences decoded together in one batched step
-    prefill_chunk: int = 512           # --prefill-chunk: tokens of a full/prefix prefill between two decode steps
+    prefill_chunk: int = 512           # --prefill-chunk: tokens of a prefill unit (any mode, a block's encoding)
     # --prefill-stall-ms: how long newcomers' prefill units may run between two decode steps (at least one unit):
     # more newcomers join each batched step, raising output tokens/s under load, at the running answers'
     # inter-token time (0: one unit per step, the lowest stall)

@@ -27,8 +27,8 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=SERVE.max_batch,
                    help="generations decoded together in one batched step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk,
-                   help="while other answers decode, a full/prefix prefill runs this many tokens between two "
-                        "decode steps (bounds the pause a new request imposes on them)")
+                   help="every prefill (and a block's encoding) runs in units of this many tokens, between two "
+                        "decode steps and other tenants' units: bounds the pause a request imposes on the others")
     p.add_argument("--prefill-stall-ms", type=float, default=SERVE.prefill_stall_ms, metavar="MS",
                    help="newcomers' prefill units may run this long between two decode steps (at least one "
                         "unit): under a burst of requests more of them join each batched step (more output "
