@@ -18,11 +18,11 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, ninja, hiredis, prometheus_client" 2>/dev/null; then
+if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, ninja, hiredis, prometheus_client, llguidance" 2>/dev/null; then
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
     "${PIP[@]}" -e .
 fi
-if [ "$FOR_TESTS" = 1 ] && ! .venv/bin/python -c "import pytest, openai, matplotlib, selenium, langchain_core, llama_index.core, ruff" 2>/dev/null; then
+if [ "$FOR_TESTS" = 1 ] && ! .venv/bin/python -c "import pytest, openai, matplotlib, selenium, langchain_core, llama_index.core, ruff, jsonschema" 2>/dev/null; then
     echo "== installing the test extras (pytest, openai, selenium, ruff, ...)"
     "${PIP[@]}" -e ".[test,plots]"
 fi

@@ -106,11 +106,32 @@ def test_n_choices_share_one_prefill(server):
     assert [streamed[i] for i in range(3)] == seeded  # the same seed repeats the same choices, streamed too
 
 
-def test_response_format_text_only(server):
+def test_response_format_json_schema_streamed_or_not_and_a_bad_schema_is_a_400(server):
+    """Constrained decoding through the official client: the reply parses and follows the schema, streamed the same;
+    an unusable schema or a missing one is a 400 naming the field."""
+    import json
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["color", "count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    r = chat(server, response_format=fmt, max_tokens=40)
+    value = json.loads(r.choices[0].message.content)
+    assert value["color"] in ("red", "green", "blue") and 1 <= value["count"] <= 9
+    assert set(value) == set(schema["properties"])
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(server, response_format=fmt, max_tokens=40,
+                                                                         stream=True) if c.choices)
+    assert streamed == r.choices[0].message.content
+    assert isinstance(json.loads(chat(server, response_format={"type": "json_object"}, max_tokens=60)
+                                 .choices[0].message.content), dict)
     assert chat(server, response_format={"type": "text"}).choices[0].message.content
     with pytest.raises(openai.BadRequestError) as e:
-        chat(server, response_format={"type": "json_object"})
-    assert "response_format" in str(e.value.body) and '"text"' in e.value.body["message"]
+        chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema" and "bogus" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, response_format={"type": "json_schema"})
+    assert e.value.body["param"] == "response_format.json_schema"
 
 
 def test_cache_salt_isolates_the_cache_and_cached_tokens_count_hits(server):

@@ -101,7 +101,10 @@ CASES = [
     # OpenAI fields: unsupported ones, and out-of-range values of supported ones
     ("tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function"}]), {}, 400, "tools"),
     ("tool_choice", "POST", "/v1/chat/completions", chat(tool_choice="auto"), {}, 400, "tool_choice"),
-    ("response_format", "POST", "/v1/chat/completions", chat(response_format={"type": "json_object"}), {}, 400,
+    ("response_format schema", "POST", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}), {}, 400,
+     "response_format"),
+    ("response_format type", "POST", "/v1/chat/completions", chat(response_format={"type": "xml"}), {}, 400,
      "response_format"),
     ("logprobs a string", "POST", "/v1/chat/completions", chat(logprobs="many"), {}, 400, "logprobs"),
     ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=3), {}, 400,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 import torch
 
+from ragkv.engine.constrained import Constraint
 from ragkv.engine.generation import GenerationOptions
 from ragkv.engine.stats import RequestStats
 from ragkv.engine.sampling import TokenLogprob, apply_penalties, sample, token_logprob
@@ -99,6 +100,8 @@ class Sequence:
                 self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
                 ids = torch.tensor([t for t in prompt_ids if t < vocab], dtype=torch.long, device=dev)
                 self.prompt_mask[ids] = True
+        # response_format: the grammar's matcher, one per sequence (n choices each follow it on their own)
+        self.constraint = Constraint(opts.grammar, tokenizer, eos_ids) if opts.grammar else None
         self.stops_from = 0  # where stop strings may begin in the text (after min_tokens' tokens)
         self.sent = 0  # characters of out.text already streamed
         self.logprobs_sent = 0  # entries of out.logprobs already streamed
@@ -128,9 +131,15 @@ class Sequence:
         if early and self.eos_ids:
             logits = logits.clone()
             logits[[t for t in self.eos_ids if t < logits.shape[-1]]] = float("-inf")
+        if self.constraint is not None:
+            logits = self.constraint.allow(logits)
+            if logits is None:  # no token can continue the grammar: end cleanly, never sample from all -inf
+                return self._finish("grammar_error")
         token = sample(logits, o.temperature, o.top_p, self.generator, o.top_k, o.min_p)
         if token in self.eos_ids:
             return self._finish("stop")
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.out.token_ids.append(token)
         if self.counts is not None:
             self.counts[token] += 1
@@ -152,7 +161,9 @@ class Sequence:
         if ready > self.sent:
             deltas.append(Delta(text[self.sent:ready], token, self._unsent_logprobs()))
             self.sent = ready
-        if len(self.out.token_ids) < self.budget:
+        if self.constraint is not None and self.constraint.done:  # the JSON value is complete
+            deltas += self._finish("stop")
+        elif len(self.out.token_ids) < self.budget:
             self.feed = token
         else:
             deltas += self._finish("length")

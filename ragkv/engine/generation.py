@@ -25,6 +25,8 @@ class GenerationOptions:
     repetition_penalty: float = option(1.0, "CTRL's, on prompt and generated tokens; 1: off", gt=0)
     logprobs: int | None = option(None, "None: none; k: each chosen token's log-probability and the k most likely",
                                   ge=0)
+    # constrained decoding: llguidance's grammar (engine/constrained.py json_grammar), or None: free text
+    grammar: str | None = option(None, "a grammar every answer follows (engine/constrained.py)")
 
     def __post_init__(self):
         for spec in option_specs(GenerationOptions):

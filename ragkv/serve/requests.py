@@ -171,7 +171,8 @@ class RequestBuilder:
                                  presence_penalty=req.presence_penalty or 0.0,
                                  frequency_penalty=req.frequency_penalty or 0.0,
                                  repetition_penalty=1.0 if penalty is None else penalty,
-                                 logprobs=req.logprobs_count())
+                                 logprobs=req.logprobs_count(),
+                                 grammar=req.response_format.grammar() if req.response_format else None)
 
     def chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
         msgs = req.messages

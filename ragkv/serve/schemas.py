@@ -144,16 +144,39 @@ class StreamOptions(_Loose):
     include_usage: bool = False
 
 
-class ResponseFormat(_Loose):
-    type: Literal["text", "json_object", "json_schema"]
+class JsonSchemaFormat(_Loose):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"{v!r} is not supported: this server generates free text only (no constrained "
-                             'decoding); send {"type": "text"} or leave response_format out')
-        return v
+
+class ResponseFormat(_Loose):
+    """OpenAI's: free text, any JSON object, or JSON following `json_schema.schema` (strict or not: the output
+    follows the schema either way, by constrained decoding: engine/constrained.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise FieldError("response_format.json_schema", 'type "json_schema" needs json_schema.schema, a JSON '
+                                                            'schema object')
+        return self
+
+    def grammar(self) -> str | None:
+        """llguidance's grammar for this format (None: free text); an unusable schema is a 400 naming it."""
+        if self.type == "text":
+            return None
+        from ragkv.engine.constrained import json_grammar
+        from ragkv.errors import InvalidRequestError
+
+        schema = self.json_schema.schema_ if self.type == "json_schema" else None
+        try:
+            return json_grammar(schema)
+        except InvalidRequestError as e:
+            raise FieldError("response_format.json_schema.schema" if schema is not None else "response_format",
+                             str(e), "invalid_response_format") from None
 
 
 class _Sampling(_Loose):
