@@ -22,7 +22,7 @@ def _output_args(p) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, "
-                                           "fairness, soak")
+                                           "structured, fairness, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -171,6 +171,15 @@ def register(sub) -> None:
     add_model_args(v)
     v.set_defaults(func=run_serve)
 
+    so = bsub.add_parser("structured", help="decode tokens/s with and without response_format's constrained "
+                                            "decoding (the grammar mask's cost), per batch size")
+    so.add_argument("--batch-sizes", default="1,16")
+    so.add_argument("--tokens", type=int, default=48, help="tokens decoded per sequence")
+    so.add_argument("--repeats", type=int, default=3)
+    _output_args(so)
+    add_model_args(so)
+    so.set_defaults(func=run_structured)
+
     fa = bsub.add_parser("fairness", help="another tenant's TTFT while one tenant's long request (ape over many "
                                           "documents) runs, against a `ragkv serve` started here")
     fa.add_argument("--mode", default="ape", help="the long request's mode")
@@ -268,6 +277,15 @@ def _finish(args, result: dict, markdown: str) -> int:
     else:
         print((Path(args.output_dir) / markdown).read_text())
     return 0
+
+
+def run_structured(args) -> int:
+    from ragkv.bench.structured import StructuredBenchConfig, run_structured_bench
+
+    cfg = StructuredBenchConfig(batch_sizes=ints(args.batch_sizes, "--batch-sizes"), tokens=args.tokens,
+                                repeats=args.repeats)
+    return _finish(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
+                   "structured.md")
 
 
 def run_fairness(args) -> int:
