@@ -432,7 +432,8 @@ def test_lost_in_the_middle_table_and_figure(tmp_path, capsys):
 
 def test_quality_vs_work_pools_the_runs_and_pairs_with_full(tmp_path, capsys):
     """`report --vs-work`: per mode, the mean work and the accuracy difference to full paired per question over
-    every run given (the same question id at two gold positions is two questions), only where all modes finished."""
+    every run given, only where all modes finished; the interval resamples questions, each with all its gold
+    positions together (a cluster bootstrap: the positions share the question and its distractors)."""
     def rec(ex, mode, acc, work, kl):
         return {"example_id": ex, "mode_key": mode, "scores": {"accuracy": acc}, "ttft_ms": 1.0,
                 "recompute_vs_full": work, "fidelity": {"first_token_kl": kl, "top1_agreement": 1.0}}
@@ -452,7 +453,7 @@ def test_quality_vs_work_pools_the_runs_and_pairs_with_full(tmp_path, capsys):
     table = capsys.readouterr().out
     assert png.is_file()
     row = next(line for line in table.splitlines() if "| blend:r=0.2 |" in line)
-    assert "| m (float32) | 6 | blend:r=0.2 | 0.250 | 0.667 [" in row and "; -0.333 [" in row and row.endswith(
+    assert "| m (float32) | 6 (3 q) | blend:r=0.2 | 0.250 | 0.667 [" in row and "; -0.333 [" in row and row.endswith(
         "| 0.100 |")
     # a mode run at one position only shrinks the comparison to that position, unless --modes leaves it out
     extra = ResultsFile(tmp_path / "eval-nq-g0.jsonl", {"model": "m", "dtype": "float32", "device": "cpu", "threads": 1,
@@ -460,10 +461,25 @@ def test_quality_vs_work_pools_the_runs_and_pairs_with_full(tmp_path, capsys):
     for i in range(3):
         extra.append(rec(str(i), "reuse", 0.0, 0.03, 0.4))
     assert main(["report", *paths, "--vs-work", str(png)]) == 0
-    assert "| m (float32) | 3 | blend:r=0.2 |" in capsys.readouterr().out
+    assert "| m (float32) | 3 (3 q) | blend:r=0.2 |" in capsys.readouterr().out
     assert main(["report", *paths, "--vs-work", str(png), "--modes", "blend:r=0.2"]) == 0
     table = capsys.readouterr().out
-    assert "| m (float32) | 6 | blend:r=0.2 |" in table and "reuse" not in table
+    assert "| m (float32) | 6 (3 q) | blend:r=0.2 |" in table and "reuse" not in table
+
+
+def test_the_pooled_interval_resamples_questions_not_question_position_pairs():
+    from ragkv.bench.report import _pooled_over_positions
+
+    def rec(q, pos, mode, acc):
+        return {"example_id": f"{pos}:{q}", "question": q, "mode_key": mode, "scores": {"accuracy": acc}}
+
+    # 8 questions at 3 positions each; a mode right on half the questions at every position
+    recs = [rec(str(q), p, m, 1.0 if m == "full" or q % 2 else 0.0) for q in range(8) for p in range(3)
+            for m in ("full", "blend")]
+    clustered = _pooled_over_positions(recs, ["full", "blend"], "accuracy")["blend"]["accuracy_vs_full_ci"]
+    naive = _pooled_over_positions([{**r, "question": r["example_id"]} for r in recs], ["full", "blend"],
+                                   "accuracy")["blend"]["accuracy_vs_full_ci"]
+    assert clustered[1] - clustered[0] > 1.4 * (naive[1] - naive[0])  # 8 clusters, not 24 independent pairs
 
 
 def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine, tmp_path, capsys, monkeypatch):

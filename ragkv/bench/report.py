@@ -152,7 +152,10 @@ def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "a
     by_model: dict[str, list[dict]] = {}
     for files, config, records in read_runs(paths):
         by_model.setdefault(f"{config['model']} ({config['dtype']})", []).extend(
-            {**r, "example_id": f"{config.get('gold_position')}:{r['example_id']}"} for r in records
+            # a (position, question) pair must be finished by every mode; the interval resamples questions, each
+            # with all its positions together (they share the question and its distractors)
+            {**r, "example_id": f"{config.get('gold_position')}:{r['example_id']}", "question": r["example_id"]}
+            for r in records
             if modes is None or r["mode_key"] in modes or is_reference(r["mode_key"]))
     out: dict = {"metric": metric, "models": {}}
     rows = []
@@ -163,6 +166,7 @@ def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "a
             have.setdefault(r["example_id"], set()).add(r["mode_key"])
         done = {ex for ex, ms in have.items() if set(modes) <= ms}
         kept = [r for r in records if r["example_id"] in done]
+        questions = len({r.get("question", r["example_id"]) for r in kept})  # distinct: the bootstrap's clusters
         pooled = _pooled_over_positions(kept, modes, metric)
         per_mode = {}
         for m in modes:
@@ -171,10 +175,10 @@ def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "a
             per_mode[m] = {"work": sum(r["recompute_vs_full"] for r in rs) / len(rs) if rs else None,
                            "kl": sum(kl) / len(kl) if kl else None, **pooled.get(m, {})}
             v = per_mode[m]
-            rows.append([model, str(len(done)), m, "-" if v["work"] is None else f"{v['work']:.3f}",
+            rows.append([model, f"{len(done)} ({questions} q)", m, "-" if v["work"] is None else f"{v['work']:.3f}",
                          _cell(v, metric), "-" if v["kl"] is None else f"{v['kl']:.3f}"])
-        out["models"][model] = {"n": len(done), "modes": per_mode}
-    out["markdown"] = markdown_table(["model", "n", "mode", "recompute_vs_full", f"{metric}; minus full",
+        out["models"][model] = {"n": len(done), "questions": questions, "modes": per_mode}
+    out["markdown"] = markdown_table(["model", "n (distinct questions)", "mode", "recompute_vs_full", f"{metric}; minus full",
                                       "first-token KL"], rows)
     if png is not None and out["models"]:
         from ragkv.bench.plots import plot_work_tradeoff
@@ -201,7 +205,8 @@ def _pooled_over_positions(records: list[dict], modes: list[str], metric: str) -
     per_q: dict[str, dict[str, list[float]]] = {}
     for r in records:
         if metric in r.get("scores", {}):
-            per_q.setdefault(r["mode_key"], {}).setdefault(r["example_id"], []).append(r["scores"][metric])
+            question = r.get("question", r["example_id"])  # the cluster: one question, all its positions
+            per_q.setdefault(r["mode_key"], {}).setdefault(question, []).append(r["scores"][metric])
     out = {}
     full = {q: sum(v) / len(v) for q, v in per_q.get("full", {}).items()}
     for m in modes:
