@@ -242,3 +242,36 @@ def test_bad_values_are_400s_naming_the_field(server, path, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert field in f"{err['param']} {err['message']}", err
+
+
+def test_tool_calls_through_the_official_client_and_an_agents_next_step_reuses_its_prompt(server):
+    """`tools` with tool_choice required: message.tool_calls (arguments a JSON string following the schema) and
+    finish_reason "tool_calls", streamed as OpenAI's tool_calls deltas; the agent's next step (the call and the
+    tool's result appended) finds most of its prompt cached."""
+    import json
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                       "required": ["city"], "additionalProperties": False}}}
+    question = [{"role": "user", "content": "What is the weather in Paris today?"}]
+    r = chat(server, messages=question, tools=[weather], tool_choice="required", max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    streamed = [c for c in chat(server, messages=question, tools=[weather], tool_choice="required", max_tokens=60,
+                                stream=True) if c.choices]
+    deltas = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather" and streamed[-1].choices[0].finish_reason == "tool_calls"
+    step2 = question + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny."}]
+    r2 = chat(server, messages=step2, tools=[weather], max_tokens=20)
+    cached, prompt = r2.usage.prompt_tokens_details.cached_tokens, r2.usage.prompt_tokens
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the tools and the question, from the first step (measured: 192 of 256; the call and the result are new)
+    assert cached >= 0.5 * prompt, (cached, prompt)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, messages=question, tools=[weather], tool_choice={"type": "function", "function": {"name": "x"}})
+    assert e.value.body["param"] == "tool_choice"

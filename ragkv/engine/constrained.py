@@ -38,12 +38,29 @@ def json_grammar(schema: dict | None) -> str:
     InvalidRequestError that says what is wrong."""
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if schema is None else schema))
+        # compact JSON (no free whitespace): a small model otherwise spends its tokens on newlines and indentation
+        # (SmolLM2's json_object answer: 26 lines, cut by max_tokens 60)
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if schema is None else schema),
+                                                         defaults={"whitespace_flexible": False})
         error = llg.LLMatcher.validate_grammar(grammar)
     except Exception as e:  # noqa: BLE001 - the library's own message is the useful part
         error = str(e) or type(e).__name__
     if error:
         raise InvalidRequestError(f"the JSON schema cannot be used: {error}")
+    return grammar
+
+
+def lark_grammar(lark: str) -> str:
+    """llguidance's grammar from its Lark form (JSON schemas embed with `%json {...}`); an InvalidRequestError when
+    it cannot be used."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+        error = llg.LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # noqa: BLE001 - the library's own message is the useful part
+        error = str(e) or type(e).__name__
+    if error:
+        raise InvalidRequestError(f"the grammar cannot be used: {error}")
     return grammar
 
 

@@ -8,6 +8,7 @@ U+FFFD), and its bytes are that text's UTF-8."""
 from __future__ import annotations
 
 from ragkv.engine.sampling import TokenLogprob
+from ragkv.engine.tools import parse_calls
 
 
 class TokenText:
@@ -57,6 +58,16 @@ def final_choice(index: int, seq, chat: bool, text: TokenText, logprobs: bool) -
     return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
 
 
+def with_tool_calls(choice: dict, names: tuple[str, ...]) -> dict:
+    """A chat choice of a request offered the functions `names`: its calls as `message.tool_calls` (the text
+    outside them stays the content, null when none) and finish_reason "tool_calls" when it called any."""
+    content, calls = parse_calls(choice["message"]["content"], set(names))
+    if not calls:
+        return choice
+    return {**choice, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "finish_reason": "tool_calls"}
+
+
 class Chunks:
     """The chunks of one streamed response, choice by choice (legacy text offsets are kept per choice)."""
 
@@ -85,6 +96,20 @@ class Chunks:
             return self.envelope([{"index": index, "delta": {"content": delta.text}, "logprobs": lp,
                                    "finish_reason": None}])
         return self.envelope([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None}])
+
+    def tool_deltas(self, index: int, text: str, names: tuple[str, ...]) -> tuple[list[dict], bool]:
+        """The chunks of a tools answer, sent whole when it is done (its text is only known to be calls then): the
+        content outside the call blocks, then each call as OpenAI's `delta.tool_calls[]`; and whether it called."""
+        content, calls = parse_calls(text, set(names))
+        out = []
+        if content:
+            out.append(self.envelope([{"index": index, "delta": {"content": content}, "logprobs": None,
+                                       "finish_reason": None}]))
+        if calls:
+            out.append(self.envelope([{"index": index, "delta": {"tool_calls": [{"index": j, **c}
+                                                                                for j, c in enumerate(calls)]},
+                                       "logprobs": None, "finish_reason": None}]))
+        return out, bool(calls)
 
     def finish(self, index: int, reason: str) -> dict:
         if self.chat:

@@ -13,13 +13,15 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from ragkv.engine.constrained import lark_grammar
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request import Passage, Segments
-from ragkv.errors import OptionError, RagkvError
+from ragkv.engine.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
+from ragkv.errors import InvalidRequestError, OptionError, RagkvError
 from ragkv.rag.order import order_passages
 from ragkv.serve.budget import TenantBudget, check_cost
-from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, RagkvExtras
+from ragkv.serve.schemas import ChatRequest, CompletionRequest, FieldError, NamedToolChoice, RagkvExtras
 from ragkv.settings import DEFAULT_TENANT, SERVE
 
 
@@ -38,6 +40,7 @@ class Prepared:
     sources: list[dict]
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
     tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
+    tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (engine/tools.py)
 
 
 def salted_namespace(namespace: str, salt: str) -> str:
@@ -178,26 +181,59 @@ class RequestBuilder:
         msgs = req.messages
         system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
         turns = [m for m in msgs if m.role in ("user", "assistant", "tool")]
-        if not turns or turns[-1].role != "user":
-            raise FieldError("messages", "the last message must come from the user")
-        question = turns[-1].text()
-        passages, sources = self.passages(req, question, tenant)
+        tools = req.calls_tools()
+        last = ("user", "tool") if tools else ("user",)  # an agent's next step follows a tool's result
+        if not turns or turns[-1].role not in last:
+            raise FieldError("messages", "the last message must come from the user" +
+                             (" or a tool" if tools else ""))
+        rendered = [self.turn(m, tools) for m in turns]
+        if tools:  # the definitions in the system message, as Qwen2.5's template writes them (engine/tools.py)
+            system = tools_system(system, req.tool_dicts())
+        question = rendered[-1]["content"]
+        passages, sources = self.passages(req, turns[-1].text(), tenant)
         if passages:
             fusion = self.fusion(req.ragkv, True)
             # earlier turns: blocks before the passages (exact while the conversation only grows: engine/history.py)
-            segs = self.engine.segments(question, passages, system=system,
-                                        turns=[{"role": m.role, "content": m.text()} for m in turns[:-1]])
+            segs = self.engine.segments(question, passages, system=system, turns=rendered[:-1])
         else:
             if not question.strip():
                 raise FieldError("messages", "the last user message is empty")
             # earlier turns (user, assistant, tool) are blocks: exact while the conversation only grows, fused
             # behind an edit (engine/history.py)
-            segs = self.engine.history_segments([{"role": m.role, "content": m.text()} for m in turns], system)
+            segs = self.engine.history_segments(rendered, system)
             fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)
+        if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+            if gen.grammar is not None:
+                raise FieldError("tool_choice", "tool_choice required or named constrains the answer to calls; it "
+                                                "cannot be combined with response_format json")
+            name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+            try:
+                grammar = lark_grammar(call_grammar(req.tool_dicts(), name, req.parallel_tool_calls is not False,
+                                                    tag_tokens(self.engine.tokenizer)))
+            except InvalidRequestError as e:
+                raise FieldError("tools", f"a function's parameters cannot be used as a JSON schema: {e}",
+                                 "invalid_tool") from None
+            gen = replace(gen, grammar=grammar)
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
         self.budget.charge(tenant, self.check_prompt(segs, gen, fusion))
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant)
+        names = tuple(t.function.name for t in req.tools) if tools else ()
+        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
+                        names)
+
+    @staticmethod
+    def turn(m, tools: bool) -> dict:
+        """A message as the text turn the template renders: with tools, earlier calls as call blocks and a tool's
+        result as a user turn in <tool_response> (as Qwen2.5's template does); without, as sent."""
+        content = m.text()
+        if not tools:
+            return {"role": m.role, "content": content}
+        if m.role == "assistant" and m.tool_calls:
+            calls = render_calls([c.model_dump() for c in m.tool_calls])
+            return {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
+        if m.role == "tool":
+            return {"role": "user", "content": render_result(content)}
+        return {"role": m.role, "content": content}
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""

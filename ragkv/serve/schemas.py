@@ -27,8 +27,7 @@ MAX_MESSAGES = 256
 INVISIBLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 
 # OpenAI fields this server does not implement: refused (400 naming them) unless given their no-op value
-UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "parallel_tool_calls": None, "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": None,
+UNSUPPORTED = {"functions": None, "function_call": None, "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": None,
                "guided_json": None, "audio": None, "modalities": None, "prediction": None}
 
 
@@ -130,14 +129,49 @@ class TextPart(_Loose):
     text: str
 
 
+class CalledFunction(_Loose):
+    name: str = Field(..., min_length=1, max_length=64)
+    arguments: Union[str, dict] = "{}"  # OpenAI sends a JSON string; an object is taken too
+
+
+class ToolCallIn(_Loose):
+    """A call an earlier assistant turn made (sent back by the client with the conversation)."""
+    id: str | None = Field(None, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Loose):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # a tool's output is a block like any turn
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=64)
+    tool_call_id: str | None = Field(None, max_length=128)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class ToolFunction(_Loose):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict | None = None  # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class ChosenFunction(_Loose):
+    name: str = Field(..., min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Loose):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class StreamOptions(_Loose):
@@ -244,6 +278,27 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs `tools`: send the functions the model may call")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise FieldError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                                f"among the tools ({', '.join(names)})", "unknown_tool")
+        return self
+
+    def calls_tools(self) -> bool:
+        """Whether the model is offered the tools (given, and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ragkv.engine.scheduler import JobTimeout
-from ragkv.serve.choices import Chunks, TokenText, final_choice
+from ragkv.serve.choices import Chunks, TokenText, final_choice, with_tool_calls
 from ragkv.serve.errors import to_api_error
 from ragkv.serve.http import check_model, observed, parse, server_of
 from ragkv.serve.requests import Prepared
@@ -127,6 +127,8 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
     # choice index = prompt index * n + choice within the prompt, as OpenAI and vLLM number them
     choices = [final_choice(k * req.n + i, s, chat, text, logprobs)
                for k, job in enumerate(jobs) for i, s in enumerate(job.seqs)]
+    if chat and prepared[0].tools:  # call blocks become message.tool_calls
+        choices = [with_tool_calls(c, prepared[0].tools) for c in choices]
     completion = sum(s.stats.completion_tokens for job in jobs for s in job.seqs)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": server.model_id, "choices": choices,
@@ -183,9 +185,10 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
             if chat:
                 for i in range(req.n):
                     yield sse(chunks.role(i))
+            tools = chat and prepared[0].tools  # the answer is held until done: only then is it known to be calls
             while len(results) < len(jobs):
                 k, kind, payload = await next_event()
-                if kind == "delta":
+                if kind == "delta" and not tools:
                     i, delta = payload
                     yield sse(chunks.delta(k * req.n + i, delta))
                 elif kind == "done":
@@ -196,7 +199,13 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
                         yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
                         return
                     for i, s in enumerate(jobs[k].seqs):  # the request's last one carries the statistics
-                        last = chunks.finish(k * req.n + i, s.out.finish_reason)
+                        reason = s.out.finish_reason
+                        if tools:
+                            pieces, called = chunks.tool_deltas(k * req.n + i, s.out.text, prepared[k].tools)
+                            for piece in pieces:
+                                yield sse(piece)
+                            reason = "tool_calls" if called else reason
+                        last = chunks.finish(k * req.n + i, reason)
                         if len(results) == len(jobs) and i == len(jobs[k].seqs) - 1:
                             last["ragkv"] = ragkv_extras([results[j] for j in range(len(jobs))])
                         yield sse(last)

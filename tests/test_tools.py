@@ -1,0 +1,84 @@
+"""Tool calls (issue 50): the definitions in the system message and calls as <tool_call> blocks for any model
+(engine/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
+each function's schema); the answer's calls are parsed into OpenAI's `tool_calls`."""
+
+import json
+
+import jsonschema
+import pytest
+
+from ragkv.engine.constrained import lark_grammar
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
+from ragkv.serve.schemas import ChatRequest, FieldError
+from tiny import default_model_available
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                                    "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_calls_are_parsed_from_tagged_blocks_or_a_bare_answer_and_repeats_count_once():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_calls(text)
+    assert content == "Let me check." and len(calls) == 1 and calls[0]["type"] == "function"
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"} and calls[0]["id"].startswith("call_")
+    bare = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    assert parse_calls(bare, {"add"})[1][0]["function"]["name"] == "add"
+    assert parse_calls(bare, {"get_weather"}) == (bare, [])  # not an offered function: plain text
+    assert parse_calls("<tool_call>not json</tool_call>")[1] == []  # malformed: left as text
+    assert parse_calls("no calls here") == ("no calls here", [])
+
+
+def test_the_system_message_and_earlier_calls_are_rendered_as_qwen_does():
+    system = tools_system("Be brief.", [WEATHER])
+    assert system.startswith("Be brief.\n\n# Tools") and json.dumps(WEATHER) in system and "<tool_call>" in system
+    rendered = render_calls([{"id": "c", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}])
+    assert rendered == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_a_named_tool_choice_must_be_a_given_tool_and_needs_tools():
+    with pytest.raises(FieldError) as e:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                                    "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert e.value.param == "tool_choice" and "nope" in str(e.value) and "get_weather" in str(e.value)
+    with pytest.raises(FieldError, match="needs `tools`"):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"})
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_required_or_named_choice_gives_valid_calls_on_the_default_model(default_engine, choice):
+    from ragkv.serve.requests import RequestBuilder
+    from ragkv.serve.server import Limits
+
+    assert tag_tokens(default_engine.tokenizer) == ('"<tool_call>"', '"</tool_call>"')  # SmolLM2: tags as text
+    builder = RequestBuilder(default_engine, {}, Limits(), FusionOptions(), 8, library=None)
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "What is 2 plus 3?"}],
+                                      "tools": [WEATHER, ADD], "tool_choice": choice, "max_tokens": 80})
+    p = builder.chat(req)
+    answer = default_engine.generate(p.segs, p.fusion, p.gen)
+    _, calls = parse_calls(answer.text, set(p.tools))
+    assert calls and answer.finish_reason == "stop", answer.text
+    by_name = {"get_weather": WEATHER, "add": ADD}
+    for c in calls:
+        jsonschema.validate(json.loads(c["function"]["arguments"]), by_name[c["function"]["name"]]["function"]
+                            ["parameters"])
+    if isinstance(choice, dict):
+        assert {c["function"]["name"] for c in calls} == {"add"}
+
+
+def test_the_call_grammar_compiles_for_one_several_and_parallel_functions():
+    for tools, name, parallel in (([WEATHER], None, False), ([WEATHER, ADD], None, True),
+                                  ([WEATHER, ADD], "add", True)):
+        assert lark_grammar(call_grammar(tools, name, parallel))
