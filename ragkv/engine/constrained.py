@@ -33,35 +33,31 @@ def _llguidance():
     return llguidance
 
 
-def json_grammar(schema: dict | None) -> str:
-    """llguidance's grammar for JSON that follows `schema` (None: any JSON object); an invalid schema is an
-    InvalidRequestError that says what is wrong."""
+def _compiled(make, what: str) -> str:
+    """A grammar from `make(LLMatcher)`, validated; an InvalidRequestError with llguidance's reason when unusable."""
     llg = _llguidance()
     try:
-        # compact JSON (no free whitespace): a small model otherwise spends its tokens on newlines and indentation
-        # (SmolLM2's json_object answer: 26 lines, cut by max_tokens 60)
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if schema is None else schema),
-                                                         defaults={"whitespace_flexible": False})
+        grammar = make(llg.LLMatcher)
         error = llg.LLMatcher.validate_grammar(grammar)
     except Exception as e:  # noqa: BLE001 - the library's own message is the useful part
         error = str(e) or type(e).__name__
     if error:
-        raise InvalidRequestError(f"the JSON schema cannot be used: {error}")
+        raise InvalidRequestError(f"the {what} cannot be used: {error}")
     return grammar
+
+
+def json_grammar(schema: dict | None) -> str:
+    """llguidance's grammar for JSON that follows `schema` (None: any JSON object); an invalid schema is an
+    InvalidRequestError that says what is wrong. Compact JSON (no free whitespace): a small model otherwise spends
+    its tokens on newlines and indentation (SmolLM2's json_object answer: 26 lines, cut by max_tokens 60)."""
+    text = json.dumps(ANY_OBJECT if schema is None else schema)
+    return _compiled(lambda m: m.grammar_from_json_schema(text, defaults={"whitespace_flexible": False}),
+                     "JSON schema")
 
 
 def lark_grammar(lark: str) -> str:
-    """llguidance's grammar from its Lark form (JSON schemas embed with `%json {...}`); an InvalidRequestError when
-    it cannot be used."""
-    llg = _llguidance()
-    try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark)
-        error = llg.LLMatcher.validate_grammar(grammar)
-    except Exception as e:  # noqa: BLE001 - the library's own message is the useful part
-        error = str(e) or type(e).__name__
-    if error:
-        raise InvalidRequestError(f"the grammar cannot be used: {error}")
-    return grammar
+    """llguidance's grammar from its Lark form (JSON schemas embed with `%json {...}`)."""
+    return _compiled(lambda m: m.grammar_from_lark(lark), "grammar")
 
 
 def _wrapped(tokenizer, eos_ids: set[int]):
