@@ -22,7 +22,7 @@ if ! .venv/bin/python -c "import ragkv, torch, transformers, accelerate, ninja, 
     echo "== installing ragkv and its pinned dependencies (torch==2.13.0, transformers==5.23.0)"
     "${PIP[@]}" -e .
 fi
-if [ "$FOR_TESTS" = 1 ] && ! .venv/bin/python -c "import pytest, openai, matplotlib, selenium, langchain_core, llama_index.core, ruff, jsonschema" 2>/dev/null; then
+if [ "$FOR_TESTS" = 1 ] && ! .venv/bin/python -c "import pytest, openai, matplotlib, selenium, langchain_core, llama_index.core, ruff, jsonschema, schemathesis" 2>/dev/null; then
     echo "== installing the test extras (pytest, openai, selenium, ruff, ...)"
     "${PIP[@]}" -e ".[test,plots]"
 fi

@@ -22,7 +22,7 @@ def _output_args(p) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, "
-                                           "structured, fairness, soak")
+                                           "structured, fuzz, fairness, soak")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -180,6 +180,15 @@ def register(sub) -> None:
     add_model_args(so)
     so.set_defaults(func=run_structured)
 
+    fz = bsub.add_parser("fuzz", help="property-based requests from the server's own OpenAPI document "
+                                      "(schemathesis): counts per status, every 5xx listed")
+    fz.add_argument("--examples", type=int, default=500, help="generated requests per route")
+    fz.add_argument("--url", default=None, help="a running server (default: start one here)")
+    fz.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    fz.add_argument("--new-draw", action="store_true", help="a new random draw (default: seeded, repeatable)")
+    _output_args(fz)
+    fz.set_defaults(func=run_fuzz)
+
     fa = bsub.add_parser("fairness", help="another tenant's TTFT while one tenant's long request (ape over many "
                                           "documents) runs, against a `ragkv serve` started here")
     fa.add_argument("--mode", default="ape", help="the long request's mode")
@@ -286,6 +295,15 @@ def run_structured(args) -> int:
                                 repeats=args.repeats)
     return _finish(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
                    "structured.md")
+
+
+def run_fuzz(args) -> int:
+    from ragkv.bench.fuzz import FuzzConfig, run_fuzz_bench
+
+    cfg = FuzzConfig(examples=args.examples, url=args.url, model=args.model, seed=None if args.new_draw else 0)
+    result = run_fuzz_bench(cfg, Path(args.output_dir), say)
+    _finish(args, result, "fuzz.md")
+    return 1 if result["failures"] else 0
 
 
 def run_fairness(args) -> int:

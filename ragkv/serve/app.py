@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ragkv.serve.errors import (ApiError, api_error_handler, http_error_handler, unexpected_error_handler,
                                 validation_error_handler)
 from ragkv.serve.guard import OPEN_PATHS, OPEN_PREFIXES, Guard
+from ragkv.serve.openapi import publish_bodies
 from ragkv.serve.playground import mount_playground
 from ragkv.serve.routes import chat, documents, health, tokens
 from ragkv.serve.server import Server
@@ -30,5 +31,6 @@ def create_app(server: Server, metrics_need_key: bool = False) -> FastAPI:
     mount_playground(app)
     for routes in (chat, tokens, documents, health):
         app.include_router(routes.router)
+    publish_bodies(app)
     server.metrics.watch(server.scheduler.stats, server.engine.store_stats, server.engine.pool_stats)
     return app
