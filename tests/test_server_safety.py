@@ -106,6 +106,8 @@ CASES = [
      "response_format"),
     ("response_format type", "POST", "/v1/chat/completions", chat(response_format={"type": "xml"}), {}, 400,
      "response_format"),
+    ("5,000 messages", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "a"}] * 5_000), {}, 400, "at most 256"),
     ("logprobs a string", "POST", "/v1/chat/completions", chat(logprobs="many"), {}, 400, "logprobs"),
     ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=3), {}, 400,
      "top_logprobs"),

@@ -274,13 +274,22 @@ class _Sampling(_Loose):
 
 
 class ChatRequest(_Sampling):
-    messages: list[Message] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    messages: list[Message] = Field(..., min_length=1, json_schema_extra={"maxItems": MAX_MESSAGES})
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough_messages(cls, v):
+        # counted before each message is validated: 10,000 messages are refused at once, in our words
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"{len(v)} messages; a request may hold at most {MAX_MESSAGES}: send the latest turns "
+                             "(earlier ones summarized) or documents instead")
+        return v
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
