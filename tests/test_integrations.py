@@ -154,3 +154,33 @@ def test_llamaindex_streaming_with_the_library_retriever(server):
     assert response.metadata["usage"]["reused_tokens"] > 0
     chat = llm.chat([ChatMessage(role="user", content="Who runs Quillby Orchard?")], documents=found)
     assert chat.message.content == text and chat.additional_kwargs["stats"]["cache_misses"] == 0
+
+
+def test_a_langchain_tool_calling_loop_reuses_each_steps_prompt(server):
+    """An agent's loop through LangChain: `bind_tools` offers a Python function, the model's call comes back as
+    `tool_calls` (required: constrained to a valid call), the tool's result goes back as a ToolMessage, and each
+    later step finds the earlier prompt cached (the conversation only grows)."""
+    needs("langchain_core", "langchain")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from ragkv.integrations.langchain import ChatRagkv
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"18 C and sunny in {city}."
+
+    llm = ChatRagkv(base_url=server.url, max_tokens=40)
+    caller = llm.bind_tools([get_weather], tool_choice="any")
+    messages = [HumanMessage("What is the weather in Paris?")]
+    cached = []
+    for _ in range(2):  # two steps of the loop: call, result, call again
+        reply = caller.invoke(messages)
+        assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather", reply
+        call = reply.tool_calls[0]
+        messages += [reply, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+        cached.append((reply.usage_metadata["input_token_details"]["cache_read"], reply.usage_metadata["input_tokens"]))
+    final = llm.bind_tools([get_weather]).invoke(messages)  # auto: free to answer now
+    cached.append((final.usage_metadata["input_token_details"]["cache_read"], final.usage_metadata["input_tokens"]))
+    print("agent steps, cached of prompt tokens:", cached)
+    assert all(read >= 0.5 * total for read, total in cached[1:]), cached  # steps after the first reuse their prompt

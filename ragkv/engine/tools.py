@@ -59,13 +59,25 @@ def tag_tokens(tokenizer) -> tuple[str, str]:
     return out[0], out[1]
 
 
+def closed(schema):
+    """The schema with every object that does not say otherwise closed (`additionalProperties: false`, as OpenAI's
+    strict function calling does): with an open object a small model invents arguments until max_tokens (measured:
+    SmolLM2 added a "properties" object to get_weather's `city`)."""
+    if isinstance(schema, dict):
+        out = {k: closed(v) for k, v in schema.items()}
+        if out.get("type") == "object":
+            out.setdefault("additionalProperties", False)
+        return out
+    return [closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
 def call_grammar(tools: list[dict], name: str | None, parallel: bool,
                  tags: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"')) -> str:
     """llguidance's Lark grammar for an answer of call blocks only (`tool_choice` required, or `name` alone), each
     call's arguments following its function's parameters schema; `tags` from `tag_tokens`."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                                                 "arguments": closed(f.get("parameters") or {"type": "object"})},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     body = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     body["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no tokens spent on indentation

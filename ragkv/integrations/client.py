@@ -27,6 +27,7 @@ class Reply:
     usage: dict = field(default_factory=dict)    # OpenAI usage plus reused_tokens, recomputed_tokens, ...
     stats: dict = field(default_factory=dict)    # ragkv.stats: mode, cache_hits, cache_misses, ttft_ms, ...
     sources: list = field(default_factory=list)  # ragkv.sources: one entry per block, in prompt order
+    tool_calls: list = field(default_factory=list)  # OpenAI's message.tool_calls (a request offered tools)
 
     @property
     def cached_tokens(self) -> int:
@@ -61,12 +62,13 @@ class RagkvClient:
     @staticmethod
     def chat_body(messages: list[dict], documents: list[dict] | None = None, *, model: str | None = None,
                   max_tokens: int | None = None, temperature: float | None = None, stop: list[str] | None = None,
-                  mode: str | None = None, options: dict | None = None, stream: bool = False) -> dict:
+                  mode: str | None = None, options: dict | None = None, stream: bool = False,
+                  tools: list[dict] | None = None, tool_choice=None) -> dict:
         """An OpenAI chat request whose documents go under `ragkv.documents`, fused by `mode`; `options` are other
         ragkv fields (ratio, namespace, ...). No documents: a plain chat (the server's prefix cache; `mode` unused)."""
         body: dict = {"messages": messages, "stream": stream}
         for key, value in (("model", model), ("max_tokens", max_tokens), ("temperature", temperature),
-                           ("stop", stop)):
+                           ("stop", stop), ("tools", tools), ("tool_choice", tool_choice)):
             if value is not None:
                 body[key] = value
         extras = {k: v for k, v in (options or {}).items() if v is not None}
@@ -87,7 +89,8 @@ class RagkvClient:
         choice = data["choices"][0]
         extra = data.get("ragkv") or {}
         return Reply(choice["message"].get("content") or "", choice.get("finish_reason"), data.get("model"),
-                     data.get("usage") or {}, extra.get("stats") or {}, extra.get("sources") or [])
+                     data.get("usage") or {}, extra.get("stats") or {}, extra.get("sources") or [],
+                     choice["message"].get("tool_calls") or [])
 
     def stream_chat(self, body: dict) -> Iterator[str | Reply]:
         """Yields each text delta as it is decoded, then one `Reply` (its text the whole answer)."""

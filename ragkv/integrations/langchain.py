@@ -10,6 +10,7 @@ document library.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Sequence
 
 try:
@@ -43,10 +44,32 @@ def message_text(message: BaseMessage) -> str:
 
 
 def to_openai(message: BaseMessage) -> dict:
+    if message.type == "tool":  # a tool's result, answering the call `tool_call_id`
+        return {"role": "tool", "content": message_text(message), "tool_call_id": message.tool_call_id}
     role = message.role if message.type == "chat" else ROLES.get(message.type)  # type: ignore[attr-defined]
     if role not in ("user", "assistant", "system", "developer"):
-        raise ValueError(f"ragkv serve accepts system, user and assistant messages, not {message.type!r}")
-    return {"role": role, "content": message_text(message)}
+        raise ValueError(f"ragkv serve accepts system, user, assistant and tool messages, not {message.type!r}")
+    out = {"role": role, "content": message_text(message)}
+    calls = getattr(message, "tool_calls", None)
+    if role == "assistant" and calls:  # the calls an earlier step made, sent back with the conversation
+        out["content"] = out["content"] or None
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c["name"], "arguments": json.dumps(c.get("args") or {})}}
+                             for c in calls]
+    return out
+
+
+def from_openai_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI's tool_calls -> LangChain's (name, args as an object, id)."""
+    out = []
+    for c in calls:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = {"__raw__": fn.get("arguments")}
+        out.append({"name": fn.get("name"), "args": args, "id": c.get("id"), "type": "tool_call"})
+    return out
 
 
 def to_ragkv_document(doc: Document | str | dict) -> dict:
@@ -97,23 +120,36 @@ class ChatRagkv(BaseChatModel):
         key = self.api_key.get_secret_value() if self.api_key else None
         return RagkvClient(self.base_url, key, self.timeout)
 
+    def bind_tools(self, tools: Sequence, tool_choice: str | dict | None = None, **kwargs: Any) -> Runnable:
+        """The model offered `tools` (functions, pydantic models, LangChain tools or OpenAI dicts); `tool_choice`:
+        "auto", "none", "any" or "required" (a call is constrained), or a tool's name."""
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        choice = tool_choice
+        if choice == "any":
+            choice = "required"
+        elif isinstance(choice, str) and choice not in ("auto", "none", "required"):
+            choice = {"type": "function", "function": {"name": choice}}
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=choice, **kwargs)
+
     def _body(self, messages: list[BaseMessage], stop: list[str] | None, documents: Sequence | None,
               stream: bool, **kwargs: Any) -> dict:
-        unknown = set(kwargs) - {"max_tokens", "temperature", "mode"}
+        unknown = set(kwargs) - {"max_tokens", "temperature", "mode", "tools", "tool_choice"}
         if unknown:
             raise TypeError(f"ChatRagkv got unexpected keyword argument(s) {sorted(unknown)}")
         return RagkvClient.chat_body(
             [to_openai(m) for m in messages], [to_ragkv_document(d) for d in documents or ()], model=self.model,
             max_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature), stop=stop,
-            mode=kwargs.get("mode", self.mode), options=self.ragkv_options, stream=stream)
+            mode=kwargs.get("mode", self.mode), options=self.ragkv_options, stream=stream,
+            tools=kwargs.get("tools"), tool_choice=kwargs.get("tool_choice"))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, documents: Sequence | None = None,
                   **kwargs: Any) -> ChatResult:
         reply = self._client().chat(self._body(messages, stop, documents, False, **kwargs))
         message = AIMessage(reply.text, usage_metadata=usage_metadata(reply),
-                            response_metadata=response_metadata(reply))
+                            response_metadata=response_metadata(reply), tool_calls=from_openai_calls(reply.tool_calls))
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": reply.model, "token_usage": reply.usage})
 
