@@ -93,7 +93,7 @@ class Server:
         def chunk():
             # every prefill in units of --prefill-chunk tokens, alone or not: a request arriving meanwhile waits
             # one unit, not a whole long prompt or block (`bench fairness`: another tenant's TTFT p95 23.7 s ->
-            # 1.0 s beside a 14K-token `ape` request); measured free where it was feared to cost (Qwen 0.5B bf16,
+            # 1.0 s beside a 12K-token `ape` request); measured free where it was feared to cost (Qwen 0.5B bf16,
             # 1.3K-token `full` prefill: 2.90-3.25 s in one forward, 2.80-3.05 s in 512-token units)
             return self.prefill_chunk
 
