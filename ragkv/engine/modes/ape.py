@@ -7,6 +7,7 @@ from __future__ import annotations
 from ragkv.engine.ape import ApeAttention
 from ragkv.engine.blocks import prefix_conditioning
 from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.estimates import population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 from ragkv.engine.shared_attention import prefill_shared
@@ -27,7 +28,8 @@ class Ape(BlockMode):
 
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": False, "temperature": stats.extra.get("ape_temperature"),
-                "scale": stats.extra.get("ape_scale"), "kv_layout": fusion.kv_layout, "signal": None}
+                "scale": stats.extra.get("ape_scale"), "kv_layout": fusion.kv_layout, "signal": None,
+                "estimate": population_estimate("ape")}
 
     def _params(self, engine, fusion, stats) -> tuple[float, float]:
         T = fusion.ape_temperature if fusion.ape_temperature is not None else engine.ape_temperature

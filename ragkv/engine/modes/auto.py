@@ -40,6 +40,9 @@ class Auto(Blend):
                                               fusion, capacity, stats, fusion.signal or engine.auto_signal,
                                               ratios=(fusion.ratio, 1.0), max_signal=limit)
 
+    def selection(self, fusion) -> str:
+        return "query"  # auto always selects by the query's attention
+
     def fidelity(self, fusion, stats):
         out = super().fidelity(fusion, stats)
         x = stats.extra

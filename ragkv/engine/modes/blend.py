@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ragkv.engine.estimates import EXACT_ESTIMATE, population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 from ragkv.engine.selections import get_selection
@@ -55,13 +56,21 @@ class Blend(BlockMode):
     def fidelity(self, fusion, stats):
         x = stats.extra
         risk, name = x.get("risk"), x.get("risk_signal")
-        return {"mode": self.name, "exact": x.get("selected") == x.get("block_tokens"),  # all recomputed: full's
+        exact = x.get("selected") == x.get("block_tokens")  # every block token recomputed: full's answer
+        share = (x.get("selected") or 0) / x["block_tokens"] if x.get("block_tokens") else 0.0
+        return {"mode": self.name, "exact": exact,
                 "select": fusion.select, "ratio": fusion.ratio, "conditioning": fusion.conditioning,
                 "draft_tokens": fusion.draft_tokens,
                 "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
                 # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
-                "signal": risk[name] if risk else None, "signal_name": name if risk else None}
+                "signal": risk[name] if risk else None, "signal_name": name if risk else None,
+                # how close it is expected to be (a population's figures at the recomputed share: engine/estimates)
+                "estimate": EXACT_ESTIMATE if exact else population_estimate(self.name, self.selection(fusion),
+                                                                             share)}
+
+    def selection(self, fusion) -> str:
+        return fusion.select
 
     def worst_token_layers(self, segs, fusion, num_layers):
         # blocks encoded, then the query again (stage 1) and the selected rows with the query and a draft twice

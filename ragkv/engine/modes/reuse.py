@@ -5,6 +5,7 @@ block attention mask (invariant 4)."""
 from __future__ import annotations
 
 from ragkv.engine.fusion import prefill_over_context
+from ragkv.engine.estimates import population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 
@@ -22,7 +23,7 @@ class Reuse(BlockMode):
         # blocks that never saw each other: exact only for one block after no prefix, or one conditioned on it
         return {"mode": self.name, "exact": False, "positions": fusion.positions,
                 "conditioning": fusion.conditioning, "kv_layout": fusion.kv_layout,
-                "reused_tokens": stats.reused_tokens, "signal": None}
+                "reused_tokens": stats.reused_tokens, "signal": None, "estimate": population_estimate("reuse")}
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         return prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats)
