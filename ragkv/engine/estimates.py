@@ -38,10 +38,10 @@ def _interpolate(points: list[tuple[float, float, float]], r: float) -> tuple[fl
 def population_estimate(mode: str, select: str | None = None, ratio: float = 0.0) -> dict:
     """{expected_kl, expected_top1, calibration, basis, source} for an approximate reply; a mode or selection not
     in the population is stated as unknown (None values), never silently as another's."""
-    points = POPULATION.get((mode, select if mode in ("blend", "auto") else None))
+    points = POPULATION.get((mode, select))  # the modes without a selection pass None (and r = 0)
     if points is None:
         return {"expected_kl": None, "expected_top1": None, "calibration": "none", "basis": "unmeasured",
                 "source": None}
-    kl, top1 = _interpolate(points, ratio if mode in ("blend", "auto") else 0.0)
+    kl, top1 = _interpolate(points, ratio)
     return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": "none",
             "basis": "population", "source": SOURCE}
