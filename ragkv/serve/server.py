@@ -55,7 +55,7 @@ class Server:
         self.ingest = IngestJobs(self)  # document ingestion jobs, recorded in the library
         self.default_fusion = default_fusion
         self.metrics = Metrics()
-        self.prefill_chunk = prefill_chunk  # tokens of a full/prefix prefill between two decode steps
+        self.prefill_chunk = prefill_chunk  # tokens of every prefill unit, between two decode steps
         self.batch_invariant = batch_invariant  # every step at max_batch rows, every prefill chunked
         self.kv_bytes_per_token = bytes_per_token(engine.model)
         rows = max_batch if batch_invariant else None
@@ -90,15 +90,12 @@ class Server:
         if not self.scheduler.kv.fits_ever(need):
             raise self.kv_refusal(p, need)
 
-        def chunk():
+        def begin():
             # every prefill in units of --prefill-chunk tokens, alone or not: a request arriving meanwhile waits
             # one unit, not a whole long prompt or block (`bench fairness`: another tenant's TTFT p95 23.7 s ->
             # 1.0 s beside a 12K-token `ape` request); measured free where it was feared to cost (Qwen 0.5B bf16,
             # 1.3K-token `full` prefill: 2.90-3.25 s in one forward, 2.80-3.05 s in 512-token units)
-            return self.prefill_chunk
-
-        def begin():
-            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
+            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, self.prefill_chunk)
             return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
         def settle(seqs):  # what one prompt's sequence really kept (a fork's choices share it: not settled)

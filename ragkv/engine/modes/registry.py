@@ -3,30 +3,21 @@ every module of the package, so adding a mode is adding one module."""
 
 from __future__ import annotations
 
-from ragkv.errors import OptionError
+from ragkv.engine.registry import Registry
 
-_MODES: dict = {}
-
-
-def register(cls):
-    if cls.name in _MODES:
-        raise ValueError(f"two fusion modes named {cls.name!r}")
-    _MODES[cls.name] = cls()
-    return cls
+_MODES = Registry("mode", "fusion modes", "mode")
+register = _MODES.register
 
 
 def mode_names() -> tuple[str, ...]:
     """Registered mode names, the exact baselines first (the order tables and plots use)."""
-    return tuple(_MODES)
+    return _MODES.names()
 
 
 def is_reference(name: str) -> bool:
     """Whether `name` is the exact mode the others are compared with (False for names no mode has: a peer's)."""
-    return name in _MODES and _MODES[name].is_reference
+    return name in _MODES.items and _MODES.items[name].is_reference
 
 
 def get_mode(name: str):
-    try:
-        return _MODES[name]
-    except KeyError:
-        raise OptionError("mode", f"unknown mode {name!r}; choose one of {', '.join(_MODES)}") from None
+    return _MODES.get(name)

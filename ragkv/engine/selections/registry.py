@@ -3,25 +3,16 @@
 
 from __future__ import annotations
 
-from ragkv.errors import OptionError
+from ragkv.engine.registry import Registry
 
-_SELECTIONS: dict = {}
-
-
-def register(cls):
-    if cls.name in _SELECTIONS:
-        raise ValueError(f"two selections named {cls.name!r}")
-    _SELECTIONS[cls.name] = cls()
-    return cls
+_SELECTIONS = Registry("selection", "selections", "select")
+register = _SELECTIONS.register
 
 
 def selection_names() -> tuple[str, ...]:
     """Registered selection names, the default (CacheBlend's deviation) first."""
-    return tuple(_SELECTIONS)
+    return _SELECTIONS.names()
 
 
 def get_selection(name: str):
-    try:
-        return _SELECTIONS[name]
-    except KeyError:
-        raise OptionError("select", f"unknown selection {name!r}; choose one of {', '.join(_SELECTIONS)}") from None
+    return _SELECTIONS.get(name)
