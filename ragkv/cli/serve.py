@@ -41,6 +41,21 @@ def register(sub) -> None:
                    help="measure the loading controller's profile (tier speeds, the model's recompute cost) at "
                         "start-up where none is saved, one forward at a time while the server is idle; without "
                         "it blend has no loading plan until `ragkv store profile` (for short-lived servers)")
+    r = p.add_argument_group("replicas on Ray Serve (docs/deployment.md; `pip install ragkv[replicas]`)")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas as a Ray Serve deployment behind Ray Serve's HTTP proxy, each with its "
+                        "own model and KV memory (default 1: this process serves alone, without Ray)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting a local Ray")
+    r.add_argument("--router", choices=("affinity", "round-robin"), default="affinity",
+                   help="which replica answers: the one holding most of the request's blocks in memory (the "
+                        "least loaded when none does or it is busier than the others by --affinity-slack), or "
+                        "each in turn")
+    r.add_argument("--affinity-slack", type=int, default=4, metavar="REQUESTS",
+                   help="a holder busier than the least loaded replica by more requests than this loses the request "
+                        "to the least loaded one")
+    r.add_argument("--replica-threads", type=int, default=1, metavar="N",
+                   help="CPU threads (and Ray CPUs) of each replica")
     a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="accept `Authorization: Bearer KEY`; its tenant (default: default) owns its documents and "
@@ -101,6 +116,11 @@ def check_flags(args) -> None:
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
+    for flag in ("replicas", "replica_threads"):
+        if getattr(args, flag) < 1:
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.affinity_slack < 0:
+        raise InvalidRequestError(f"--affinity-slack must be >= 0, got {args.affinity_slack}")
     for name in args.served_model_name:
         if not name.strip():
             raise InvalidRequestError("--served-model-name must not be empty")
@@ -114,6 +134,24 @@ def check_flags(args) -> None:
     library_location(args)
 
 
+def build_server(args, worker_thread: bool = False):
+    """The Server the flags describe (the engine loaded, its scheduler built): one process's or one replica's."""
+    from ragkv.serve.auth import ApiKeys
+    from ragkv.serve.server import Limits, Server
+
+    fusion = fusion_from_args(args)
+    keys = ApiKeys.parse(args.api_key, args.api_keys)
+    # the model loads only once every flag passed; a store tier down now (Redis) starts down and is retried, as
+    # one failing mid-run is: a replica restarted during an outage serves instead of staying down
+    engine = engine_from_args(args, must_reach=False)
+    limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
+                    args.ingest_timeout, args.kv_memory, args.max_request_cost, args.tenant_budget)
+    return Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
+                  args.max_batch, args.prefill_chunk, worker_thread=worker_thread, keys=keys, limits=limits,
+                  served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
+                  batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms)
+
+
 def run_serve(args) -> int:
     import signal
     import threading
@@ -122,21 +160,14 @@ def run_serve(args) -> int:
 
     from ragkv.engine.kvbudget import freeze_long_lived
     from ragkv.serve.app import create_app
-    from ragkv.serve.auth import ApiKeys
-    from ragkv.serve.server import Limits, Server
 
     check_flags(args)
-    fusion = fusion_from_args(args)
-    keys = ApiKeys.parse(args.api_key, args.api_keys)
-    # the model loads only once every flag passed; a store tier down now (Redis) starts down and is retried, as
-    # one failing mid-run is: a replica restarted during an outage serves instead of staying down
-    engine = engine_from_args(args, must_reach=False)
-    limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
-                    args.ingest_timeout, args.kv_memory, args.max_request_cost, args.tenant_budget)
-    server = Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
-                    args.max_batch, args.prefill_chunk, worker_thread=False, keys=keys, limits=limits,
-                    served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
-                    batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms)
+    if args.replicas > 1 or args.ray_address:
+        from ragkv.cli.serve_replicas import run_replicas
+
+        return run_replicas(args)
+    server = build_server(args)
+    engine, keys = server.engine, server.keys
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,

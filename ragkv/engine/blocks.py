@@ -20,6 +20,17 @@ from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 NO_CONDITIONING = "none"
 
 
+def route_id(key: CacheKey) -> str:
+    """A block's name for routing: its namespace and tokens, whatever the conditioning a mode stores it under (the
+    replicas of one deployment share the model fingerprint). The cache-aware router compares these (serve/replicas)."""
+    return f"{key.namespace}/{key.token_hash[:24]}"
+
+
+def block_route_id(ids: list[int], namespace: str) -> str:
+    """`route_id` of the block of token ids `ids` in `namespace`, computed without a model (the router's side)."""
+    return f"{namespace}/{hash_tokens(ids)[:24]}"
+
+
 def prefix_conditioning(prefix_ids: list[int]) -> str:
     return f"prefix:{hash_tokens(prefix_ids)[:32]}"
 

@@ -18,13 +18,14 @@ import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.block_pool import BlockPool
-from ragkv.engine.blocks import BlockCache
+from ragkv.engine.blocks import BlockCache, route_id
 from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
 from ragkv.engine.generate import Delta, Sequence, step_sequences
 from ragkv.engine.history import settle_history
 from ragkv.engine.kvcache import DECODE_HEADROOM
 from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
 from ragkv.engine.loading import LoadingPlanner, StoreProfiles
+from ragkv.engine.prefix_cache import CHAIN
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.risk import DEFAULT_SIGNAL
@@ -209,6 +210,18 @@ class Engine:
     def pool_stats(self) -> dict:
         """The block pool that `kv_layout=shared` reads blocks from in place (engine/block_pool.py)."""
         return self.block_pool.stats()
+
+    def held_blocks(self, limit: int = 4096) -> list[str]:
+        """The route ids (blocks.route_id) of the blocks in this engine's memory tier, most recently used last, at
+        most `limit`: what a replica tells the cache-aware router it holds (serve/replicas)."""
+        memory = self._store
+        if hasattr(memory, "tier"):
+            try:
+                memory = memory.tier("memory")
+            except KeyError:
+                return []
+        entries = memory.entries() if hasattr(memory, "entries") else []
+        return [route_id(key) for key, _ in entries if key.conditioning != CHAIN][-limit:]
 
     def flush_store(self) -> None:
         """Wait for the store's background write-back (new blocks on their way to slower tiers)."""

@@ -180,8 +180,14 @@ class Scheduler:
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
         self.stopping = threading.Event()
+        self._thread = None
         if thread:
-            threading.Thread(target=self.serve_forever, name="ragkv-scheduler", daemon=True).start()
+            self._thread = threading.Thread(target=self.serve_forever, name="ragkv-scheduler", daemon=True)
+            self._thread.start()
+
+    def alive(self) -> bool:
+        """Whether the worker still serves (its own thread alive, when it has one, and not stopped)."""
+        return not self.stopping.is_set() and (self._thread is None or self._thread.is_alive())
 
     @property
     def depth(self) -> int:

@@ -50,6 +50,54 @@ def salted_namespace(namespace: str, salt: str) -> str:
     return f"{namespace[:40]}.salt-{digest}"
 
 
+def request_namespace(keys, extras: RagkvExtras | None, tenant: str, cache_salt: str | None,
+                      default: str) -> str | None:
+    """The KV namespace of a request: its tenant's when keys are configured (naming another is refused), made its
+    own by a `cache_salt`; None means the engine's (`default`)."""
+    asked = extras.namespace if extras is not None else None
+    if not keys:
+        ns = asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
+    elif asked is not None and asked != tenant:
+        raise NamespaceForbidden(f"namespace {asked!r} belongs to another tenant; this key's is {tenant!r}")
+    else:
+        ns = tenant
+    return ns if cache_salt is None else salted_namespace(ns or default, cache_salt)
+
+
+def as_passage(doc) -> Passage:
+    """An inline document (a string, or an object with text and title) as a passage."""
+    return Passage(doc) if isinstance(doc, str) else Passage(doc.text, doc.title or "")
+
+
+def chat_turns(req: ChatRequest) -> tuple[str | None, list[dict], str]:
+    """A chat's system message (with the tools' definitions, as Qwen2.5's template writes them: engine/tools.py),
+    its turns as the template renders them, and the last turn's own text (what retrieval searches for)."""
+    msgs = req.messages
+    system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
+    turns = [m for m in msgs if m.role in ("user", "assistant", "tool")]
+    tools = req.calls_tools()
+    last = ("user", "tool") if tools else ("user",)  # an agent's next step follows a tool's result
+    if not turns or turns[-1].role not in last:
+        raise FieldError("messages", "the last message must come from the user" + (" or a tool" if tools else ""))
+    if tools:
+        system = tools_system(system, req.tool_dicts())
+    return system, [render_message(m, tools) for m in turns], turns[-1].text()
+
+
+def render_message(m, tools: bool) -> dict:
+    """A message as the text turn the template renders: with tools, earlier calls as call blocks and a tool's
+    result as a user turn in <tool_response> (as Qwen2.5's template does); without, as sent."""
+    content = m.text()
+    if not tools:
+        return {"role": m.role, "content": content}
+    if m.role == "assistant" and m.tool_calls:
+        calls = render_calls([c.model_dump() for c in m.tool_calls])
+        return {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
+    if m.role == "tool":
+        return {"role": "user", "content": render_result(content)}
+    return {"role": m.role, "content": content}
+
+
 class RequestBuilder:
     """Builds `Prepared` requests against one engine, with the server's keys, limits and fusion defaults;
     `library(tenant)` gives a tenant's document library (retrieval)."""
@@ -69,16 +117,8 @@ class RequestBuilder:
         self.history_mode = history_mode  # a chat's turns as blocks, when the request names no mode
 
     def namespace(self, extras: RagkvExtras | None, tenant: str, cache_salt: str | None = None) -> str | None:
-        """The KV namespace of a request: its tenant's when keys are configured (naming another is refused),
-        made its own by a `cache_salt`."""
-        asked = extras.namespace if extras is not None else None
-        if not self.keys:
-            ns = asked if asked is not None else (None if tenant == DEFAULT_TENANT else tenant)
-        elif asked is not None and asked != tenant:
-            raise NamespaceForbidden(f"namespace {asked!r} belongs to another tenant; this key's is {tenant!r}")
-        else:
-            ns = tenant
-        return ns if cache_salt is None else salted_namespace(ns or self.engine.namespace, cache_salt)
+        """The KV namespace of a request (None: the engine's); `request_namespace`."""
+        return request_namespace(self.keys, extras, tenant, cache_salt, self.engine.namespace)
 
     def passages(self, req, question: str, tenant: str = DEFAULT_TENANT) -> tuple[list[Passage], list[dict]]:
         """Inline documents (top-level `documents` or `ragkv.documents`) in the caller's order, then retrieved ones in
@@ -89,7 +129,7 @@ class RequestBuilder:
         self.check_documents(len(docs), [d if isinstance(d, str) else d.text for d in docs], field,
                              [None if isinstance(d, str) else d.id for d in docs])
         for d in docs:
-            p = Passage(d) if isinstance(d, str) else Passage(d.text, d.title or "")
+            p = as_passage(d)
             passages.append(p)
             sources.append({"title": p.title, "source": "inline"})
         if extras is not None and extras.retrieval is not None:
@@ -178,19 +218,10 @@ class RequestBuilder:
                                  grammar=req.response_format.grammar() if req.response_format else None)
 
     def chat(self, req: ChatRequest, tenant: str = DEFAULT_TENANT) -> Prepared:
-        msgs = req.messages
-        system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
-        turns = [m for m in msgs if m.role in ("user", "assistant", "tool")]
+        system, rendered, last_text = chat_turns(req)
         tools = req.calls_tools()
-        last = ("user", "tool") if tools else ("user",)  # an agent's next step follows a tool's result
-        if not turns or turns[-1].role not in last:
-            raise FieldError("messages", "the last message must come from the user" +
-                             (" or a tool" if tools else ""))
-        rendered = [self.turn(m, tools) for m in turns]
-        if tools:  # the definitions in the system message, as Qwen2.5's template writes them (engine/tools.py)
-            system = tools_system(system, req.tool_dicts())
         question = rendered[-1]["content"]
-        passages, sources = self.passages(req, turns[-1].text(), tenant)
+        passages, sources = self.passages(req, last_text, tenant)
         if passages:
             fusion = self.fusion(req.ragkv, True)
             # earlier turns: blocks before the passages (exact while the conversation only grows: engine/history.py)
@@ -220,20 +251,6 @@ class RequestBuilder:
         names = tuple(t.function.name for t in req.tools) if tools else ()
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
                         names)
-
-    @staticmethod
-    def turn(m, tools: bool) -> dict:
-        """A message as the text turn the template renders: with tools, earlier calls as call blocks and a tool's
-        result as a user turn in <tool_response> (as Qwen2.5's template does); without, as sent."""
-        content = m.text()
-        if not tools:
-            return {"role": m.role, "content": content}
-        if m.role == "assistant" and m.tool_calls:
-            calls = render_calls([c.model_dump() for c in m.tool_calls])
-            return {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
-        if m.role == "tool":
-            return {"role": "user", "content": render_result(content)}
-        return {"role": m.role, "content": content}
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""

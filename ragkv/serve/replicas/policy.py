@@ -1,0 +1,61 @@
+"""Which replica answers a request, as plain data (router.py applies it inside Ray Serve's request router).
+
+A request's blocks are named by their route ids (engine/blocks.py `route_id`: namespace and tokens). A replica
+holds what it last reported (its memory tier, polled by Ray Serve) plus what this router sent it since (reports lag
+by a poll period). The replica holding most of the request's blocks answers, unless it is busier than the least
+loaded one by more than `slack` requests; without a holder, the least loaded answers. Blocks in any order count
+the same: unlike a prefix cache's, a replica's blocks serve any request that names them."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+
+def rank_replicas(blocks: Iterable[str], holdings: dict[Hashable, set[str]], loads: dict[Hashable, int],
+                  slack: int) -> list[list[Hashable]]:
+    """Replicas in ranks, most preferred first: [the best holders within `slack` of the least load], then the
+    rest from least to most loaded (Ray tries a rank's replicas, then the next rank's, when a rank is full)."""
+    replicas = sorted(loads, key=lambda r: (loads[r], str(r)))
+    if not replicas:
+        return []
+    wanted = set(blocks)
+    least = loads[replicas[0]]
+    score = {r: len(wanted & holdings.get(r, set())) for r in replicas if loads[r] <= least + slack}
+    best = max(score.values(), default=0)
+    if best == 0:  # nobody holds any: the least loaded, one of them chosen by the blocks themselves
+        first = [r for r in replicas if loads[r] == least]
+        if wanted:  # (rendezvous hashing) a new passage set goes where its next request will look for it
+            first = [max(first, key=lambda r: _weight(min(wanted), r))]
+    else:
+        first = [r for r in replicas if score.get(r) == best]
+    return [first, [r for r in replicas if r not in first]] if len(first) < len(replicas) else [first]
+
+
+def _weight(block: str, replica: Hashable) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{block}|{replica}".encode(), digest_size=8).digest(), "big")
+
+
+class SentBlocks:
+    """The blocks this router sent each replica lately (bounded, oldest forgotten first): what it holds before its
+    next report says so."""
+
+    def __init__(self, per_replica: int = 8192):
+        self.per_replica = per_replica
+        self._sent: dict[Hashable, OrderedDict[str, None]] = {}
+
+    def add(self, replica: Hashable, blocks: Iterable[str]) -> None:
+        sent = self._sent.setdefault(replica, OrderedDict())
+        for b in blocks:
+            sent[b] = None
+            sent.move_to_end(b)
+        while len(sent) > self.per_replica:
+            sent.popitem(last=False)
+
+    def of(self, replica: Hashable) -> set[str]:
+        return set(self._sent.get(replica, ()))
+
+    def forget(self, replica: Hashable) -> None:
+        """A replica died: a restarted one holds nothing."""
+        self._sent.pop(replica, None)
