@@ -51,7 +51,8 @@ def replica_failed(err: BaseException) -> JSONResponse:
     return JSONResponse(failure_body(err), status_code=503, headers={"retry-after": "1"})
 
 
-@serve.deployment
+# a stopping replica finishes (or fails) its answers within seconds: `ragkv serve` stops promptly on SIGTERM
+@serve.deployment(graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.5)
 class EngineReplica:
     """One engine and its scheduler: the single server's whole app, answering forwarded requests."""
 
@@ -100,7 +101,7 @@ class EngineReplica:
 api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' app publishes /openapi.json
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, replicas):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+DISCONNECT_GRACE_S = 5.0  # how long an app may take to end an answer its caller left
+
 
 async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                     client: tuple[str, int] | None = None, extra_headers: list[tuple[bytes, bytes]] = ()
@@ -52,6 +54,9 @@ async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tup
                     break
         await task  # the app's own failure, if any, surfaces here
     finally:
-        left.set()
+        left.set()  # the caller left (or read everything): the app hears a disconnect and ends its answer itself
         if not task.done():
-            task.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), DISCONNECT_GRACE_S)
+            except BaseException:  # it did not end in time (or this task is being cancelled): stop it
+                task.cancel()

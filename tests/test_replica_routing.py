@@ -1,0 +1,127 @@
+"""The cache-aware router's parts without Ray (serve/replicas): the ranking policy, the blocks named from a body
+exactly as the engine names them, and a request answered in-process by the server's own app."""
+
+import asyncio
+import json
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ragkv.serve.replicas.forward import call_asgi
+from ragkv.serve.replicas.policy import SentBlocks, rank_replicas
+from tiny import default_model_available
+
+
+def test_the_holder_answers_unless_busier_than_the_slack():
+    holdings = {"a": {"x", "y"}, "b": {"y"}, "c": set()}
+    assert rank_replicas(["x", "y"], holdings, {"a": 3, "b": 0, "c": 0}, slack=4)[0] == ["a"]
+    # a holds both but is 5 requests busier than the least loaded: the best holder within the slack answers
+    assert rank_replicas(["x", "y"], holdings, {"a": 5, "b": 0, "c": 0}, slack=4)[0] == ["b"]
+    ranks = rank_replicas(["x", "y"], holdings, {"a": 9, "b": 9, "c": 0}, slack=4)
+    assert ranks[0] == ["c"] and set(ranks[1]) == {"a", "b"}  # no holder within the slack: the least loaded
+    assert sorted(sum(ranks, [])) == ["a", "b", "c"]  # every replica stays a fallback
+
+
+def test_new_passage_sets_spread_and_stick_without_any_report():
+    loads = {"a": 0, "b": 0, "c": 0}
+    chosen = {}
+    for i in range(60):
+        blocks = [f"ns/{i}-0", f"ns/{i}-1"]
+        first = rank_replicas(blocks, {}, loads, slack=4)[0]
+        assert len(first) == 1
+        assert rank_replicas(list(reversed(blocks)), {}, loads, 4)[0] == first  # any order: the same replica
+        chosen[i] = first[0]
+    counts = {r: list(chosen.values()).count(r) for r in loads}
+    assert min(counts.values()) >= 10, counts  # rendezvous hashing spreads new sets over the replicas
+    # a request without blocks may go to any least loaded replica
+    assert rank_replicas([], {}, {"a": 1, "b": 0, "c": 0}, 4) == [["b", "c"], ["a"]]
+
+
+def test_sent_blocks_are_bounded_and_forgotten_with_their_replica():
+    sent = SentBlocks(per_replica=3)
+    sent.add("a", ["1", "2", "3"])
+    sent.add("a", ["1", "4"])  # "1" used again: "2", the oldest, goes
+    assert sent.of("a") == {"1", "3", "4"}
+    sent.forget("a")
+    assert sent.of("a") == set()
+
+
+def test_an_app_answers_in_process_as_a_stream_and_hears_the_client_leave():
+    app = FastAPI()
+    heard = asyncio.Event()
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        body = await request.body()
+
+        async def chunks():
+            yield body
+            i = 0
+            try:
+                for i in range(500):
+                    yield f"[{i}]".encode()
+                    await asyncio.sleep(0.01)
+            finally:
+                if i < 499:  # ended early: the app heard its client leave
+                    heard.set()
+        return StreamingResponse(chunks(), headers={"x-test": "1"})
+
+    async def run():
+        stream = call_asgi(app, "POST", "/echo", b"", [(b"content-type", b"text/plain")], b"hello",
+                           extra_headers=[(b"x-ragkv-replica", b"r1")])
+        status, headers = await stream.__anext__()
+        assert status == 200 and (b"x-test", b"1") in headers and (b"x-ragkv-replica", b"r1") in headers
+        assert await stream.__anext__() == b"hello"
+        assert await stream.__anext__() == b"[0]"
+        await stream.aclose()  # the caller goes: the app sees a disconnect and stops
+        await asyncio.wait_for(heard.wait(), 5)
+    asyncio.run(run())
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+@pytest.mark.parametrize("case", ["documents", "history", "tenant_salt", "tools"])
+def test_route_ids_are_the_engine_own_block_keys(default_engine, case):
+    """What the ingress names from the body (tokenizer only) is what the engine stores the request's blocks under:
+    the server's RequestBuilder builds the request, the engine warms its blocks, and its memory tier reports them."""
+    from ragkv.engine.blocks import block_route_id
+    from ragkv.engine.options import FusionOptions
+    from ragkv.serve.auth import ApiKeys
+    from ragkv.serve.replicas.route_keys import RouteKeys
+    from ragkv.serve.requests import RequestBuilder
+    from ragkv.serve.schemas import ChatRequest
+    from ragkv.serve.server import Limits
+
+    keys = ApiKeys.parse(["k-tenant-a:tenantA"]) if case == "tenant_salt" else ApiKeys({})
+    body = {"model": "smollm2", "messages": [{"role": "system", "content": "Answer briefly."},
+                                             {"role": "user", "content": "Who built the tower?"}]}
+    if case in ("documents", "tenant_salt", "tools"):
+        body["documents"] = [f"Tower {case} {i} was built by engineer number {i} in {1880 + i}." for i in range(3)]
+    if case == "history":
+        body["messages"] += [{"role": "assistant", "content": "Engineer Tomas Vrba built it."},
+                             {"role": "user", "content": "In which year?"}]
+    if case == "tenant_salt":
+        body["cache_salt"] = "s3cret"
+    if case == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    auth = "Bearer k-tenant-a" if case == "tenant_salt" else None
+    tenant = "tenantA" if case == "tenant_salt" else "default"
+
+    builder = RequestBuilder(default_engine, keys, Limits(), FusionOptions(), 4, library=None)
+    prepared = builder.chat(ChatRequest.model_validate(body), tenant)
+    namespace = prepared.namespace or default_engine.namespace
+    expected = [block_route_id(ids, namespace) for ids in prepared.segs.blocks]
+    route = RouteKeys(default_engine.tokenizer, default_engine.prompt_format, keys, default_engine.namespace)
+    got = route.of("/v1/chat/completions", json.dumps(body).encode(), auth)
+    assert got == expected and len(got) == (3 if case != "history" else 2)
+    if case == "tenant_salt":
+        assert all(g.startswith("tenantA.salt-") for g in got)
+    default_engine.warm(prepared.segs, FusionOptions(mode="reuse"), namespace)
+    held = set(default_engine.held_blocks())
+    assert set(got) <= held  # the engine's own keys, as the replica reports them
+    # refused or foreign requests route without blocks (the replica answers them)
+    assert route.of("/v1/chat/completions", b"{not json", auth) == []
+    assert route.of("/v1/embeddings", json.dumps(body).encode(), auth) == []
+    if case == "tenant_salt":
+        assert route.of("/v1/chat/completions", json.dumps(body).encode(), "Bearer wrong") == []
