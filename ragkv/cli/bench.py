@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine|decode|train-step|store|serve|soak`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
+"""`ragkv bench ttft|engine|decode|train-step|store|serve|soak|...`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ def _output_args(p) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, "
-                                           "structured, fuzz, fairness, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, "
+                                     "train-step, store, serve, structured, fuzz, fairness, soak, chat, controller, "
+                                     "lookahead, ceiling, profile, weights")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -277,6 +278,9 @@ def register(sub) -> None:
     add_fusion_args(c, default_mode=None, title="blend parameters (--ratio: the controller's r_min)")
     add_model_args(c, decode_weights=False)
     c.set_defaults(func=run_controller)
+    from ragkv.cli import bench_probes
+
+    bench_probes.register(bsub)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
