@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ragkv.cli.bench import _finish, _output_args
-from ragkv.cli.common import add_model_args, engine_from_args, ints, say
+from ragkv.cli.common import add_model_args, add_output_args, engine_from_args, finish_bench, ints, say
 from ragkv.errors import InvalidRequestError
 
 
@@ -21,7 +20,7 @@ def register(bsub) -> None:
     la.add_argument("--ratio", type=float, default=0.15, help="the selection's r")
     la.add_argument("--draft-tokens", type=int, default=16, help="the draft's length N")
     la.add_argument("--max-new-tokens", type=int, default=32)
-    _output_args(la)
+    add_output_args(la)
     add_model_args(la)
     la.set_defaults(func=run_lookahead)
 
@@ -31,7 +30,7 @@ def register(bsub) -> None:
     ce.add_argument("--batch-sizes", default="1,4,16")
     ce.add_argument("--sgemm-sizes", default="2048,3072,4096", help="square products timed for the peak")
     ce.add_argument("--rounds", type=int, default=2, help="timed runs of each (the best counts)")
-    _output_args(ce)
+    add_output_args(ce)
     add_model_args(ce)
     ce.set_defaults(func=run_ceiling)
 
@@ -43,7 +42,7 @@ def register(bsub) -> None:
                     help="passages cut to this many words (bench serve: 210; default 0: whole, ~415 words)")
     pr.add_argument("--repeats", type=int, default=5)
     pr.add_argument("--top", type=int, default=25, help="ops listed")
-    _output_args(pr)
+    add_output_args(pr)
     add_model_args(pr)
     pr.set_defaults(func=run_profile)
 
@@ -56,7 +55,7 @@ def register(bsub) -> None:
     w.add_argument("--passages", type=int, default=4, help="blocks per prompt")
     w.add_argument("--batch-sizes", default="1,4,16")
     w.add_argument("--rounds", type=int, default=3)
-    _output_args(w)
+    add_output_args(w)
     add_model_args(w, decode_weights=False)
     w.set_defaults(func=run_weights)
 
@@ -72,7 +71,7 @@ def run_lookahead(args) -> int:
                             gold_position=args.gold_position)[args.first:]
     questions = [(ex.id, engine.segments(ex.question, ex.passages)) for ex in examples]
     cfg = LookaheadBenchConfig(ratio=args.ratio, draft_tokens=args.draft_tokens, max_new_tokens=args.max_new_tokens)
-    return _finish(args, run_lookahead_bench(engine, cfg, questions, Path(args.output_dir), say), "lookahead.md")
+    return finish_bench(args, run_lookahead_bench(engine, cfg, questions, Path(args.output_dir), say), "lookahead.md")
 
 
 def _musique(engine, passages: int, prompts: int, words: int | None = None) -> list:
@@ -97,7 +96,7 @@ def run_ceiling(args) -> int:
     while long.num_tokens < cfg.tokens and n < 64:  # passages enough for --tokens
         n *= 2
         long = _musique(engine, n, 1)[0]
-    return _finish(args, run_ceiling_bench(engine, cfg, long.all_ids(),
+    return finish_bench(args, run_ceiling_bench(engine, cfg, long.all_ids(),
                                            _musique(engine, 4, max(cfg.batch_sizes)), Path(args.output_dir), say),
                    "ceiling.md")
 
@@ -110,7 +109,7 @@ def run_profile(args) -> int:
     cfg = ProfileBenchConfig(mode=args.mode, repeats=max(1, args.repeats), top=args.top)
     engine = engine_from_args(args)
     segs = _musique(engine, args.passages, 1, args.passage_words)[0]
-    return _finish(args, run_profile_bench(engine, cfg, segs, Path(args.output_dir), say), "profile.md")
+    return finish_bench(args, run_profile_bench(engine, cfg, segs, Path(args.output_dir), say), "profile.md")
 
 
 def run_weights(args) -> int:
@@ -129,4 +128,4 @@ def run_weights(args) -> int:
     # one model per weights: oneDNN joins q/k/v and gate/up of the weights it runs on
     engines = {w: Engine.load(args.model, dtype=args.dtype, device=args.device, decode_weights=w) for w in weights}
     segs = _musique(engines[weights[0]], args.passages, max(cfg.batch_sizes))
-    return _finish(args, run_weights_bench(engines, cfg, segs, Path(args.output_dir), say), "weights.md")
+    return finish_bench(args, run_weights_bench(engines, cfg, segs, Path(args.output_dir), say), "weights.md")
