@@ -1,4 +1,4 @@
-"""`ragkv bench ttft|engine|decode|train-step|store|serve|soak`: flags -> each benchmark's config dataclass (ragkv.bench.*)."""
+"""`ragkv bench ...` (ttft, decode, store, serve, soak and more): flags -> each benchmark's config (ragkv.bench.*)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,17 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, engine_from_args, fusion_from_args,
-                              ints, print_json, say)
+from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
+                              finish_bench, fusion_from_args, ints, say)
 from ragkv.engine.modes import MODES
 from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.settings import DEFAULT_MODEL, SERVE
 
 
-def _output_args(p) -> None:
-    p.add_argument("--output-dir", default="bench_out", help="where the JSON, markdown and PNG go")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the markdown table)")
-
-
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, train-step, store, serve, "
-                                           "structured, fuzz, fairness, soak")
+    p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, "
+                                     "train-step, store, serve, structured, fuzz, fairness, soak, chat, controller, "
+                                     "lookahead, ceiling, profile, weights")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -30,7 +26,7 @@ def register(sub) -> None:
     t.add_argument("--modes", default=",".join(MODES))
     t.add_argument("--query-tokens", type=int, default=50)
     t.add_argument("--repeats", type=int, default=3)
-    _output_args(t)
+    add_output_args(t)
     add_fusion_args(t, default_mode=None, title="mode parameters")
     add_model_args(t)
     t.set_defaults(func=run_ttft)
@@ -43,7 +39,7 @@ def register(sub) -> None:
     sh.add_argument("--batch-sizes", default="1,4,16")
     sh.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     sh.add_argument("--mode", default="reuse", choices=("reuse", "ape", "blend"), help="the requests' mode")
-    _output_args(sh)
+    add_output_args(sh)
     add_model_args(sh)
     sh.set_defaults(func=run_shared)
 
@@ -53,7 +49,7 @@ def register(sub) -> None:
     iv.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
     iv.add_argument("--passages", type=int, default=4, help="blocks per request")
     iv.add_argument("--rows", type=int, default=SERVE.max_batch, help="the fixed row count (serve's --max-batch)")
-    _output_args(iv)
+    add_output_args(iv)
     add_fusion_args(iv, title="the requests' mode")
     add_model_args(iv)
     iv.set_defaults(func=run_invariance)
@@ -63,7 +59,7 @@ def register(sub) -> None:
     e.add_argument("--dtypes", default="float32,bfloat16")
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    _output_args(e)
+    add_output_args(e)
     e.set_defaults(func=run_engine)
 
     d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
@@ -75,7 +71,7 @@ def register(sub) -> None:
     d.add_argument("--steps", type=int, default=32)
     d.add_argument("--rounds", type=int, default=3)
     d.add_argument("--fidelity-examples", type=int, default=8)
-    _output_args(d)
+    add_output_args(d)
     d.set_defaults(func=run_decode)
 
     f = bsub.add_parser("train-step", help="one fine-tuning example's forward + backward: causal vs Block-Attention "
@@ -89,7 +85,7 @@ def register(sub) -> None:
                         "fast)")
     f.add_argument("--device", default="cpu")
     f.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; finetune runs used 1)")
-    _output_args(f)
+    add_output_args(f)
     f.set_defaults(func=run_train_step)
 
     s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
@@ -105,7 +101,7 @@ def register(sub) -> None:
                    "stores (comma-separated: int8, int4, fp8) with the uncompressed one: bytes per token, "
                    "first-token KL and top-1 on HotpotQA (writes store_compressed.md)")
     s.add_argument("--examples", type=int, default=5, help="HotpotQA dev examples for --compare-kv")
-    _output_args(s)
+    add_output_args(s)
     add_fusion_args(s, default_mode=None, title="mode parameters")
     add_model_args(s, decode_weights=False)
     s.set_defaults(func=run_store)
@@ -142,7 +138,7 @@ def register(sub) -> None:
     v.add_argument("--shared-cluster", action="store_true",
                    help="start a private Redis Cluster (3 masters + 3 replicas on 127.0.0.1) and give it to the "
                         "started servers as their last store tier and their --library")
-    _output_args(v)
+    add_output_args(v)
     from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
     from ragkv.bench.serve.peer_vllm import DEFAULT_VLLM_PYTHON, VLLM_PACKAGE
 
@@ -176,7 +172,7 @@ def register(sub) -> None:
     so.add_argument("--batch-sizes", default="1,16")
     so.add_argument("--tokens", type=int, default=48, help="tokens decoded per sequence")
     so.add_argument("--repeats", type=int, default=3)
-    _output_args(so)
+    add_output_args(so)
     add_model_args(so)
     so.set_defaults(func=run_structured)
 
@@ -186,7 +182,7 @@ def register(sub) -> None:
     fz.add_argument("--url", default=None, help="a running server (default: start one here)")
     fz.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     fz.add_argument("--new-draw", action="store_true", help="a new random draw (default: seeded, repeatable)")
-    _output_args(fz)
+    add_output_args(fz)
     fz.set_defaults(func=run_fuzz)
 
     fa = bsub.add_parser("fairness", help="another tenant's TTFT while one tenant's long request (ape over many "
@@ -196,7 +192,7 @@ def register(sub) -> None:
     fa.add_argument("--words", type=int, default=1500, help="words per document (about one token each)")
     fa.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for the started server, repeatable")
-    _output_args(fa)
+    add_output_args(fa)
     fa.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     fa.add_argument("--dtype", default="float32")
     fa.set_defaults(func=run_fairness)
@@ -237,7 +233,7 @@ def register(sub) -> None:
     ab.add_argument("--rss-return-pct", type=float, default=10.0, help="RSS must come back within this %% of its "
                     "pre-phase level ...")
     ab.add_argument("--rss-return-s", type=float, default=30.0, help="... within this many seconds")
-    _output_args(k)
+    add_output_args(k)
     add_model_args(k, decode_weights=False)
     k.set_defaults(func=run_soak)
     h = bsub.add_parser("chat", help="a long stateless chat as it is, compacted and with a dropped exchange: TTFT "
@@ -250,7 +246,7 @@ def register(sub) -> None:
     h.add_argument("--scenarios", default="unedited,compacted,dropped")
     h.add_argument("--repeats", type=int, default=3, help="runs of each measured turn (the edit, the last), each "
                                                           "from the same cache state; the median is reported")
-    _output_args(h)
+    add_output_args(h)
     add_model_args(h)
     h.set_defaults(func=run_chat)
 
@@ -273,19 +269,14 @@ def register(sub) -> None:
                    "re-measuring it under this run's threads")
     c.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server)")
     c.add_argument("--disk-dir", default=None, help="disk tiers' parent directory (default: temporary)")
-    _output_args(c)
+    add_output_args(c)
     add_fusion_args(c, default_mode=None, title="blend parameters (--ratio: the controller's r_min)")
     add_model_args(c, decode_weights=False)
     c.set_defaults(func=run_controller)
+    from ragkv.cli import bench_probes
+
+    bench_probes.register(bsub)
     p.set_defaults(func=lambda args: p.print_help() or 2)
-
-
-def _finish(args, result: dict, markdown: str) -> int:
-    if args.json:
-        print_json(result)
-    else:
-        print((Path(args.output_dir) / markdown).read_text())
-    return 0
 
 
 def run_structured(args) -> int:
@@ -293,7 +284,7 @@ def run_structured(args) -> int:
 
     cfg = StructuredBenchConfig(batch_sizes=ints(args.batch_sizes, "--batch-sizes"), tokens=args.tokens,
                                 repeats=args.repeats)
-    return _finish(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
+    return finish_bench(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
                    "structured.md")
 
 
@@ -302,7 +293,7 @@ def run_fuzz(args) -> int:
 
     cfg = FuzzConfig(examples=args.examples, url=args.url, model=args.model, seed=None if args.new_draw else 0)
     result = run_fuzz_bench(cfg, Path(args.output_dir), say)
-    _finish(args, result, "fuzz.md")
+    finish_bench(args, result, "fuzz.md")
     return 1 if result["failures"] else 0
 
 
@@ -311,7 +302,7 @@ def run_fairness(args) -> int:
 
     cfg = FairnessConfig(model=args.model, dtype=args.dtype, mode=args.mode, docs=args.docs, words=args.words,
                          server_args=tuple(args.server_arg))
-    return _finish(args, run_fairness_bench(cfg, Path(args.output_dir), say), "fairness.md")
+    return finish_bench(args, run_fairness_bench(cfg, Path(args.output_dir), say), "fairness.md")
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -332,7 +323,7 @@ def run_chat(args) -> int:
                           paths=tuple(split_mode_list(args.paths)), scenarios=scenarios,
                           repeats=max(1, args.repeats))
     result = run_chat_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
-    return _finish(args, result, "chat.md")
+    return finish_bench(args, result, "chat.md")
 
 
 def run_ttft(args) -> int:
@@ -341,7 +332,7 @@ def run_ttft(args) -> int:
     cfg = TtftBenchConfig(contexts=ints(args.contexts, "--contexts"), modes=_modes(args.modes),
                           query_tokens=args.query_tokens, repeats=args.repeats, fusion=fusion_from_args(args))
     result = run_ttft_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
-    return _finish(args, result, "ttft.md")
+    return finish_bench(args, result, "ttft.md")
 
 
 def run_shared(args) -> int:
@@ -349,7 +340,7 @@ def run_shared(args) -> int:
 
     cfg = SharedBenchConfig(passages=args.passages, distinct=args.distinct, requests=args.requests,
                             batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps, mode=args.mode)
-    return _finish(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
+    return finish_bench(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
 
 
 def run_invariance(args) -> int:
@@ -360,7 +351,7 @@ def run_invariance(args) -> int:
                          "compared at one fixed row count")
     cfg = InvarianceBenchConfig(requests=args.requests, tokens=args.tokens, passages=args.passages, rows=args.rows,
                                 fusion=fusion_from_args(args))
-    return _finish(args, run_invariance_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
+    return finish_bench(args, run_invariance_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
                    "invariance.md")
 
 
@@ -368,7 +359,7 @@ def run_engine(args) -> int:
     from ragkv.bench.engine_vs_hf import EngineBenchConfig, run_engine_bench
 
     cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats)
-    return _finish(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
+    return finish_bench(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
 
 
 def run_decode(args) -> int:
@@ -379,7 +370,7 @@ def run_decode(args) -> int:
         raise RagkvError(f"--configs wants dtype:weights pairs like float32:int4, got {args.configs!r}")
     cfg = DecodeBenchConfig(model=args.model, configs=configs, batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
                             steps=args.steps, rounds=args.rounds, fidelity_examples=args.fidelity_examples)
-    return _finish(args, run_decode_bench(cfg, Path(args.output_dir), say), "decode.md")
+    return finish_bench(args, run_decode_bench(cfg, Path(args.output_dir), say), "decode.md")
 
 
 def run_train_step(args) -> int:
@@ -396,7 +387,7 @@ def run_train_step(args) -> int:
     bf16 = resolve_autocast(args.bf16, device)
     cfg = TrainStepBenchConfig(model=args.model, examples=args.examples, rounds=args.rounds,
                                max_length=args.max_length, bf16=bf16, device=str(device))
-    return _finish(args, run_train_step_bench(cfg, Path(args.output_dir), say), "train_step.md")
+    return finish_bench(args, run_train_step_bench(cfg, Path(args.output_dir), say), "train_step.md")
 
 
 def run_store(args) -> int:
@@ -406,7 +397,7 @@ def run_store(args) -> int:
                            modes=_modes(args.modes), query_tokens=args.query_tokens, repeats=args.repeats,
                            fusion=replace(fusion_from_args(args), mode="full"), redis=args.redis,
                            disk_dir=args.disk_dir, compare_kv=_modes(args.compare_kv), examples=args.examples)
-    return _finish(args, run_store_bench(cfg, Path(args.output_dir), say),
+    return finish_bench(args, run_store_bench(cfg, Path(args.output_dir), say),
                    "store_compressed.md" if cfg.compare_kv else "store_bench.md")
 
 
@@ -447,7 +438,7 @@ def run_serve(args) -> int:
             for _ in range(args.servers)]
         result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, servers, peer, args.peer_url,
                                  model=args.model)
-    return _finish(args, result, "serve_bench.md")
+    return finish_bench(args, result, "serve_bench.md")
 
 
 def run_soak(args) -> int:
@@ -465,7 +456,7 @@ def run_soak(args) -> int:
                      abuse_word_chars=args.abuse_word_chars, abuse_documents=args.abuse_documents,
                      abuse_max_s=args.abuse_seconds, rss_slack=args.rss_slack, rss_return_pct=args.rss_return_pct,
                      rss_return_s=args.rss_return_s)
-    return _finish(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")
+    return finish_bench(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")
 
 
 def run_controller(args) -> int:
@@ -480,4 +471,4 @@ def run_controller(args) -> int:
                                 throttle_factor=args.throttle_factor, target=args.target,
                                 refresh_profile=not args.keep_profile,
                                 fusion=replace(fusion, auto_ratio=False), redis=args.redis, disk_dir=args.disk_dir)
-    return _finish(args, run_controller_bench(cfg, Path(args.output_dir), say), "controller_bench.md")
+    return finish_bench(args, run_controller_bench(cfg, Path(args.output_dir), say), "controller_bench.md")

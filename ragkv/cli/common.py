@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ragkv.engine.options import FusionOptions, fusion_option_specs
 from ragkv.errors import InvalidRequestError
@@ -176,3 +177,18 @@ def say(msg: str) -> None:
 def print_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=2, ensure_ascii=False)
     sys.stdout.write("\n")
+
+
+def add_output_args(p) -> None:
+    """A benchmark's output flags."""
+    p.add_argument("--output-dir", default="bench_out", help="where the JSON, markdown and PNG go")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the markdown table)")
+
+
+def finish_bench(args, result: dict, markdown: str) -> int:
+    """Print a benchmark's result: its JSON with --json, else the markdown it wrote."""
+    if args.json:
+        print_json(result)
+    else:
+        print((Path(args.output_dir) / markdown).read_text())
+    return 0

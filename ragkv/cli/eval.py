@@ -156,8 +156,14 @@ def register(sub) -> None:
     r.add_argument("--vs-work", metavar="PNG", default=None,
                    help="only the quality-vs-work figure and table: per mode, recompute_vs_full against the paired "
                    "accuracy difference to full (pooled over the given runs) and the first-token KL")
+    r.add_argument("--paired", action="store_true",
+                   help="only the paired differences (95%% bootstrap intervals) on the questions every compared key "
+                   "answered: of one run, each key minus full and minus the key it extends (k,draft=16 minus k); "
+                   "of two runs (e.g. two models, two passage orders), also the same key in the second minus the "
+                   "first, and the second's gap to its full minus the first's")
     r.add_argument("--modes", default=None, metavar="KEYS",
-                   help="with --vs-work: only these mode keys (comma-separated, as in the records) beside full")
+                   help="with --vs-work or --paired: only these mode keys (comma-separated, as in the records) "
+                   "beside full")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -423,6 +429,19 @@ def run_report_cmd(args) -> int:
 
         keys = split_mode_list(args.modes) if args.modes else None
         result = quality_vs_work(paths, Path(args.vs_work), modes=keys)
+        print(result["markdown"])
+        return 0
+    if args.paired:
+        from ragkv.bench.paired import paired_report
+        from ragkv.eval.modes import split_mode_list
+
+        if not args.runs:
+            raise RagkvError("--paired wants one run's results files, or two runs' (e.g. two models)")
+        try:
+            result = paired_report(paths, split_mode_list(args.modes) if args.modes else None)
+        except ValueError as e:
+            raise RagkvError(str(e)) from None
+        print("\n".join(f"{'AB'[i]}: {run}" for i, run in enumerate(result["runs"])) + "\n")
         print(result["markdown"])
         return 0
     if args.tables:

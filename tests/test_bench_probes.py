@@ -1,0 +1,91 @@
+"""`ragkv bench lookahead|ceiling|profile|weights` (ragkv/bench/{lookahead,ceiling,prefill_profile,weights}.py) on
+the tiny random Llama: what each reports is checked against what it must be, not only that it runs."""
+
+import json
+
+import pytest
+
+from ragkv.bench.ceiling import CeilingBenchConfig, run_ceiling_bench
+from ragkv.bench.lookahead import LookaheadBenchConfig, run_lookahead_bench
+from ragkv.bench.prefill_profile import ProfileBenchConfig, run_profile_bench
+from ragkv.bench.weights import COLD, WeightsBenchConfig, run_weights_bench
+from ragkv.engine.flops import linear_flops
+from tiny import IdText, make_segs, rand_ids
+
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_lookahead_takes_the_drafts_rows_while_the_answer_repeats_it(tiny_engine, tmp_path):
+    eng = tiny_engine()
+    eng.tokenizer, eng.eos_ids = IdText(), set()  # every answer runs to its budget
+    questions = [(str(i), make_segs(seed=i)) for i in range(4)]
+    cfg = LookaheadBenchConfig(ratio=0.5, draft_tokens=4, max_new_tokens=8)
+    res = run_lookahead_bench(eng, cfg, questions, tmp_path, quiet)
+    taken = []
+    for r in res["rows"]:
+        w, wo = r["with"], r["without"]
+        assert r["same_answer"] and w["tokens"] == wo["tokens"] and len(w["tokens"]) == 8
+        assert len(w["draft"]) == 4 and wo["taken"] == 0
+        # a row is taken while the answer repeats the draft; the last token is never fed back
+        assert w["taken"] == min(_common_prefix(w["draft"], w["tokens"]), len(w["tokens"]) - 1)
+        taken.append(w["taken"])
+    assert sum(taken) > 0 and min(taken) < 4  # both the taken and the dropped paths ran
+    saved = json.loads((tmp_path / "lookahead.json").read_text())
+    assert saved["summary"]["taken"] == sum(taken) and saved["summary"]["same_answers"] == 4
+    assert "| 0 |" in (tmp_path / "lookahead.md").read_text()
+
+
+def test_ceiling_counts_the_engines_flops_and_splits_the_profile(tiny_engine, tmp_path):
+    eng = tiny_engine()
+    a = eng.model.args
+    cfg = CeilingBenchConfig(tokens=96, batch_sizes=(1, 2), sgemm_sizes=(64,), rounds=1)
+    res = run_ceiling_bench(eng, cfg, rand_ids(200, 1), [make_segs(seed=s) for s in range(2)], tmp_path, quiet)
+    T, L = 96, a.num_layers
+    assert res["tokens"] == T
+    # the linears' FLOPs from the weights themselves: 2 per weight per token, every layer (LM head apart)
+    weights = sum(p.numel() for n, p in eng.model.named_parameters()
+                  if n.endswith("proj.weight") and "layers." in n)
+    assert res["linear_flop"] == 2 * T * weights == T * L * linear_flops(a)
+    assert res["linear_s"] > 0 and res["attention_s"] > 0
+    assert res["linear_s"] + res["attention_s"] + res["other_s"] == pytest.approx(res["profiled_self_s"], abs=1e-5)
+    assert res["ceiling_s"] == pytest.approx((res["linear_flop"] + res["attention_flop"])
+                                             / res["sgemm_peak_gflops"] / 1e9, rel=1e-2)
+    steps = res["decode_steps"]
+    assert set(steps) == {1, 2} and all(s["step_ms"] > 0 for s in steps.values())
+    assert steps[2]["profile_ms"]["linear"] > 0
+    assert json.loads((tmp_path / "ceiling.json").read_text())["tokens"] == T
+
+
+def test_profile_times_the_warm_prefill_only(tiny_engine, tmp_path):
+    eng = tiny_engine()
+    segs = make_segs()
+    res = run_profile_bench(eng, ProfileBenchConfig(mode="reuse", repeats=3, top=5), segs, tmp_path, quiet)
+    assert len(res["wall_ms_runs"]) == 3 and min(res["wall_ms_runs"]) <= res["wall_ms_median"]
+    assert res["tokens"]["blocks"] == [len(b) for b in segs.blocks]
+    assert res["reused_tokens"] == len(segs.prefix) + sum(map(len, segs.blocks))  # all from the store
+    assert res["stats_ms"].get("encode_ms", 0) == 0
+    assert 0 < len(res["ops"]) <= 5 and sum(o["share"] for o in res["ops"]) <= 1.0001
+    assert res["ops"] == sorted(res["ops"], key=lambda o: -o["self_ms"])
+
+
+def test_weights_alternates_engines_that_compute_the_same(tiny_engine, tmp_path):
+    engines = {w: tiny_engine(decode_weights=w) for w in ("exact", "transposed")}
+    segs = [make_segs(seed=s) for s in range(2)]
+    cfg = WeightsBenchConfig(weights=("exact", "transposed"), modes=("full", "blend:sel=query,r=0.3"),
+                             batch_sizes=(1, 2), rounds=1)
+    res = run_weights_bench(engines, cfg, segs, tmp_path, quiet)
+    rows = {r["case"]: r for r in res["rows"]}
+    assert list(rows) == ["full", "blend:sel=query,r=0.3", COLD, "step b=1", "step b=2"]
+    for case in ("full", "blend:sel=query,r=0.3", COLD):
+        assert rows[case]["ratio"]["exact"] == 1.0
+        assert rows[case]["max_logit_diff"]["exact"] == 0
+        assert rows[case]["max_logit_diff"]["transposed"] < 1e-3  # the same products in another order
+    assert all(v > 0 for r in rows.values() for v in r["ms"].values())
+    assert res["weights"] == {"exact": "exact", "transposed": "transposed"}
