@@ -8,6 +8,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from ragkv.cli.bench_replicas import add_replica_args, run_replicas_bench
 from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
                               finish_bench, fusion_from_args, ints, say)
 from ragkv.engine.modes import MODES
@@ -139,6 +140,7 @@ def register(sub) -> None:
                    help="start a private Redis Cluster (3 masters + 3 replicas on 127.0.0.1) and give it to the "
                         "started servers as their last store tier and their --library")
     add_output_args(v)
+    add_replica_args(v)
     from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
     from ragkv.bench.serve.peer_vllm import DEFAULT_VLLM_PYTHON, VLLM_PACKAGE
 
@@ -402,6 +404,8 @@ def run_store(args) -> int:
 
 
 def run_serve(args) -> int:
+    if args.replicas > 1:
+        return run_replicas_bench(args)
     from ragkv.bench.serve import ServeBenchConfig, ServerProcess, run_serve_bench
     from ragkv.bench.serve.peer import make_peer
 
