@@ -36,7 +36,8 @@ class ReplicaBenchConfig:
     pool_size: int = 40
     passage_words: int = 100
     max_tokens: int = 8
-    memory: str = "memory:1GiB"      # each server's (each replica's) KV store
+    memory: str = "memory:1GiB"      # each replica's KV store; the single server gets N times its memory (the
+                                     # same machine's worth: affinity partitions the blocks, round-robin copies them)
     repeats: int = 1                 # rounds over the routers (alternating: the machine's speed drifts)
     single: bool = True              # measure one plain server first (the hit-rate baseline)
     seed: int = 0
@@ -67,6 +68,17 @@ def zipf_requests(cfg: ReplicaBenchConfig) -> list[dict]:
                                                     {"role": "user", "content": sets[i].question}],
                                        "documents": docs}})
     return out
+
+
+def single_store(cfg: ReplicaBenchConfig) -> str:
+    """The single server's store: the replicas' memory tier times their number (other tiers as given)."""
+    from ragkv.store.sizes import format_size, parse_size
+
+    tiers = cfg.memory.split(",")
+    kind, _, size = tiers[0].partition(":")
+    if kind == "memory" and size:
+        tiers[0] = f"memory:{format_size(parse_size(size) * cfg.replicas)}"
+    return ",".join(tiers)
 
 
 def run_config(url: str, model: str, requests: list[dict], cfg: ReplicaBenchConfig) -> dict:
@@ -127,10 +139,11 @@ def run_replica_bench(cfg: ReplicaBenchConfig, model: str, dtype: str, out_dir: 
     runs = []
     for name in plan:
         extra = ("--no-startup-profile", *server_args)
+        store = single_store(cfg) if name == "single" else cfg.memory
         if name != "single":
             extra += ("--replicas", str(cfg.replicas), "--router", name, "--replica-threads", "1")
         say(f"[replicas bench] {name}: starting")
-        with ServerProcess(model, dtype, "cpu", cfg.memory, startup_s=600, extra=extra, threads=1) as server:
+        with ServerProcess(model, dtype, "cpu", store, startup_s=600, extra=extra, threads=1) as server:
             figures = run_config(server.url, model, requests, cfg)
         runs.append({"config": name, **figures})
         say(f"[replicas bench] {name}: hit rate {figures['block_hit_rate']:.3f}, TTFT p50 {figures['ttft_p50_s']} s, "
@@ -167,7 +180,8 @@ def render(result: dict) -> str:
     lines = [f"# Replicas: affinity vs round-robin ({result['model']}, {result['dtype']})", "",
              f"{cfg['requests']} requests over {cfg['sets']} passage sets (Zipf {cfg['zipf']}, "
              f"{cfg['passages_per_request']} MuSiQue passages each, fresh order per request), {cfg['concurrency']} "
-             f"clients, {cfg['replicas']} replicas of 1 thread, store {cfg['memory']} per server.", "",
+             f"clients, {cfg['replicas']} replicas of 1 thread, store {cfg['memory']} per replica (the single server: "
+             f"{single_store(ReplicaBenchConfig(**result['config']))}).", "",
              "| config | block hit rate | vs single | TTFT p50 (s) | TTFT p95 (s) | req/s | per replica | errors |",
              "|---|---|---|---|---|---|---|---|"]
     summary = result["summary"]

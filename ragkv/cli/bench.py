@@ -8,7 +8,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ragkv.cli.bench_replicas import add_replica_args, run_replicas_bench
+from ragkv.cli.bench_replicas import (add_replica_args, add_replica_soak_args, run_replica_soak_bench,
+                                     run_replicas_bench)
 from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
                               finish_bench, fusion_from_args, ints, say)
 from ragkv.engine.modes import MODES
@@ -237,6 +238,7 @@ def register(sub) -> None:
     ab.add_argument("--rss-return-s", type=float, default=30.0, help="... within this many seconds")
     add_output_args(k)
     add_model_args(k, decode_weights=False)
+    add_replica_soak_args(k)
     k.set_defaults(func=run_soak)
     h = bsub.add_parser("chat", help="a long stateless chat as it is, compacted and with a dropped exchange: TTFT "
                                      "per turn of full, prefix and chat turns as blocks, with KL to full")
@@ -446,6 +448,8 @@ def run_serve(args) -> int:
 
 
 def run_soak(args) -> int:
+    if args.replicas > 1:
+        return run_replica_soak_bench(args)
     from ragkv.bench.soak import SoakConfig, run_soak as run_soak_bench
 
     cfg = SoakConfig(clients=args.clients, minutes=args.minutes, seed=args.seed, fault_interval_s=args.fault_interval,

@@ -33,3 +33,20 @@ def run_replicas_bench(args) -> int:
     result = run_replica_bench(cfg, args.model, args.dtype, Path(args.output_dir), say, tuple(args.server_arg))
     (Path(args.output_dir) / "replicas_bench.md").write_text(render(result))
     return finish_bench(args, result, "replicas_bench.md")
+
+
+def add_replica_soak_args(k) -> None:
+    g = k.add_argument_group("replicas (--replicas N: `ragkv serve --replicas N` under load, replicas killed; the "
+                             "other soak flags except --clients, --minutes, --seed, --max-tokens do not apply)")
+    g.add_argument("--replicas", type=int, default=1, help="soak this many replicas on Ray Serve (>= 2)")
+    g.add_argument("--kills", type=int, default=2, help="replicas killed (SIGKILL), evenly spaced over --minutes")
+
+
+def run_replica_soak_bench(args) -> int:
+    from ragkv.bench.replica_soak import ReplicaSoakConfig, render, run_replica_soak
+
+    cfg = ReplicaSoakConfig(replicas=args.replicas, clients=args.clients, minutes=args.minutes, kills=args.kills,
+                            max_tokens=max(args.max_tokens, 2), model=args.model, dtype=args.dtype, seed=args.seed)
+    result = run_replica_soak(cfg, Path(args.output_dir), say)
+    (Path(args.output_dir) / "replica_soak.md").write_text(render(result))
+    return finish_bench(args, result, "replica_soak.md")

@@ -51,7 +51,7 @@ def register(sub) -> None:
                    help="which replica answers: the one holding most of the request's blocks in memory (the "
                         "least loaded when none does or it is busier than the others by --affinity-slack), or "
                         "each in turn")
-    r.add_argument("--affinity-slack", type=int, default=4, metavar="REQUESTS",
+    r.add_argument("--affinity-slack", type=int, default=1, metavar="REQUESTS",
                    help="a holder busier than the least loaded replica by more requests than this loses the request "
                         "to the least loaded one")
     r.add_argument("--replica-threads", type=int, default=1, metavar="N",
@@ -134,13 +134,14 @@ def check_flags(args) -> None:
     library_location(args)
 
 
-def build_server(args, worker_thread: bool = False):
-    """The Server the flags describe (the engine loaded, its scheduler built): one process's or one replica's."""
+def build_server(args, worker_thread: bool = False, keys=None):
+    """The Server the flags describe (the engine loaded, its scheduler built): one process's or one replica's.
+    `keys`: the API keys, when read elsewhere (a replica gets the launcher's: its machine may lack the file)."""
     from ragkv.serve.auth import ApiKeys
     from ragkv.serve.server import Limits, Server
 
     fusion = fusion_from_args(args)
-    keys = ApiKeys.parse(args.api_key, args.api_keys)
+    keys = keys if keys is not None else ApiKeys.parse(args.api_key, args.api_keys)
     # the model loads only once every flag passed; a store tier down now (Redis) starts down and is retried, as
     # one failing mid-run is: a replica restarted during an outage serves instead of staying down
     engine = engine_from_args(args, must_reach=False)

@@ -24,7 +24,10 @@ def run_replicas(args) -> int:
         raise InvalidRequestError("--replicas and --ray-address need Ray Serve: pip install 'ragkv[replicas]' "
                                   "(or bash scripts/setup.sh --for-tests)") from None
     from ragkv.cli.serve import build_server
+    from ragkv.serve.auth import ApiKeys
     from ragkv.serve.replicas.deployment import build_app
+
+    keys = ApiKeys.parse(args.api_key, args.api_keys)  # read here: the replicas' machines may not have the file
 
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
     env["OMP_NUM_THREADS"] = str(args.replica_threads)
@@ -43,8 +46,9 @@ def run_replicas(args) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app(partial(build_server, args, worker_thread=True), args.replicas, args.replica_threads,
-                        args.router, args.affinity_slack, args.max_batch + args.max_queue, args.metrics_need_key)
+        make_server = partial(build_server, args, worker_thread=True, keys=keys)
+        app = build_app(make_server, args.replicas, args.replica_threads, args.router, args.affinity_slack,
+                        args.max_batch + args.max_queue, args.metrics_need_key)
         serve.run(app, name="ragkv", route_prefix="/")  # returns once every replica has loaded its model
         print(f"ragkv: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replica(s) "
               f"on Ray Serve, router {args.router}", flush=True)

@@ -7,6 +7,7 @@ in `x-ragkv-replica`. A replica that dies with requests in flight fails only tho
 a new one in its place."""
 
 # no `from __future__ import annotations`: FastAPI reads the route's parameter types at import
+import asyncio
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from ragkv.serve.replicas.router import ROUTE_KWARG, BlockAffinityRouter
 log = logging.getLogger("ragkv.replicas")
 REPLICA_HEADER = "x-ragkv-replica"
 HELD_REPORTED = 4096  # block ids a replica reports per poll (its most recently used)
+RETRIES, RETRY_PAUSE_S = 2, 0.5  # a request whose replica died before answering goes to another (Ray drops the dead)
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}  # the proxy frames the body itself
 
 
@@ -126,15 +128,20 @@ class Ingress:
         except ray.exceptions.RayError as e:
             return replica_failed(e)
         client = tuple(request.client) if request.client else None
-        stream = self.replicas.options(stream=True).forward.remote(
-            request.method, path, request.scope.get("query_string", b""), list(request.scope["headers"]), body,
-            client, **{ROUTE_KWARG: blocks})
-        try:
-            status, headers = await stream.__anext__()
-        except ray.exceptions.RayError as e:
-            return replica_failed(e)
-        except StopAsyncIteration:
-            return replica_failed(RuntimeError("the replica sent no answer"))
+        for attempt in range(RETRIES + 1):
+            # a replica that fails before its answer starts sent nothing yet: another may answer (each endpoint is
+            # safe to repeat: answers are computed, documents keyed by content). One mid-answer cannot be retried.
+            stream = self.replicas.options(stream=True).forward.remote(
+                request.method, path, request.scope.get("query_string", b""), list(request.scope["headers"]), body,
+                client, **{ROUTE_KWARG: blocks})
+            try:
+                status, headers = await stream.__anext__()
+                break
+            except (ray.exceptions.RayError, StopAsyncIteration) as e:
+                log.warning("a replica failed before answering (attempt %d): %s", attempt + 1, type(e).__name__)
+                if attempt == RETRIES:
+                    return replica_failed(e)
+                await asyncio.sleep(RETRY_PAUSE_S)
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.lower() not in HOP_HEADERS}
         sse = kept.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(rest_of(stream, sse), status_code=status, headers=kept)
