@@ -68,6 +68,11 @@ class ServeDefaults:
     # edit 0.34-0.47x full's TTFT at a first-token KL of 0.02-0.32 (docs/results/blocks_beyond_rag.md); auto
     # escalated both edits there to more than full's cost on an uncalibrated model
     history_mode: str = "blend"
+    # --shadow-fraction: share of approximate answers re-run with `full` while the server is idle, their closeness
+    # exported per mode in /metrics (serve/shadow.py); never delays a request. --shadow-max-pending bounds the
+    # checks waiting at once (each keeps a prompt and one first-token distribution)
+    shadow_fraction: float = 0.02
+    shadow_max_pending: int = 4
 
 
 SERVE = ServeDefaults()

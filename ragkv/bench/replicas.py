@@ -138,7 +138,7 @@ def run_replica_bench(cfg: ReplicaBenchConfig, model: str, dtype: str, out_dir: 
     plan = (["single"] if cfg.single else []) + [r for _ in range(cfg.repeats) for r in cfg.routers]
     runs = []
     for name in plan:
-        extra = ("--no-startup-profile", *server_args)
+        extra = ("--no-startup-profile", "--shadow-fraction", "0", *server_args)  # routing alone is measured
         store = single_store(cfg) if name == "single" else cfg.memory
         if name != "single":
             extra += ("--replicas", str(cfg.replicas), "--router", name, "--replica-threads", "1")

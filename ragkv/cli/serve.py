@@ -87,6 +87,12 @@ def register(sub) -> None:
                    help="mode of a chat without documents when the request names none: earlier turns are blocks, "
                         "exact while the conversation only grows; after an edit the turns behind it are fused by "
                         f"this mode (default {SERVE.history_mode}; `prefix` keeps every answer exact)")
+    p.add_argument("--shadow-fraction", type=float, default=SERVE.shadow_fraction, metavar="F",
+                   help="share of approximate answers re-run with `full` while the server is idle (never delaying a "
+                        "request): their measured first-token KL, top-1 and greedy agreement per mode, beside the "
+                        f"estimates they stated, in /metrics (ragkv_fidelity_*); 0: none (default {SERVE.shadow_fraction})")
+    p.add_argument("--shadow-max-pending", type=int, default=SERVE.shadow_max_pending, metavar="N",
+                   help="checks waiting at once; a sampled answer beyond it is skipped (and counted)")
     add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
@@ -109,6 +115,10 @@ def check_flags(args) -> None:
         raise InvalidRequestError(f"--max-request-cost must be >= 0 (0: no limit), got {args.max_request_cost}")
     if args.tenant_budget is not None and args.tenant_budget < 1:
         raise InvalidRequestError(f"--tenant-budget must be >= 1 token-layers per minute, got {args.tenant_budget}")
+    if not (math.isfinite(args.shadow_fraction) and 0 <= args.shadow_fraction <= 1):
+        raise InvalidRequestError(f"--shadow-fraction must be in [0, 1], got {args.shadow_fraction}")
+    if args.shadow_max_pending < 1:
+        raise InvalidRequestError(f"--shadow-max-pending must be >= 1, got {args.shadow_max_pending}")
     if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
         raise InvalidRequestError(f"--prefill-stall-ms must be a number of milliseconds >= 0, got "
                                   f"{args.prefill_stall_ms}")
@@ -150,7 +160,8 @@ def build_server(args, worker_thread: bool = False, keys=None):
     return Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                   args.max_batch, args.prefill_chunk, worker_thread=worker_thread, keys=keys, limits=limits,
                   served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
-                  batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms)
+                  batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms,
+                  shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
 
 
 def run_serve(args) -> int:

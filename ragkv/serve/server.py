@@ -19,6 +19,7 @@ from ragkv.serve.ingest import IngestJobs
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.requests import Prepared, RequestBuilder
 from ragkv.serve.schemas import FieldError
+from ragkv.serve.shadow import ShadowChecks
 from ragkv.settings import DEFAULT_TENANT, SERVE
 from ragkv.store.sizes import human_size
 
@@ -44,7 +45,8 @@ class Server:
                  max_batch: int = SERVE.max_batch, prefill_chunk: int = SERVE.prefill_chunk,
                  worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
                  served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode,
-                 batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms):
+                 batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms,
+                 shadow_fraction: float = SERVE.shadow_fraction, shadow_max_pending: int = SERVE.shadow_max_pending):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -63,6 +65,9 @@ class Server:
                                    on_finish=self.metrics.observe_stats, lock=engine.lock, thread=worker_thread,
                                    kv_budget=KVBudget(limits.kv_memory_bytes), prefill_stall_ms=prefill_stall_ms)
         self._library, self._library_lock = None, threading.Lock()
+        # shadow verification: sampled approximate answers re-run with `full` while idle, measured in /metrics
+        self.shadow = ShadowChecks(engine, self.scheduler, shadow_fraction, prefill_chunk, shadow_max_pending)
+        self.metrics.registry.register(self.shadow)
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode,
                                        TenantBudget(limits.tenant_budget))
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
@@ -104,9 +109,16 @@ class Server:
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
         job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant)
+        job.future.add_done_callback(self._maybe_shadow)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
             self.warm_turns(p)
         return job
+
+    def _maybe_shadow(self, future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        p, seq, _ = future.result()
+        self.shadow.consider(p, seq)
 
     def warm_turns(self, p: Prepared) -> None:
         """In the background while the server is idle: encode the chat's turns the block store lacks (a later
