@@ -121,7 +121,11 @@ def register(sub) -> None:
                        "answers (or reads such records with --records). Results are stored per model fingerprint: "
                        "`ape` and `auto` use them by default.")
     _data_args(c, "hotpotqa-train", 20)
-    c.add_argument("--target", choices=("ape", "auto"), default="ape", help="what to calibrate (default ape)")
+    c.add_argument("--target", choices=("ape", "auto", "fidelity"), default="ape",
+                   help="what to calibrate (default ape); fidelity: the per-reply estimate, from --records")
+    c.add_argument("--test-records", default=None, help="fidelity: eval records to judge the fit on (default: two "
+                   "folds by question of --records)")
+    c.add_argument("--save-to", default=None, help="fidelity: where the fit goes (default: the model's in the cache)")
     c.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of T")
     c.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of S")
     c.add_argument("--objective", choices=("score", "kl"), default="score",
@@ -134,7 +138,7 @@ def register(sub) -> None:
                    help="auto: mean first-token KL to full to stay under after escalations (default 0.03)")
     c.add_argument("--max-escalation", type=float, default=0.15,
                    help="auto: the most answers escalated to a full recompute, a fraction (default 0.15)")
-    c.add_argument("--records", default=None, help="auto: eval records (JSONL) of full and blend:sel=query,r=R on "
+    c.add_argument("--records", default=None, help="fidelity: eval records to fit (comma-separated); auto: eval records (JSONL) of full and blend:sel=query,r=R on "
                    "held-out data to calibrate from instead of running them (for the model that wrote them)")
     c.add_argument("--allow-eval-data", action="store_true", help="calibrate on an evaluation data set anyway")
     c.add_argument("--output-dir", default="runs/calibration", help="where the grid JSON and heatmap go")
@@ -320,6 +324,10 @@ def run_calibrate_cmd(args) -> int:
                          "--allow-eval-data)")
     if args.target == "auto":
         return _calibrate_auto(args)
+    if args.target == "fidelity":
+        from ragkv.cli.calibrate_fidelity import run_fidelity_calibration
+
+        return run_fidelity_calibration(args)
     from ragkv.bench import sweeps
 
     label, desc, kw = dataset_spec(args, "hotpotqa-train")

@@ -20,6 +20,7 @@ from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.block_pool import BlockPool
 from ragkv.engine.blocks import BlockCache, route_id
 from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
+from ragkv.engine.estimates import load_fidelity_fits
 from ragkv.engine.generate import Delta, Sequence, step_sequences
 from ragkv.engine.history import settle_history
 from ragkv.engine.kvcache import DECODE_HEADROOM
@@ -129,6 +130,9 @@ class Engine:
         self.lock = threading.RLock()  # the model runs one request at a time
         self.loading_planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
         self.block_cache.place = lambda tokens: self.loading_planner.placement(tokens, FusionOptions().ratio)
+        # per-reply fidelity estimates fitted for this model (`ragkv calibrate --target fidelity`), else None:
+        # replies then state the population estimate (engine/estimates.py)
+        self.fidelity_fits = load_fidelity_fits(loaded.name)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -384,6 +388,11 @@ class Engine:
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
         stats.fidelity = mode.fidelity(fusion, stats)
+        if self.fidelity_fits is not None and not stats.fidelity.get("exact"):
+            share = stats.recomputed_token_layers / max(1, stats.full_token_layers)
+            fitted = self.fidelity_fits.estimate(stats.fidelity, share, state.logits)
+            if fitted is not None:
+                stats.fidelity = {**stats.fidelity, "estimate": fitted}
         history = stats.extra.get("history")
         if history is not None:  # chat turns: exact when nothing was fused (engine/history.py)
             stats.fidelity = {**stats.fidelity, "exact": bool(history["exact"] or stats.fidelity.get("exact")),

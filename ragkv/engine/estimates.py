@@ -45,3 +45,78 @@ def population_estimate(mode: str, select: str | None = None, ratio: float = 0.0
     kl, top1 = _interpolate(points, ratio)
     return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": "none",
             "basis": "population", "source": SOURCE}
+
+
+# --- a per-reply estimate, fitted on held-out records by `ragkv calibrate --target fidelity` (eval/fidelity_fit) ---
+
+FEATURES = ("1", "recompute_share", "entropy", "margin")  # the reply's, when its prefill ends
+
+
+def fit_key(mode: str, select: str | None) -> str:
+    return f"{mode}|{select or ''}"
+
+
+class FidelityFits:
+    """Per (mode, selection): a logistic model of "the first token is full's" and a log-linear one of the first-token
+    KL, on FEATURES. Keys without a fit fall back to the population estimate."""
+
+    def __init__(self, fits: dict, source: str, calibration: str = "fitted"):
+        self.fits, self.source, self.calibration = fits, source, calibration
+
+    @classmethod
+    def load(cls, path) -> "FidelityFits | None":
+        import json
+        from pathlib import Path
+
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if doc.get("kind") != "fidelity-fit" or list(doc.get("features", ())) != list(FEATURES):
+            return None
+        return cls(doc.get("fits") or {}, str(doc.get("source") or path))
+
+    def predict(self, mode: str, select: str | None, x: list[float]) -> dict | None:
+        """{expected_kl, expected_top1, calibration, basis, source} from the features after the constant, or None."""
+        f = self.fits.get(fit_key(mode, select))
+        if f is None:
+            return None
+        import math
+
+        z = [1.0, *x]
+        logit = sum(w * v for w, v in zip(f["top1"], z))
+        top1 = 1 / (1 + math.exp(-max(-30.0, min(30.0, logit))))
+        log_kl = sum(w * v for w, v in zip(f["log_kl"], z))
+        kl = max(0.0, math.exp(min(log_kl, 10.0)) * f["smear"] - f["kl_floor"])
+        return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": self.calibration,
+                "basis": "per-reply", "source": self.source}
+
+    def estimate(self, fidelity: dict, share: float, logits) -> dict | None:
+        """The reply's estimate from its fidelity statement (mode, select), recomputed share and first-token logits."""
+        if fit_key(fidelity.get("mode", ""), fidelity.get("select")) not in self.fits:
+            return None
+        from ragkv.ops.divergence import confidence
+
+        conf = confidence(logits)
+        return self.predict(fidelity["mode"], fidelity.get("select"), [share, conf["entropy"], conf["margin"]])
+
+
+def fidelity_fit_path(model_name: str):
+    """Where `ragkv calibrate --target fidelity` saves a model's fit (a user's own, over the shipped one)."""
+    from ragkv.config import cache_dir
+
+    return cache_dir() / "calibration" / f"fidelity-{model_name}.json"
+
+
+def load_fidelity_fits(model_name: str) -> FidelityFits | None:
+    """The user's fit for this model, else the one shipped for a registered model (ragkv/engine/fidelity_fits/),
+    else None (replies state the population estimate)."""
+    from pathlib import Path
+
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(model_name))
+    for path in (fidelity_fit_path(safe), Path(__file__).parent / "fidelity_fits" / f"{safe}.json"):
+        if path.exists():
+            fits = FidelityFits.load(path)
+            if fits is not None:
+                return fits
+    return None

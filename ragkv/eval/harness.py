@@ -22,6 +22,7 @@ from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
+from ragkv.ops.divergence import confidence
 from ragkv.eval.metrics import (first_token_kl, greedy_agreement, parse_generation, prefix_agreement, score,
                                 top1_agreement)
 from ragkv.eval.modes import ModeSpec, without_later_defaults
@@ -144,6 +145,8 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
            "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra,
            "mode_fidelity": s.fidelity,  # how the mode says it computed the answer (exact or not, signal)
+           # the answer's own first-token entropy and margin: features a per-reply estimate reads (engine/estimates)
+           "answer_confidence": {k: round(v, 6) for k, v in confidence(ans.first_logits).items()},
            "cpu": cpu_name()}  # per record: a resumed run may go on on another machine
     for k in ("gold_index", "retrieved_gold_rank", "truncated_passages"):  # where the gold passage sat, and the retriever's rank of it
         if k in ex.meta:

@@ -1,0 +1,97 @@
+"""`ragkv calibrate --target fidelity --records FILES [--test-records FILES]`: fit the per-reply fidelity estimate
+(eval/fidelity_fit.py) on eval records of held-out data, report it out of sample (with a reliability diagram), and
+save it for the records' model: its replies then state `calibration: "fitted"`, `basis: "per-reply"`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ragkv.cli.common import print_json, say
+from ragkv.errors import RagkvError
+
+
+def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[str]]:
+    from ragkv.eval.results import read_results
+
+    rows, names, models = [], [], set()
+    for name in [s for s in (spec or "").split(",") if s.strip()]:
+        path = Path(name.strip())
+        if not path.exists():
+            raise RagkvError(f"{flag} {path}: no such file")
+        config, recs = read_results(path)
+        rows += recs
+        names.append(path.name)
+        models.add(str(config.get("model")))
+    return rows, names, models
+
+
+def run_fidelity_calibration(args) -> int:
+    from ragkv.engine.estimates import fidelity_fit_path
+    from ragkv.eval import fidelity_fit
+
+    rows, names, models = _records(args.records, "--records")
+    if not rows:
+        raise RagkvError("--target fidelity fits eval records: pass --records FILE[,FILE] (ragkv eval runs of full and "
+                         "the approximate modes on held-out data, e.g. nq-distractors-heldout)")
+    if len(models) != 1:
+        raise RagkvError(f"--records mix models ({', '.join(sorted(models))}): fit one model at a time")
+    model = models.pop()
+    test, test_names, test_models = _records(args.test_records, "--test-records")
+    if test and test_models != {model}:
+        raise RagkvError(f"--test-records are of {', '.join(sorted(test_models))}, not {model}")
+    fits = fidelity_fit.fit(rows)
+    if not fits:
+        raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
+                         "with a fidelity to full and answer_confidence: records written by this version's eval)")
+    judged = fidelity_fit.held_out(rows, test or None)
+    doc = fidelity_fit.document(model, f"fitted on {', '.join(names)} ({sum(f['n'] for f in fits.values())} "
+                                       "replies)", fits)
+    save_to = Path(args.save_to) if args.save_to else fidelity_fit_path(model)
+    save_to.parent.mkdir(parents=True, exist_ok=True)
+    save_to.write_text(json.dumps(doc, indent=1) + "\n")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"model": model, "saved_to": str(save_to), "fits": {k: v["n"] for k, v in fits.items()},
+              "judged_on": ", ".join(test_names) if test else "two folds by question of --records",
+              "held_out": judged}
+    (out / "fidelity_calibration.json").write_text(json.dumps(result, indent=1))
+    plot_reliability(judged, out / "fidelity_reliability.png")
+    if args.json:
+        print_json(result)
+        return 0
+    print(render(result))
+    say(f"saved to {save_to}; {model}'s approximate replies now state this per-reply estimate")
+    return 0
+
+
+def render(result: dict) -> str:
+    lines = [f"per-reply fidelity estimate for {result['model']}, judged on {result['judged_on']}", "",
+             "| key | n | calibration error (fitted / population) | max bin error | Spearman KL (fitted / population) |",
+             "|---|---|---|---|---|"]
+    rows = [("pooled", result["held_out"]["pooled"])] + list(result["held_out"]["per_key"].items())
+    for key, j in rows:
+        f, p = j["fitted"], j["population"]
+        lines.append(f"| {key} | {j['n']} | {f['calibration_error']} / {p['calibration_error']} | "
+                     f"{f['max_bin_error']} / {p['max_bin_error']} | {f['spearman_kl']} / {p['spearman_kl']} |")
+    return "\n".join(lines)
+
+
+def plot_reliability(judged: dict, path: Path) -> None:
+    """Stated expected_top1 against measured agreement per bin, fitted and population, pooled."""
+    try:
+        from ragkv.figures import pyplot, save_figure
+        plt = pyplot()
+    except RagkvError:
+        return  # no matplotlib: the JSON has the bins
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+    for name, style in (("fitted", "o-"), ("population", "s--")):
+        bins = judged["pooled"][name]["calibration_bins"]
+        ax.plot([b["stated"] for b in bins], [b["measured"] for b in bins], style, label=name)
+    ax.set_xlabel("stated expected_top1")
+    ax.set_ylabel("measured top-1 agreement with full")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend()
+    save_figure(fig, path)

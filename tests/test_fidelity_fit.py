@@ -1,0 +1,87 @@
+"""The per-reply fidelity estimate (eval/fidelity_fit.py, engine/estimates.py): a fit recovers a known relation
+out of sample, beats the population figure where the features carry the signal, and an engine with a fit states it
+on every approximate reply (and only there)."""
+
+import json
+import math
+import random
+
+import pytest
+
+from ragkv.engine.estimates import FidelityFits, fidelity_fit_path, population_estimate
+from ragkv.eval import fidelity_fit
+
+
+def synthetic(n: int, seed: int) -> list[dict]:
+    """Records whose top-1 agreement follows a logistic law of the entropy, and whose KL grows with it."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        h = rng.uniform(0.1, 3.0)
+        m = rng.uniform(0.0, 1.0)
+        p_top1 = 1 / (1 + math.exp(-(3.0 - 2.0 * h)))
+        kl = math.exp(-4.0 + 1.2 * h + rng.gauss(0, 0.3))
+        out.append({"example_id": str(i), "mode": "reuse", "mode_key": "reuse", "recompute_vs_full": 0.03,
+                    "answer_confidence": {"entropy": h, "margin": m},
+                    "fidelity": {"first_token_kl": kl, "top1_agreement": float(rng.random() < p_top1)},
+                    "mode_fidelity": {"mode": "reuse", "exact": False, "select": None}})
+    return out
+
+
+def test_a_fit_states_calibrated_top1_and_ranks_the_kl_out_of_sample():
+    train, test = synthetic(600, 1), synthetic(400, 2)
+    judged = fidelity_fit.held_out(train, test)
+    fitted, population = judged["pooled"]["fitted"], judged["pooled"]["population"]
+    assert judged["pooled"]["n"] == 400
+    assert fitted["calibration_error"] < 0.06, fitted  # stated probabilities match the measured agreement
+    assert fitted["spearman_kl"] > 0.8  # the entropy carries the KL's order
+    assert population["spearman_kl"] is None or abs(population["spearman_kl"]) < 0.2  # one figure ranks nothing
+    assert fitted["calibration_error"] < population["calibration_error"]
+
+
+def test_too_few_records_leave_the_key_to_the_population_and_exact_answers_are_never_fitted():
+    rows = synthetic(fidelity_fit.MIN_RECORDS - 1, 3)
+    rows.append({**rows[0], "mode_fidelity": {"mode": "full", "exact": True}, "mode": "full"})
+    assert fidelity_fit.fit(rows) == {}
+
+
+def test_an_engine_with_a_fit_states_it_per_reply(tiny_engine, tmp_path):
+    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request import Segments
+    from tiny import rand_ids
+
+    engine = tiny_engine()
+    doc = fidelity_fit.document("tiny", "synthetic", fidelity_fit.fit(synthetic(300, 4)))
+    path = fidelity_fit_path(engine.model_name.replace("/", "_"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    try:
+        engine = tiny_engine()  # loads the fit saved for its model
+        assert engine.fidelity_fits is not None
+        segs = Segments(rand_ids(4, 1), [rand_ids(12, 2), rand_ids(12, 3)], rand_ids(5, 4))
+        reuse = engine.prefill(segs, FusionOptions(mode="reuse"))[1].fidelity["estimate"]
+        assert reuse["basis"] == "per-reply" and reuse["calibration"] == "fitted"
+        assert 0 <= reuse["expected_top1"] <= 1 and reuse["expected_kl"] >= 0
+        assert reuse != population_estimate("reuse")
+        # a mode the fit does not cover keeps the population statement; an exact one states nothing to fit
+        ape = engine.prefill(segs, FusionOptions(mode="ape"))[1].fidelity["estimate"]
+        assert ape["basis"] == "population"
+        full = engine.prefill(segs, FusionOptions(mode="full"))[1].fidelity
+        assert "estimate" not in full or full["estimate"]["basis"] != "per-reply"
+    finally:
+        path.unlink()
+
+
+def test_a_damaged_fit_file_is_ignored(tmp_path):
+    bad = tmp_path / "fit.json"
+    bad.write_text("{not json")
+    assert FidelityFits.load(bad) is None
+    bad.write_text(json.dumps({"kind": "fidelity-fit", "features": ["other"], "fits": {}}))
+    assert FidelityFits.load(bad) is None
+
+
+@pytest.mark.parametrize("h,expect_high", [(0.2, True), (2.9, False)])
+def test_the_fitted_probability_follows_the_entropy(h, expect_high):
+    fits = FidelityFits(fidelity_fit.fit(synthetic(600, 5)), "synthetic")
+    est = fits.predict("reuse", None, [0.03, h, 0.5])
+    assert (est["expected_top1"] > 0.8) == expect_high
