@@ -15,11 +15,14 @@ from tiny import default_model_available
 
 def test_the_holder_answers_unless_busier_than_the_slack():
     holdings = {"a": {"x", "y"}, "b": {"y"}, "c": set()}
-    assert rank_replicas(["x", "y"], holdings, {"a": 3, "b": 0, "c": 0}, slack=4)[0] == ["a"]
+    assert rank_replicas(["x", "y"], holdings, {"a": 3, "b": 1, "c": 1}, slack=4)[0] == ["a"]
     # a holds both but is 5 requests busier than the least loaded: the best holder within the slack answers
-    assert rank_replicas(["x", "y"], holdings, {"a": 5, "b": 0, "c": 0}, slack=4)[0] == ["b"]
-    ranks = rank_replicas(["x", "y"], holdings, {"a": 9, "b": 9, "c": 0}, slack=4)
+    assert rank_replicas(["x", "y"], holdings, {"a": 6, "b": 1, "c": 1}, slack=4)[0] == ["b"]
+    ranks = rank_replicas(["x", "y"], holdings, {"a": 9, "b": 9, "c": 1}, slack=4)
     assert ranks[0] == ["c"] and set(ranks[1]) == {"a", "b"}  # no holder within the slack: the least loaded
+    # while a replica is idle, only the idle ones may answer (the holder among them first)
+    assert rank_replicas(["x", "y"], holdings, {"a": 1, "b": 0, "c": 0}, slack=4)[0] == ["b"]
+    assert rank_replicas(["x", "y"], holdings, {"a": 0, "b": 0, "c": 1}, slack=4)[0] == ["a"]
     assert sorted(sum(ranks, [])) == ["a", "b", "c"]  # every replica stays a fallback
 
 

@@ -51,9 +51,9 @@ def register(sub) -> None:
                    help="which replica answers: the one holding most of the request's blocks in memory (the "
                         "least loaded when none does or it is busier than the others by --affinity-slack), or "
                         "each in turn")
-    r.add_argument("--affinity-slack", type=int, default=1, metavar="REQUESTS",
+    r.add_argument("--affinity-slack", type=int, default=2, metavar="REQUESTS",
                    help="a holder busier than the least loaded replica by more requests than this loses the request "
-                        "to the least loaded one")
+                        "to the least loaded one (while a replica is idle, only idle replicas answer)")
     r.add_argument("--replica-threads", type=int, default=1, metavar="N",
                    help="CPU threads (and Ray CPUs) of each replica")
     a = p.add_argument_group("access (without keys the server is open: everyone is tenant `default`)")

@@ -15,14 +15,16 @@ from typing import Hashable, Iterable
 
 def rank_replicas(blocks: Iterable[str], holdings: dict[Hashable, set[str]], loads: dict[Hashable, int],
                   slack: int) -> list[list[Hashable]]:
-    """Replicas in ranks, most preferred first: [the best holders within `slack` of the least load], then the
-    rest from least to most loaded (Ray tries a rank's replicas, then the next rank's, when a rank is full)."""
+    """Replicas in ranks, most preferred first: [the best holders among the replicas within `slack` requests of
+    the least loaded one; while one is idle, among the idle ones only: an idle replica never waits while another
+    queues], then the rest from least to most loaded (Ray tries the next rank when a rank's replicas are full)."""
     replicas = sorted(loads, key=lambda r: (loads[r], str(r)))
     if not replicas:
         return []
     wanted = set(blocks)
     least = loads[replicas[0]]
-    score = {r: len(wanted & holdings.get(r, set())) for r in replicas if loads[r] <= least + slack}
+    room = slack if least > 0 else 0
+    score = {r: len(wanted & holdings.get(r, set())) for r in replicas if loads[r] <= least + room}
     best = max(score.values(), default=0)
     if best == 0:  # nobody holds any: the least loaded, one of them chosen by the blocks themselves
         first = [r for r in replicas if loads[r] == least]
