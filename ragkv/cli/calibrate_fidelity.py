@@ -12,6 +12,7 @@ from ragkv.errors import RagkvError
 
 
 def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[str]]:
+    """Records of the files, the files' descriptions (data set, dtype, name) and their models."""
     from ragkv.eval.results import read_results
 
     rows, names, models = [], [], set()
@@ -21,7 +22,7 @@ def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[st
             raise RagkvError(f"{flag} {path}: no such file")
         config, recs = read_results(path)
         rows += recs
-        names.append(path.name)
+        names.append(f"{config.get('dataset') or 'data file'} {config.get('dtype')} ({path.name})")
         models.add(str(config.get("model")))
     return rows, names, models
 
@@ -45,8 +46,8 @@ def run_fidelity_calibration(args) -> int:
         raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
                          "with a fidelity to full and answer_confidence: records written by this version's eval)")
     judged = fidelity_fit.held_out(rows, test or None)
-    doc = fidelity_fit.document(model, f"fitted on {', '.join(names)} ({sum(f['n'] for f in fits.values())} "
-                                       "replies)", fits)
+    doc = fidelity_fit.document(model, f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} "
+                                       "replies (ragkv calibrate --target fidelity)", fits)
     save_to = Path(args.save_to) if args.save_to else fidelity_fit_path(model)
     save_to.parent.mkdir(parents=True, exist_ok=True)
     save_to.write_text(json.dumps(doc, indent=1) + "\n")
