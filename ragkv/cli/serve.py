@@ -177,7 +177,7 @@ def run_serve(args) -> int:
     if args.replicas > 1 or args.ray_address:
         from ragkv.cli.serve_replicas import run_replicas
 
-        return run_replicas(args)
+        return run_replicas(args, build_server)
     server = build_server(args)
     engine, keys = server.engine, server.keys
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%

@@ -16,14 +16,14 @@ log = logging.getLogger("ragkv.serve")
 PASSED_ENV = ("RAGKV_", "HF_", "TRANSFORMERS_")  # settings every replica must see as this process does
 
 
-def run_replicas(args) -> int:
+def run_replicas(args, build_server) -> int:
+    """`build_server(args, worker_thread, keys)`: cli/serve.py's, passed in (it imports this module)."""
     try:
         import ray
         from ray import serve
     except ImportError:
         raise InvalidRequestError("--replicas and --ray-address need Ray Serve: pip install 'ragkv[replicas]' "
                                   "(or bash scripts/setup.sh --for-tests)") from None
-    from ragkv.cli.serve import build_server
     from ragkv.serve.auth import ApiKeys
     from ragkv.serve.replicas.deployment import build_app
 
