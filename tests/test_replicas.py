@@ -7,11 +7,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from ragkv.bench.replica_soak import descendants_named
 from ragkv.bench.serve import ServerProcess
 from tiny import default_model_available
 
@@ -99,24 +99,7 @@ def stream(server, name: str, out: dict) -> None:
 
 def engine_replica_pids(root: int) -> list[int]:
     """Pids of the EngineReplica actors under the server process `root` (never another Ray's)."""
-    def ancestors(pid: int):
-        while pid > 1:
-            try:
-                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                return
-            yield pid
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "ServeReplica:ragkv:EngineReplica" in cmd and root in ancestors(int(d.name)):
-            pids.append(int(d.name))
-    return pids
+    return descendants_named(root, "ServeReplica:ragkv:EngineReplica")
 
 
 def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(server):

@@ -10,6 +10,8 @@ means; recent's from 12 records only)."""
 
 from __future__ import annotations
 
+import math
+
 SOURCE = "NQ-10, Qwen2.5-Coder-0.5B fp32, 170 (gold position, question) pairs (docs/results/quality_selection.md)"
 # (mode, selection) -> [(r, mean first-token KL to full, top-1 agreement)], r ascending
 POPULATION: dict[tuple[str, str | None], list[tuple[float, float, float]]] = {
@@ -81,8 +83,6 @@ class FidelityFits:
         f = self.fits.get(fit_key(mode, select))
         if f is None:
             return None
-        import math
-
         z = [1.0, *x]
         logit = sum(w * v for w, v in zip(f["top1"], z))
         top1 = 1 / (1 + math.exp(-max(-30.0, min(30.0, logit))))

@@ -8,7 +8,8 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
-from ragkv.ops.divergence import _logits_pair, first_token_kl, kl_divergence  # noqa: F401 - metrics of this module too
+from ragkv.ops.divergence import (_ids, _logits_pair, first_token_kl, kl_divergence,  # noqa: F401 - metrics of
+                                  prefix_agreement, top1_agreement)  # this module too
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -118,25 +119,6 @@ def score(metric: str, prediction: str, golds: str | Sequence[str]) -> float:
 
 
 # --- fidelity of a mode to `full` ---
-
-def top1_agreement(ref_logits, other_logits) -> float:
-    """Fraction of rows whose argmax token is the same (1.0 / 0.0 for a single distribution)."""
-    p, q = _logits_pair(ref_logits, other_logits)
-    return float((p.argmax(dim=-1) == q.argmax(dim=-1)).double().mean())
-
-
-def _ids(ids) -> list[int]:
-    return [int(t) for t in (ids.reshape(-1).tolist() if hasattr(ids, "tolist") else ids)]
-
-
-def prefix_agreement(ref_ids, other_ids, n: int | None = None) -> int:
-    """Number of leading tokens two greedy outputs share (looking at the first `n` at most)."""
-    a, b = _ids(ref_ids)[:n], _ids(other_ids)[:n]
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k
-
 
 def greedy_agreement(ref_ids, other_ids, n: int = 32) -> float:
     """1.0 if the first `n` generated tokens are identical (same length too, e.g. both stopped early), else 0.0."""

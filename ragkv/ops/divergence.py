@@ -33,3 +33,22 @@ def confidence(logits) -> dict:
     top = torch.topk(p, 2).values
     return {"entropy": float(-(torch.where(p > 0, p * lp, torch.zeros_like(p))).sum()),
             "margin": float(top[0] - top[1])}
+
+
+def top1_agreement(ref_logits, other_logits) -> float:
+    """Fraction of rows whose argmax token is the same (1.0 / 0.0 for a single distribution)."""
+    p, q = _logits_pair(ref_logits, other_logits)
+    return float((p.argmax(dim=-1) == q.argmax(dim=-1)).double().mean())
+
+
+def _ids(ids) -> list[int]:
+    return [int(t) for t in (ids.reshape(-1).tolist() if hasattr(ids, "tolist") else ids)]
+
+
+def prefix_agreement(ref_ids, other_ids, n: int | None = None) -> int:
+    """Number of leading tokens two greedy outputs share (looking at the first `n` at most)."""
+    a, b = _ids(ref_ids)[:n], _ids(other_ids)[:n]
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k

@@ -21,8 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.scheduler import QueueFull
-from ragkv.eval.metrics import prefix_agreement, top1_agreement
-from ragkv.ops.divergence import first_token_kl
+from ragkv.ops.divergence import first_token_kl, prefix_agreement, top1_agreement
 
 log = logging.getLogger(__name__)
 FIELDS = ("kl", "top1", "greedy", "expected_kl", "expected_top1")
