@@ -185,7 +185,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
                      "tokens_per_s": round(1000 / med, 1), "bytes_per_step": reads,
                      "bandwidth_bound_tokens_per_s": round(bound, 1),
                      "fraction_of_bound": round(1000 / med / bound, 3), "batched_tokens_per_s": batched,
-                     "kl_to_fp32_exact": round(statistics.mean(kls), 5), "top1_agreement": round(agree / n, 4),
+                     # --fidelity-examples 0: speed only, no fidelity measured
+                     "kl_to_fp32_exact": round(statistics.mean(kls), 5) if kls else None,
+                     "top1_agreement": round(agree / n, 4) if n else None,
                      "profile_ms": prof})
         progress(f"[bench decode] {c[0]}/{c[1]}: {rows[-1]['tokens_per_s']} tok/s, batched {batched}, "
                  f"KL {rows[-1]['kl_to_fp32_exact']}, top-1 {rows[-1]['top1_agreement']}, profile {prof}")
