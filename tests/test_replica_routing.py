@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ragkv.serve.replicas.forward import call_asgi
-from ragkv.serve.replicas.policy import SentBlocks, rank_replicas
+from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_replicas
 from tiny import default_model_available
 
 
@@ -48,6 +48,25 @@ def test_sent_blocks_are_bounded_and_forgotten_with_their_replica():
     assert sent.of("a") == {"1", "3", "4"}
     sent.forget("a")
     assert sent.of("a") == set()
+
+
+def test_in_flight_counts_survive_a_finish_reported_before_the_route():
+    busy = InFlight(remember=2)
+    busy.routed("a", "r1")
+    busy.routed("a", "r2")
+    busy.finished("a", "r1")
+    assert busy.load("a") == 1
+    busy.finished("b", "r3")  # Ray's done-callback ran before it reported the route: no request left counted
+    busy.routed("b", "r3")
+    assert busy.load("b") == 0
+    busy.finished("a", "r2")
+    assert busy.load("a") == 0
+    for i in range(5):  # finishes of requests never routed (rejected) are remembered within a bound
+        busy.finished("a", f"x{i}")
+    assert len(busy._finished_first) == 2
+    busy.routed("c", "r4")
+    busy.forget("c")
+    assert busy.load("c") == 0
 
 
 def test_an_app_answers_in_process_as_a_stream_and_hears_the_client_leave():

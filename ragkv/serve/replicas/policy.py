@@ -61,3 +61,35 @@ class SentBlocks:
     def forget(self, replica: Hashable) -> None:
         """A replica died: a restarted one holds nothing."""
         self._sent.pop(replica, None)
+
+
+class InFlight:
+    """Requests sent to each replica and not yet finished, by request id. Ray Serve may report a request finished
+    before it reports it routed (its done-callback is registered before the replica accepts the request): a count
+    that ignored the order would leak one busy request per such race and push all traffic off that replica."""
+
+    def __init__(self, remember: int = 4096):
+        self.remember = remember
+        self._open: dict[Hashable, set[str]] = {}
+        self._finished_first: OrderedDict[str, None] = OrderedDict()  # finished, not (yet) routed: never counted
+
+    def routed(self, replica: Hashable, request: str) -> None:
+        if request in self._finished_first:
+            del self._finished_first[request]
+            return
+        self._open.setdefault(replica, set()).add(request)
+
+    def finished(self, replica: Hashable, request: str) -> None:
+        open_ = self._open.get(replica, set())
+        if request in open_:
+            open_.discard(request)
+            return
+        self._finished_first[request] = None  # (or rejected by the replica: then routed never comes; bounded)
+        while len(self._finished_first) > self.remember:
+            self._finished_first.popitem(last=False)
+
+    def load(self, replica: Hashable) -> int:
+        return len(self._open.get(replica, ()))
+
+    def forget(self, replica: Hashable) -> None:
+        self._open.pop(replica, None)

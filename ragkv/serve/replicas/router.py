@@ -6,12 +6,11 @@ the benchmark compares it with."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.serve.replicas.policy import SentBlocks, rank_replicas
+from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_replicas
 
 ROUTE_KWARG = "route_ids"  # the keyword argument the ingress passes the request's blocks in
 
@@ -22,12 +21,13 @@ class BlockAffinityRouter(RequestRouter):
     def initialize_state(self, policy: str = "affinity", slack: int = 4, remember: int = 8192, **kwargs):
         self._policy, self._slack = policy, slack
         self._sent = SentBlocks(remember)
-        self._ongoing: Counter = Counter()  # requests this router sent each replica and not yet completed
+        self._ongoing = InFlight()  # requests this router sent each replica and not yet completed
         self._turn = itertools.count()
 
     def _load(self, replica: RunningReplica) -> int:
-        reported = self.replica_queue_len_cache.get(replica.replica_id)
-        return max(self._ongoing[replica.replica_id], reported or 0)
+        # this router's own count by request id, not Ray's queue-length cache, whose probes and decrements can
+        # arrive out of order with the requests they count: one stale "busy" keeps a replica out of the idle rank
+        return self._ongoing.load(replica.replica_id)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -44,17 +44,16 @@ class BlockAffinityRouter(RequestRouter):
         return [[by_id[i] for i in rank] for rank in rank_replicas(blocks, holdings, loads, self._slack)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self._ongoing[replica_id] += 1
+        self._ongoing.routed(replica_id, pending_request.metadata.internal_request_id)
         self._sent.add(replica_id, _blocks(pending_request))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._ongoing[replica_id] > 0:
-            self._ongoing[replica_id] -= 1
+        self._ongoing.finished(replica_id, internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._sent.forget(replica_id)
-        self._ongoing.pop(replica_id, None)
+        self._ongoing.forget(replica_id)
 
 
 def _blocks(pending_request: Optional[PendingRequest]) -> list[str]:
