@@ -23,7 +23,7 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
 def layer_of(module: str) -> str:
-    """`ragkv.engine.fusion` -> "engine"; `ragkv.config` -> "config"; `ragkv` -> "__init__"."""
+    """`ragkv.engine.fusion.context` -> "engine"; `ragkv.config` -> "config"; `ragkv` -> "__init__"."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -31,3 +31,30 @@ def layer_of(module: str) -> str:
 def allowed(importer: str, imported: str) -> bool:
     a, b = layer_of(importer), layer_of(imported)
     return a == b or RANK[b] < RANK[a]
+
+
+# Inside the engine, the same rule one level down, along a request's path: its sub-packages (and top modules)
+# from the bottom. An import under `if TYPE_CHECKING:` (annotations only) is exempt.
+ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("measure",),              # per-request counters, FLOPs, risk signals, fidelity estimates
+    ("request", "kv"),         # segments, tools, option specs, registries; the KV cache, decode state, prefill
+    ("blocks",),               # block keys and encoding, the prefix cache, chat history, the block pool, loading
+    ("fusion",),               # layouts and re-rotation, APE, shared block attention, CacheBlend, query-aware
+    ("decode", "selections"),  # sampling, constrained decoding, the batched step; recompute selections
+    ("modes",),                # one object per fusion mode
+    ("options", "scheduler"),  # a request's options (their choices: the modes'); the batching scheduler
+    ("engine",),               # the Engine: a request's whole path
+)
+
+ENGINE_RANK = {name: rank for rank, names in enumerate(ENGINE_LAYERS) for name in names}
+
+
+def engine_part(module: str) -> str | None:
+    """`ragkv.engine.fusion.blend` -> "fusion"; `ragkv.engine.engine` -> "engine"; outside the engine: None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["ragkv", "engine"] else None
+
+
+def engine_allowed(importer: str, imported: str) -> bool:
+    a, b = engine_part(importer), engine_part(imported)
+    return a is None or b is None or a == b or ENGINE_RANK[b] < ENGINE_RANK[a]

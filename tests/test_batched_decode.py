@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
-from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.state import decode_batch, decode_step
-
 from tiny import default_model_available, make_segs
+
+from ragkv.engine.kv.state import decode_batch, decode_step
+from ragkv.engine.options import FusionOptions, GenerationOptions
 
 MODES = [FusionOptions(mode="full"), FusionOptions(mode="prefix", prefix_chunk=8), FusionOptions(mode="reuse"),
          FusionOptions(mode="ape", ape_temperature=0.8, ape_scale=0.9), FusionOptions(mode="blend", ratio=0.3),
@@ -92,7 +91,7 @@ def test_batched_logits_match_alone_tightly(tiny_engine):
 @pytest.mark.skipif(not default_model_available(), reason="default model not converted")
 def test_engine_step_batches_real_requests_like_alone(default_engine):
     """Engine.start/step on the real model: three modes decoded together give each one's solo answer."""
-    from ragkv.engine.request import Passage
+    from ragkv.engine.request.segments import Passage
 
     passages = [Passage("The Eiffel Tower is in Paris. It was finished in 1889.", "Eiffel Tower"),
                 Passage("Mount Fuji is the highest mountain in Japan.", "Fuji")]
@@ -117,9 +116,9 @@ def test_batch_invariant_server_answers_under_load_as_alone(tmp_path):
     import threading
 
     import httpx
+    from tiny import make_tiny_served
 
     from ragkv.bench.serve import ServerProcess
-    from tiny import make_tiny_served
 
     docs = [{"title": "Farm", "text": "The farm in Lintwick keeps forty-two alpacas named after rivers."},
             {"title": "Tower", "text": "Lintwick Tower was built in 1893 from red sandstone by Ada Morrow."}]

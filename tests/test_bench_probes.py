@@ -4,13 +4,13 @@ the tiny random Llama: what each reports is checked against what it must be, not
 import json
 
 import pytest
+from tiny import IdText, make_segs, rand_ids
 
 from ragkv.bench.ceiling import CeilingBenchConfig, run_ceiling_bench
 from ragkv.bench.lookahead import LookaheadBenchConfig, run_lookahead_bench
 from ragkv.bench.prefill_profile import ProfileBenchConfig, run_profile_bench
 from ragkv.bench.weights import COLD, WeightsBenchConfig, run_weights_bench
-from ragkv.engine.flops import linear_flops
-from tiny import IdText, make_segs, rand_ids
+from ragkv.engine.measure.flops import linear_flops
 
 quiet = lambda *a, **k: None  # noqa: E731
 

@@ -9,13 +9,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import default_model_available, make_segs
 
+from ragkv.engine.kv.state import decode_batch, decode_step
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_batch, decode_step
 from ragkv.models.quant import bf16_matrix_units
 from ragkv.ops import gemv_kernel, prefill_kernel
-
-from tiny import default_model_available, make_segs
 
 native_bf16 = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu" or not bf16_matrix_units(),
                                  reason="needs a CPU with AVX-512 BF16 or AMX")
@@ -49,6 +48,7 @@ def test_product_kernel_equals_torch_to_bf16_rounding(out_features, in_features,
 
 def _bf16_qwen(tiny_dirs):
     from conftest import _load_tiny
+
     from ragkv.engine.engine import Engine
 
     return lambda **kw: Engine(_load_tiny(tiny_dirs["qwen2"], torch.bfloat16), **kw)  # QKV bias, tied LM head
@@ -143,7 +143,7 @@ def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(m
     """SmolLM2 in bf16 (head dim 64) on a real paragraph: prefilled at once and in two forwards over a cache (rows
     after `past` keys), through the kernel; every position's next-token distribution is as close to the fp32
     model's as the SDPA path's is (max difference, greedy agreement), and the cached path equals the whole forward."""
-    from ragkv.engine.kvcache import KVCache
+    from ragkv.engine.kv.kvcache import KVCache
     from ragkv.models.loader import load_model
 
     if not default_model_available():
@@ -181,7 +181,7 @@ def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(m
 def test_a_block_encoded_in_bf16_through_the_kernel_has_the_sdpa_paths_kv(monkeypatch):
     """Block encoding (alone, and after a prefix as APE and conditioning=prefix do) attends causally after the
     prefix: through the kernel, every layer's K and V equal the SDPA path's to bf16 rounding."""
-    from ragkv.engine.blocks import encode_block
+    from ragkv.engine.blocks.encode import encode_block
     from ragkv.models.loader import load_model
 
     if not default_model_available():

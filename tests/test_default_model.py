@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.request import Passage, PromptFormat
+from ragkv.engine.request.segments import Passage, PromptFormat
 from ragkv.eval.datasets import load_dataset
 
 pytestmark = pytest.mark.model
@@ -41,7 +41,7 @@ def test_greedy_generation_matches_transformers_generate(default_engine, hf):
     # compare the first 32 tokens regardless of EOS: disable it by asking for the ids directly
     eng = default_engine
     state, _ = eng.prefill(segs, FusionOptions(mode="full"), 32)
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
     ours = []
     for _ in range(32):
         tok = int(torch.argmax(state.logits))

@@ -1,4 +1,4 @@
-"""Every approximate reply states how close to `full` it is expected to be (engine/estimates.py): a population's
+"""Every approximate reply states how close to `full` it is expected to be (engine/measure/estimates.py): a population's
 figures, interpolated in the recomputed share, labelled uncalibrated; exact replies say exact. The table is the
 committed records' means, re-derived here."""
 
@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny import make_segs
 
-from ragkv.engine.estimates import POPULATION, population_estimate
+from ragkv.engine.measure.estimates import POPULATION, population_estimate
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.selections import SELECTIONS
-from tiny import make_segs
 
 GRID = Path(__file__).resolve().parent.parent / "docs/results/quality_selection"
 KEYS = {("reuse", None): ("reuse", 0.0), ("ape", None): ("ape", 0.0), ("blend", "deviation"): ("blend:r=0.15", 0.15),

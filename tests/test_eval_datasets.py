@@ -6,10 +6,18 @@ import json
 import pytest
 
 from ragkv.config import data_dir
-from ragkv.engine.request import Passage
+from ragkv.engine.request.segments import Passage
 from ragkv.errors import RagkvError
-from ragkv.eval.datasets import (DATASETS, FORMATS, DataFileNotFoundError, Example, MalformedDataError,
-                                 UnknownDatasetError, load_dataset, nq_with_distractors)
+from ragkv.eval.datasets import (
+    DATASETS,
+    FORMATS,
+    DataFileNotFoundError,
+    Example,
+    MalformedDataError,
+    UnknownDatasetError,
+    load_dataset,
+    nq_with_distractors,
+)
 
 needs_data = pytest.mark.skipif(not (data_dir() / "MANIFEST.md").is_file(),
                                 reason="shared data not found; set RAGKV_DATA_DIR")

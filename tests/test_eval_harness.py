@@ -6,11 +6,12 @@ import json
 import zlib
 
 import pytest
+from tiny import default_model_available  # noqa: E402 (conftest puts tests/ on sys.path)
 
 from ragkv.cli import main
 from ragkv.config import cpu_name
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Passage
+from ragkv.engine.request.segments import Passage
 from ragkv.errors import RagkvError
 from ragkv.eval.datasets import Example
 from ragkv.eval.harness import fidelity, run_eval, task_scores
@@ -18,8 +19,6 @@ from ragkv.eval.modes import ModeKeyError, engine_defaults, parse_mode_key, reso
 from ragkv.eval.references import ReferenceStore
 from ragkv.eval.results import ResultsFile, read_results
 from ragkv.eval.summary import summarize, text_table
-
-from tiny import default_model_available  # noqa: E402 (conftest puts tests/ on sys.path)
 
 
 class WordTokenizer:
@@ -258,9 +257,9 @@ def test_mode_keys():
 
 
 def test_sweeps_calibration_and_report(engine, tmp_path):
-    from ragkv.engine.calibration import load_ape_params
     from ragkv.bench.report import render_report
     from ragkv.bench.sweeps import SweepRun, blend_ratio_sweep, calibrate_ape
+    from ragkv.engine.fusion.calibration import load_ape_params
 
     sw = SweepRun(engine, tmp_path / "out", tmp_path / "runs", "tiny", {"dataset": "tiny"}, max_new_tokens=3,
                   progress=False)
@@ -485,8 +484,8 @@ def test_the_pooled_interval_resamples_questions_not_question_position_pairs():
 def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine, tmp_path, capsys, monkeypatch):
     """`ragkv calibrate --target auto`: runs full and the query-aware blend (first token only), picks a risk
     signal and threshold, stores them per model; `auto` then escalates on them unless a request sets its own."""
-    from ragkv.engine.calibration import load_auto_params
     from ragkv.engine.engine import Engine
+    from ragkv.engine.fusion.calibration import load_auto_params
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
     # the calibration it stores must not reach later tests that load the default model (models stay found)
@@ -498,7 +497,7 @@ def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine
             "--results-dir", str(tmp_path / "runs"), "--no-progress", "--json"]
     assert main(argv) == 0
     cal = json.loads(capsys.readouterr().out)
-    from ragkv.engine.risk import SIGNALS
+    from ragkv.engine.measure.risk import SIGNALS
 
     assert cal["n"] == 4 and cal["escalation_rate"] == 0.5 and cal["signal"] in SIGNALS
     assert set(cal["spearman"]) == set(SIGNALS)  # the query-aware selection gives every signal

@@ -1,4 +1,4 @@
-"""The per-reply fidelity estimate (eval/fidelity_fit.py, engine/estimates.py): a fit recovers a known relation
+"""The per-reply fidelity estimate (eval/fidelity_fit.py, engine/measure/estimates.py): a fit recovers a known relation
 out of sample, beats the population figure where the features carry the signal, and an engine with a fit states it
 on every approximate reply (and only there)."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ragkv.engine.estimates import FidelityFits, fidelity_fit_path, population_estimate
+from ragkv.engine.measure.estimates import FidelityFits, fidelity_fit_path, population_estimate
 from ragkv.eval import fidelity_fit
 
 
@@ -46,9 +46,10 @@ def test_too_few_records_leave_the_key_to_the_population_and_exact_answers_are_n
 
 
 def test_an_engine_with_a_fit_states_it_per_reply(tiny_engine, tmp_path):
-    from ragkv.engine.options import FusionOptions
-    from ragkv.engine.request import Segments
     from tiny import rand_ids
+
+    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request.segments import Segments
 
     engine = tiny_engine()
     doc = fidelity_fit.document("tiny", "synthetic", fidelity_fit.fit(synthetic(300, 4)))

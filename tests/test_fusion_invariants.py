@@ -2,24 +2,23 @@
 
 import pytest
 import torch
+from tiny import IdText, make_segs, rand_ids
 
-from ragkv.engine.ape import ApeAttention
-from ragkv.engine.blocks import encode_block
-from ragkv.engine.fusion import prefill_over_context
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.layout import make_layout
+from ragkv.engine.blocks.encode import encode_block
+from ragkv.engine.fusion.ape import ApeAttention
+from ragkv.engine.fusion.context import prefill_over_context
+from ragkv.engine.fusion.layout import make_layout
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.state import decode_step
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.request import Segments
+from ragkv.engine.request.segments import Segments
 from ragkv.engine.selections import SELECTIONS, get_selection
 from ragkv.engine.selections.base import Selection
-from ragkv.engine.state import decode_step
 from ragkv.errors import InvalidRequestError, OptionError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.memory import MemoryStore
-
-from tiny import IdText, make_segs, rand_ids
 
 TOL = 1e-4
 
@@ -204,8 +203,8 @@ def test_an_answer_that_begins_as_the_draft_did_takes_its_rows_without_a_forward
     """Stage 2 runs the draft's rows after the query (DecodeState.lookahead): each answer token equal to the
     draft's next one is taken without a forward. The answer is the one decoded step by step (greedy and seeded
     sampling, and each choice of n > 1), and as many tokens are taken as the answer shares with the draft."""
+    from ragkv.engine.kv.state import DecodeState
     from ragkv.engine.options import GenerationOptions
-    from ragkv.engine.state import DecodeState
 
     eng = tiny_engine(family)
     eng.tokenizer, eng.eos_ids = IdText(), set()  # every answer runs to its budget
@@ -247,7 +246,7 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
     assert s1.recomputed_tokens == n_block + Tq and s0.recomputed_tokens == Tq
     assert s1.recomputed_token_layers == (Tq + n_block + Tq) * L and s0.recomputed_token_layers == Tq * L
     seen = []  # what stage 1 scored and what was chosen from it
-    import ragkv.engine.query_select as qs
+    import ragkv.engine.fusion.query_select as qs
 
     def spy(score, layout, *args):
         seen.append((score.clone(), layout, qs_choose(score, layout, *args)))
@@ -274,7 +273,7 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
 def test_the_query_attention_score_is_each_context_tokens_softmax_mass():
     """ProphetKV's stage-1 score, checked against a per-head loop: sum over query heads and rows of the softmax over
     the context keys only, each query head reading the KV head it shares (GQA)."""
-    from ragkv.engine.query_select import QueryAttentionRecorder
+    from ragkv.engine.fusion.query_select import QueryAttentionRecorder
 
     g = torch.Generator().manual_seed(0)
     N, Tq, Hq, Hkv, D = 9, 3, 4, 2, 8
@@ -493,7 +492,7 @@ def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
 def test_gradual_filtering_schedule_narrows_and_averages_r_over_the_layers(checks, r):
     """CacheBlend sec. 4.3: a little more than r first, narrowing at each check layer, r on average over the layers
     each ratio applies to (from its check layer to the next, the last one's to the last layer): the work is r's."""
-    from ragkv.engine.blend import check_ratios
+    from ragkv.engine.fusion.blend import check_ratios
 
     L = 30
     ratios = check_ratios(FusionOptions(mode="blend", ratio=r, check_layers=checks, gradual=True), L)
@@ -559,8 +558,8 @@ def test_an_unknown_selection_names_the_field_and_the_choices():
 def test_a_block_encoded_in_units_equals_it_encoded_at_once(tiny_engine, family, with_prefix):
     """A long block's encoding yields every `chunk` tokens (so it pauses other requests for one unit): each unit runs
     after the block's earlier rows, so the raw K and V equal the one-shot encode's (with APE's prefix too)."""
-    from ragkv.engine.blocks import encode_block_steps
-    from ragkv.engine.stepwise import drain
+    from ragkv.engine.blocks.encode import encode_block_steps
+    from ragkv.engine.kv.stepwise import drain
 
     eng = tiny_engine(family)
     ids, prefix = rand_ids(70, 5), encode_block(eng.model, rand_ids(9, 6)) if with_prefix else None

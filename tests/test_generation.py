@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ragkv.engine.generate import _held_back, _stop_index
+from ragkv.engine.decode.generate import _held_back, _stop_index
+from ragkv.engine.decode.sampling import sample
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.errors import OptionError
-from ragkv.engine.sampling import sample
 
 FULL = FusionOptions(mode="full")
 

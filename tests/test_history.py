@@ -1,4 +1,4 @@
-"""Chat history as blocks (engine/history.py): an unedited conversation is exact, an edited one fuses the stored
+"""Chat history as blocks (engine/blocks/history.py): an unedited conversation is exact, an edited one fuses the stored
 turns behind the edit, and every selection keeps its invariants there (r=1 equals full, r=0 equals reuse)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny import default_model_available, rand_ids
 
-from ragkv.engine.history import MIN_FUSED_TOKENS, exact_turns
+from ragkv.engine.blocks.history import MIN_FUSED_TOKENS, exact_turns
+from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Segments, chat_segments, history_segments
-from ragkv.engine.stepwise import drain
+from ragkv.engine.request.segments import Segments, chat_segments, history_segments
 
 TOL = 1e-4
 
@@ -54,6 +54,35 @@ def test_an_unedited_conversation_is_exact_and_fills_the_prefix_cache(tiny_engin
     low, high = 32, segs.num_tokens - 32
     assert [c < low for c in cached] == [True, False, False] * 2 and min(cached[1:3] + cached[4:]) >= high, cached
     assert (refs[0] - full).abs().max().item() > 1e-2  # two conversations, two answers: not vacuous
+
+
+def test_a_chat_reply_is_kept_so_the_next_turn_prefills_only_what_is_new(tiny_engine):
+    """An agent's loop: each step sends the last prompt, the model's own answer (a tool call) and a tool result.
+    The answer's KV, decoded after an exact prompt, goes to the prefix cache as it ends: the next turn reads
+    prompt and answer from it (whole chunks) and stays exact."""
+    from tiny import IdText
+
+    from ragkv.engine.request.generation import GenerationOptions
+
+    engine = tiny_engine("llama")
+    engine.tokenizer, engine.eos_ids = IdText(), set()
+    first = chat(turn_lens=(30, 41), seed=3)
+    seq = engine.start(first, FusionOptions(mode="reuse"), GenerationOptions(max_new_tokens=40, min_tokens=40))
+    while not seq.finished:
+        list(seq.advance())
+        if not seq.finished:
+            engine.step([seq])
+    reply = seq.out.token_ids
+    assert len(reply) == 40 and seq.stats.fidelity["exact"] is True
+    nxt = Segments(first.prefix, first.blocks + [first.query, reply], rand_ids(25, 77), history=True)
+    logits, stats = first_logits(engine, nxt, mode="reuse")
+    kept = (len(first.all_ids()) + len(reply) - 1) // 32 * 32  # the last answer token was never fed: no KV yet
+    assert stats.cached_tokens == kept > len(first.all_ids()) // 32 * 32, stats.cached_tokens
+    full, _ = first_logits(engine, nxt, mode="full")
+    assert (logits - full).abs().max().item() < TOL and stats.fidelity["exact"] is True
+    # not vacuous: the answer's tokens matter to the next turn's answer
+    other = Segments(first.prefix, first.blocks + [first.query, rand_ids(40, 5)], nxt.query, history=True)
+    assert (first_logits(engine, other, mode="full")[0] - full).abs().max().item() > 1e-2
 
 
 def test_an_edit_fuses_the_stored_turns_behind_it_with_the_mode_invariants(tiny_engine):
@@ -166,7 +195,7 @@ def test_history_segments_are_the_chat_prompt_on_the_default_model(default_engin
 
 # -- documents longer than the window (APE section 6.3) ---------------------------------------------------------
 def test_ape_answers_a_prompt_longer_than_the_window_where_sequential_modes_are_refused(tiny_engine):
-    from ragkv.engine.request import split_blocks
+    from ragkv.engine.request.segments import split_blocks
     from ragkv.errors import PromptTooLongError
 
     engine = tiny_engine("llama")  # 512 positions

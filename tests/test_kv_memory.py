@@ -7,14 +7,13 @@ import time
 
 import pytest
 import torch
-
-from ragkv.engine.kvbudget import KVBudget, kv_need
-from ragkv.engine.kvcache import DECODE_HEADROOM, bytes_per_token
-from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.scheduler import KVTooLarge, Scheduler
-
 from test_scheduler import FakeSeq
 from tiny import make_segs
+
+from ragkv.engine.kv.kvbudget import KVBudget, kv_need
+from ragkv.engine.kv.kvcache import DECODE_HEADROOM, bytes_per_token
+from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.engine.scheduler import KVTooLarge, Scheduler
 
 
 class ByteText:
@@ -97,7 +96,7 @@ def test_caches_grow_with_the_answer_up_to_its_budget(tiny_engine):
             eng.step([seq])
     assert max(grown) == segs.num_tokens + seq.budget and len(seq.out.token_ids) == seq.budget == 400
     state, _ = eng.prefill(segs, FusionOptions(mode="full"), 400)  # the old way: one cache for everything
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
     ref = []
     for _ in range(400):
         ref.append(int(state.logits.argmax()))
@@ -189,7 +188,7 @@ def test_frozen_objects_leave_collections_while_later_cycles_are_still_freed():
     import gc
     import weakref
 
-    from ragkv.engine.kvbudget import freeze_long_lived, give_back
+    from ragkv.engine.kv.kvbudget import freeze_long_lived, give_back
 
     class Node:
         pass

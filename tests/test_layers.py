@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 import ragkv
-from ragkv.layers import LAYERS, RANK, allowed, layer_of
+from ragkv.layers import ENGINE_LAYERS, ENGINE_RANK, LAYERS, RANK, allowed, engine_allowed, engine_part, layer_of
 
 ROOT = Path(ragkv.__file__).parent
 
@@ -49,7 +49,7 @@ def test_no_module_imports_a_higher_layer_or_a_sibling():
 def test_the_check_catches_an_upward_import():
     assert not allowed("ragkv.store.disk", "ragkv.engine.engine")
     assert not allowed("ragkv.serve.app", "ragkv.train.loop")       # siblings on one layer
-    assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion", "ragkv.engine.blend")
+    assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion.context", "ragkv.engine.fusion.blend")
 
 
 def _type_checking_block(node: ast.AST) -> bool:
@@ -122,3 +122,24 @@ def test_no_import_circles():
 def test_the_circle_check_catches_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not _cycles({"a": {"b"}, "b": set()})
+
+
+def test_the_engine_sub_packages_import_down_a_request_path():
+    """ragkv/layers.py ENGINE_LAYERS: measure < request, kv < blocks < fusion < decode, selections < modes <
+    options, scheduler < engine; imports for annotations only (under TYPE_CHECKING) are exempt."""
+    engine = ROOT / "engine"
+    parts = {p.name if p.is_dir() else p.stem for p in engine.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert parts == set(ENGINE_RANK), f"engine parts without a layer: {sorted(parts ^ set(ENGINE_RANK))}"
+    assert len(ENGINE_RANK) == sum(len(layer) for layer in ENGINE_LAYERS)
+    bad = []
+    for path in sorted(engine.rglob("*.py")):
+        module = _module_name(path)
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            bad += [f"{path.relative_to(ROOT.parent)}:{node.lineno} ({engine_part(module)}) imports {m}"
+                    for m in names if m.startswith("ragkv.engine.") and not engine_allowed(module, m)]
+    assert not bad, "upward or sideways imports inside the engine:\n" + "\n".join(bad)
+    assert not engine_allowed("ragkv.engine.kv.state", "ragkv.engine.fusion.layout")
+    assert not engine_allowed("ragkv.engine.decode.generate", "ragkv.engine.selections.base")  # siblings

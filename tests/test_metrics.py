@@ -4,12 +4,12 @@ real `ragkv serve` whose counters move with the requests it answers."""
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny import make_tiny_served
 
 from ragkv.bench.serve import ServerProcess
 from ragkv.bench.soak.checks import parse_metrics
-from ragkv.engine.stats import RequestStats
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.serve.metrics import Metrics
-from tiny import make_tiny_served
 
 DOCS = ["Lintwick Tower was built in 1893 from red sandstone by Ada Morrow.",
         "The Alpaca Farm in Lintwick keeps forty-two alpacas named after rivers."]

@@ -4,14 +4,13 @@ import os
 
 import pytest
 import torch
+from tiny import make_segs
 from torch import nn
 
+from ragkv.engine.kv.state import decode_step
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_step
 from ragkv.errors import InvalidRequestError
 from ragkv.models.quant import INT4_GROUP, PackedLinear, decode_copy
-
-from tiny import make_segs
 
 cpu_only = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu",
                               reason="decode copies use torch's CPU kernels (they refuse another device)")
@@ -97,7 +96,7 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
     """`onednn`: every linear (fused q/k/v and gate/up, o, down, the LM head) runs through oneDNN's kernel on the
     model's own weights; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused on
     a CPU without native bf16 (tests/test_cpu_bf16.py tests it where there is)."""
-    from ragkv.engine.state import decode_batch
+    from ragkv.engine.kv.state import decode_batch
     from ragkv.models.quant import OneDnnLinear
 
     eng = tiny_engine("qwen2")  # QKV bias and tied embeddings
@@ -202,6 +201,7 @@ def test_a_model_whose_linears_read_one_buffer_saves_and_loads_back(tiny_dirs, t
     """The oneDNN path joins q/k/v (and gate/up) into one buffer that the model's parameters view; a fine-tuning
     checkpoint of such a model still saves each weight as its own tensor and loads back equal."""
     from conftest import _load_tiny
+
     from ragkv.train.checkpoint import save_model_folder
 
     model = _load_tiny(tiny_dirs["qwen2"]).model

@@ -7,10 +7,10 @@ import json
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from tiny import default_model_available
 
 from ragkv.serve.replicas.forward import call_asgi
 from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_replicas
-from tiny import default_model_available
 
 
 def test_the_holder_answers_unless_busier_than_the_slack():
@@ -107,7 +107,7 @@ def test_an_app_answers_in_process_as_a_stream_and_hears_the_client_leave():
 def test_route_ids_are_the_engine_own_block_keys(default_engine, case):
     """What the ingress names from the body (tokenizer only) is what the engine stores the request's blocks under:
     the server's RequestBuilder builds the request, the engine warms its blocks, and its memory tier reports them."""
-    from ragkv.engine.blocks import block_route_id
+    from ragkv.engine.blocks.encode import block_route_id
     from ragkv.engine.options import FusionOptions
     from ragkv.serve.auth import ApiKeys
     from ragkv.serve.replicas.route_keys import RouteKeys

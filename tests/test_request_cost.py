@@ -4,13 +4,13 @@
 
 import httpx
 import pytest
+from tiny import default_model_available
 
 from ragkv.bench.serve import ServerProcess
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Segments
+from ragkv.engine.request.segments import Segments
 from ragkv.serve.budget import TenantBudget, TenantOverBudget
-from tiny import default_model_available
 
 KEY_A, KEY_B = "key-cost-tenant-a-01", "key-cost-tenant-b-02"
 LIMIT, BUDGET = 20_000, 30_000  # token-layers; SmolLM2 has 30 layers: ~660 and ~1,000 prompt tokens

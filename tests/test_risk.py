@@ -1,4 +1,4 @@
-"""The risk signals `auto` escalates on and their calibration on held-out records (ragkv/engine/risk.py,
+"""The risk signals `auto` escalates on and their calibration on held-out records (ragkv/engine/measure/risk.py,
 ragkv/eval/risk.py)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ragkv.engine.risk import SIGNALS, measure
+from ragkv.engine.measure.risk import SIGNALS, measure
 from ragkv.eval.risk import calibrate_auto, choose_threshold, spearman
 
 

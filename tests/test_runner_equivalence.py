@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from tiny import ARCHS, hf_model
-from ragkv.engine.kvcache import KVCache
+
+from ragkv.engine.kv.kvcache import KVCache
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -35,7 +35,7 @@ def test_incremental_decoding_equals_full_forward(arch, tiny_loaded):
 
 def test_sliding_window_matches_transformers_past_the_window(tiny_dirs, tiny_loaded):
     """Mistral's sliding window (16 here) on a prompt of 60, then decoding 20 more tokens one at a time."""
-    from ragkv.engine.state import DecodeState, decode_step
+    from ragkv.engine.kv.state import DecodeState, decode_step
 
     model = tiny_loaded["mistral_window"].model
     assert model.args.sliding_window == 16

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from ragkv.engine.decode.sampling import apply_penalties, sample, token_logprob
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.request import Passage
-from ragkv.engine.sampling import apply_penalties, sample, token_logprob
+from ragkv.engine.request.segments import Passage
 
 
 def test_penalties_follow_ctrl_and_openai():

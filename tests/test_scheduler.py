@@ -6,12 +6,11 @@ import time
 
 import pytest
 import torch
+from tiny import make_segs
 
+from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.scheduler import QueueFull, Scheduler
-from ragkv.engine.stepwise import drain
-
-from tiny import make_segs
 
 
 class FakeSeq:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.request import Passage
+from ragkv.engine.request.segments import Passage
 from ragkv.errors import ModelNotFoundError
 from ragkv.models import registry
 

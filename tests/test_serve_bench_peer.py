@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from tiny import default_model_available
 
-from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.bench.serve import LlamaCppServer, ServeBenchConfig
 from ragkv.bench.serve import peer as bench
 from ragkv.bench.serve.clients import summarize
@@ -17,7 +17,7 @@ from ragkv.bench.serve.config import BenchRequest
 from ragkv.bench.serve.peer import peer_payload, peer_ratios
 from ragkv.bench.serve.report import render_markdown
 from ragkv.bench.serve.workload import ragkv_payload, system_prompt
-from tiny import default_model_available
+from ragkv.errors import InvalidRequestError, RagkvError
 
 REQ = BenchRequest("Who built Lintwick Tower?", (
     {"title": "Alpaca Farm", "text": "The Alpaca Farm in Lintwick keeps forty-two alpacas."},
@@ -33,7 +33,7 @@ class CharTokenizer:
 
 
 def test_peer_prompt_is_ragkv_prompt_without_a_chat_template():
-    from ragkv.engine.request import Passage, build_segments
+    from ragkv.engine.request.segments import Passage, build_segments
 
     system = system_prompt()
     segs = build_segments(CharTokenizer(), REQ.question, [Passage(d["text"], d["title"]) for d in REQ.documents],
@@ -53,7 +53,7 @@ def test_peer_prompt_is_ragkv_prompt_without_a_chat_template():
 def test_peer_chat_prompt_renders_to_ragkv_segments_with_the_model_template():
     from transformers import AutoTokenizer
 
-    from ragkv.engine.request import Passage, build_segments
+    from ragkv.engine.request.segments import Passage, build_segments
     from ragkv.models.registry import converted_path
 
     tok = AutoTokenizer.from_pretrained(str(converted_path("smollm2")))

@@ -1,17 +1,16 @@
-"""Shared block attention (issue 28, ragkv.engine.shared_attention): `reuse` reading pooled blocks in place equals
+"""Shared block attention (issue 28, ragkv.engine.fusion.shared_attention): `reuse` reading pooled blocks in place equals
 `reuse` over its own re-rotated copy (fp32, 1e-4), in prefill and decode, alone, forked and batched, with the same
 block at different offsets in different sequences; the pool reads each block from the store once and stays
 bounded."""
 
 import pytest
 import torch
-
-from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Segments
-from ragkv.engine.state import decode_batch, decode_step
-from ragkv.errors import InvalidRequestError, OptionError
-
 from tiny import make_segs, rand_ids
+
+from ragkv.engine.kv.state import decode_batch, decode_step
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request.segments import Segments
+from ragkv.errors import InvalidRequestError, OptionError
 
 TOL = 1e-4
 COPIED = FusionOptions(mode="reuse")
@@ -130,7 +129,7 @@ def test_a_batched_step_reads_each_shared_block_once(kernel, tiny_engine, monkey
     attended once for all its holders (plus each sequence's own rows), and the rows equal decoding alone. With
     the CPU kernel: one call per layer whose parts are the distinct blocks and the own rows; without it (other
     devices), one attention per distinct block."""
-    import ragkv.engine.shared_attention as shared_attention
+    import ragkv.engine.fusion.shared_attention as shared_attention
     from ragkv.ops.decode_kernel import kernel as cpp
 
     eng = tiny_engine("qwen2")

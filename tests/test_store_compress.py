@@ -7,10 +7,12 @@ import os
 
 import pytest
 import torch
+from store_helpers import H, L, make_key, make_kv
+from tiny import make_segs
 
-from ragkv.engine.loading import schedule_loads
+from ragkv.engine.blocks.loading import schedule_loads
+from ragkv.engine.kv.state import decode_step
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_step
 from ragkv.eval.metrics import first_token_kl
 from ragkv.store import compress, serde, spec
 from ragkv.store.base import BlockKV
@@ -21,8 +23,6 @@ from ragkv.store.memory import MemoryStore
 from ragkv.store.probe import tier_layer_nbytes
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.spec import DiskTierSpec, MemoryTierSpec, open_store, parse_spec
-from store_helpers import H, L, make_key, make_kv
-from tiny import make_segs
 
 
 def _kv(tokens=200, dim=64, seed=0, dtype=torch.float32):

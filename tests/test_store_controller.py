@@ -2,8 +2,14 @@ import json
 
 import pytest
 
-from ragkv.engine.loading import (StoreProfiles, choose_ratio, hidden_ratio, load_seconds, recompute_seconds,
-                                  schedule_loads)
+from ragkv.engine.blocks.loading import (
+    StoreProfiles,
+    choose_ratio,
+    hidden_ratio,
+    load_seconds,
+    recompute_seconds,
+    schedule_loads,
+)
 from ragkv.store.disk import DiskStore
 from ragkv.store.memory import MemoryStore
 from ragkv.store.probe import measure_tier
@@ -37,7 +43,7 @@ def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
     assert [p.name for p in first] == ["memory", "disk"] and all(p.bytes_per_s > 0 for p in first)
     saved = json.loads(path.read_text())
     assert set(saved) == {"memory", f"disk:{tmp_path / 'kv'}"}
-    monkeypatch.setattr("ragkv.engine.loading.measure_tier", lambda *a, **k: pytest.fail("re-measured"))
+    monkeypatch.setattr("ragkv.engine.blocks.loading.measure_tier", lambda *a, **k: pytest.fail("re-measured"))
     assert StoreProfiles.load(path).measure_tiers(tiers) == first  # profiled once, then read from the file
 
 
@@ -81,9 +87,10 @@ def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
 def test_engine_reads_each_block_from_the_tier_its_schedule_names(tiny_engine, tmp_path):
     """Issue 13: a block may be in several tiers; the load schedule names the one it is read from, and the engine
     obeys."""
+    from tiny import make_segs
+
     from ragkv.engine.options import FusionOptions
     from ragkv.store.spec import open_store
-    from tiny import make_segs
 
     store = open_store(f"memory:64MiB,disk:{tmp_path}:1GiB")
     engine = tiny_engine(store=store)
@@ -113,10 +120,11 @@ def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
 def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_path, disk_hides, expected):
     """Issue 13: with ?cost= in the spec, a new block is placed in the cheapest tier whose loading still hides
     behind the recompute at r = 0.15, else in the fastest."""
+    from tiny import make_segs
+
     from ragkv.engine.options import FusionOptions
     from ragkv.store.probe import profile_id
     from ragkv.store.spec import open_store
-    from tiny import make_segs
 
     store = open_store(f"memory:64MiB?cost=1,disk:{tmp_path}:1GiB?cost=0.01")
     engine = tiny_engine(store=store)
@@ -157,10 +165,10 @@ def test_a_server_measures_its_load_profile_at_start_up_one_forward_at_a_time(tm
     import time
 
     import httpx
+    from tiny import make_tiny_served
 
     from ragkv.bench.serve import ServerProcess
-    from ragkv.engine.loading import PROFILE_FILE
-    from tiny import make_tiny_served
+    from ragkv.engine.blocks.loading import PROFILE_FILE
 
     tiny = str(make_tiny_served(tmp_path))
     with ServerProcess(model=tiny, dtype="float32", device="cpu", store="memory:64MiB", startup_s=180,

@@ -1,5 +1,5 @@
 """Structured output (issue 50): `response_format` json_object / json_schema by constrained decoding
-(engine/constrained.py, llguidance): greedy answers of the default model on a set of JSON schemas are all valid
+(engine/decode/constrained.py, llguidance): greedy answers of the default model on a set of JSON schemas are all valid
 JSON that the schema accepts; a step with no allowed token ends cleanly; the server takes the OpenAI fields and
 answers a bad schema with a 400 naming it."""
 
@@ -7,11 +7,11 @@ import json
 
 import jsonschema
 import pytest
+from tiny import default_model_available
 
-from ragkv.engine.constrained import Constraint, json_grammar
+from ragkv.engine.decode.constrained import Constraint, json_grammar
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.errors import InvalidRequestError
-from tiny import default_model_available
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(not default_model_available(), reason="default model not converted")]

@@ -1,17 +1,17 @@
 """Tool calls (issue 50): the definitions in the system message and calls as <tool_call> blocks for any model
-(engine/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
+(engine/request/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
 each function's schema); the answer's calls are parsed into OpenAI's `tool_calls`."""
 
 import json
 
 import jsonschema
 import pytest
-
-from ragkv.engine.constrained import lark_grammar
-from ragkv.engine.options import FusionOptions
-from ragkv.engine.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
-from ragkv.serve.schemas import ChatRequest, FieldError
 from tiny import default_model_available
+
+from ragkv.engine.decode.constrained import lark_grammar
+from ragkv.engine.options import FusionOptions
+from ragkv.engine.request.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
+from ragkv.serve.schemas import ChatRequest, FieldError
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -9,22 +9,35 @@ import zlib
 
 import pytest
 import torch
+from tiny import make_segs, rand_ids
 
 from ragkv.engine.engine import Engine
+from ragkv.engine.kv.state import decode_step
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Passage
-from ragkv.engine.state import decode_step
+from ragkv.engine.request.segments import Passage
 from ragkv.errors import InvalidRequestError
 from ragkv.eval.datasets import Example
-from ragkv.train.checkpoint import (MARKER, STATE_FILE, OutputFolderError, latest_checkpoint, list_checkpoints,
-                                    prepare_output)
+from ragkv.train.checkpoint import (
+    MARKER,
+    STATE_FILE,
+    OutputFolderError,
+    latest_checkpoint,
+    list_checkpoints,
+    prepare_output,
+)
 from ragkv.train.config import TrainConfig, TrainConfigError
-from ragkv.train.data import (IGNORE, Batch, TrainingDataError, build_examples, example_from_segments,
-                              example_mask, load_training_examples, local_positions)
+from ragkv.train.data import (
+    IGNORE,
+    Batch,
+    TrainingDataError,
+    build_examples,
+    example_from_segments,
+    example_mask,
+    load_training_examples,
+    local_positions,
+)
 from ragkv.train.data import collate as collate_on_cpu
 from ragkv.train.loop import Trainer, answer_loss_sum, data_order, forward_logits, lr_factor, token_loss_sum
-
-from tiny import make_segs, rand_ids
 
 TOL = 1e-4
 

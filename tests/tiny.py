@@ -64,7 +64,7 @@ class IdText:
 
 def make_segs(prefix=12, blocks=(20, 17, 25), query=9, seed=0):
     """Random prefix / blocks / query segments of the given lengths."""
-    from ragkv.engine.request import Segments
+    from ragkv.engine.request.segments import Segments
 
     return Segments(prefix=rand_ids(prefix, seed) if prefix else [],
                     blocks=[rand_ids(n, seed + 10 + i) for i, n in enumerate(blocks)],

@@ -2,7 +2,7 @@
 engine runs it (on the decode weights' path where they are the model's own) under torch's profiler: time and
 GFLOP/s of the linears and of attention against the best square sgemm this machine shows in the same run; then
 batched decode steps over `reuse` prompts: time, GFLOP/s and the weight bytes read per second (a decode step of a
-small batch is bound by memory, not compute). FLOPs are the engine's analytic counts (engine/flops.py)."""
+small batch is bound by memory, not compute). FLOPs are the engine's analytic counts (engine/measure/flops.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from ragkv.bench.common import markdown_table, save_json, sync_device
-from ragkv.engine.flops import attention_flops, linear_flops
+from ragkv.engine.kv.state import decode_batch
+from ragkv.engine.measure.flops import attention_flops, linear_flops
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Segments
-from ragkv.engine.state import decode_batch
+from ragkv.engine.request.segments import Segments
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`ragkv bench chat`: a long conversation replayed statelessly (the whole `messages` list every turn, as OpenAI
 clients send it), as it is, after a mid-history compaction, and after a dropped exchange. Per turn: TTFT of `full`,
 of `prefix` (exact prefix caching, what vLLM, SGLang and llama.cpp do) and of each block path (chat turns as blocks,
-engine/history.py), with each block path's first-token KL to `full` and whether its greedy first token agrees.
+engine/blocks/history.py), with each block path's first-token KL to `full` and whether its greedy first token agrees.
 
 Each path has its own store, filled only by the conversation itself; after each block-path reply the work the
 server does in the background while idle (`Engine.settle_history_steps`) runs and is timed apart. User turns are
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from ragkv.bench.common import markdown_table, real_passages, save_json
+from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.stepwise import drain
 from ragkv.eval.modes import parse_mode_key
 from ragkv.ops.divergence import first_token_kl
 from ragkv.store.memory import MemoryStore

@@ -22,9 +22,9 @@ def sync_device() -> None:
 
 
 def greedy_steps(model, states, steps: int, rows: int | None = None) -> tuple[list[list[int]], list[float]]:
-    """Greedy decode of `states` together for `steps` tokens (ragkv.engine.state.decode_batch, `rows` as there):
+    """Greedy decode of `states` together for `steps` tokens (ragkv.engine.kv.state.decode_batch, `rows` as there):
     each state's tokens, and the time of each batched step in ms."""
-    from ragkv.engine.state import decode_batch
+    from ragkv.engine.kv.state import decode_batch
 
     tokens, times = [[] for _ in states], []
     for _ in range(steps):

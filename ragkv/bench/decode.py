@@ -35,7 +35,7 @@ class DecodeBenchConfig:
 
 
 def _requests(engine, n: int, k: int):
-    from ragkv.engine.request import Passage
+    from ragkv.engine.request.segments import Passage
     from ragkv.eval.datasets import load_dataset
 
     out = []
@@ -51,7 +51,7 @@ def _prefill(engine, segs, steps):
 
 
 def _step_ms(engine, segs, steps: int) -> list[float]:
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
 
     state = _prefill(engine, segs, steps)
     tok, times = int(state.logits.argmax()), []
@@ -63,7 +63,7 @@ def _step_ms(engine, segs, steps: int) -> list[float]:
 
 
 def _batched_tok_s(engine, reqs, batch: int, steps: int) -> float:
-    from ragkv.engine.state import decode_batch
+    from ragkv.engine.kv.state import decode_batch
 
     states = [_prefill(engine, reqs[i % len(reqs)], steps) for i in range(batch)]
     tokens = [int(s.logits.argmax()) for s in states]
@@ -78,7 +78,7 @@ def _profile(engine, segs, steps: int = 8) -> dict:
     """Milliseconds per decode step by kind of work (torch profiler, self CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
 
     state = _prefill(engine, segs, steps + 2)
     tok = int(state.logits.argmax())
@@ -131,7 +131,7 @@ def decode_bytes(engine, kind: str, prompt_tokens: float) -> dict:
 
 
 def _teacher_forced(engine, segs, tokens: list[int]) -> list[torch.Tensor]:
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
 
     state = _prefill(engine, segs, len(tokens))
     out = []
@@ -142,7 +142,7 @@ def _teacher_forced(engine, segs, tokens: list[int]) -> list[torch.Tensor]:
 
 def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> dict:
     from ragkv.engine.engine import Engine
-    from ragkv.engine.state import decode_step
+    from ragkv.engine.kv.state import decode_step
 
     engines = {c: Engine.load(cfg.model, dtype=c[0], device="cpu", decode_weights=c[1]) for c in cfg.configs}
     ref_engine = engines.get(("float32", "exact")) or Engine.load(cfg.model, dtype="float32", device="cpu")

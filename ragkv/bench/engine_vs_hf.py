@@ -28,9 +28,9 @@ def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path
     from transformers import AutoModelForCausalLM
 
     from ragkv.config import torch_dtype
-    from ragkv.engine.fusion import prefill_chunks
-    from ragkv.engine.kvcache import KVCache
-    from ragkv.engine.stepwise import drain
+    from ragkv.engine.kv.kvcache import KVCache
+    from ragkv.engine.kv.prefill import prefill_chunks
+    from ragkv.engine.kv.stepwise import drain
     from ragkv.models.loader import load_model
     from ragkv.models.quant import decode_copy, resolve_decode_weights
 

@@ -261,7 +261,7 @@ def _plot(path: Path, res: dict) -> None:
 def _forget_profiles(tiers) -> None:
     """Drop the bandwidth profiles the loading controller saved for this run's throwaway tiers (a temporary
     directory, a private Redis port), so they do not pile up in the profile file."""
-    from ragkv.engine.loading import StoreProfiles
+    from ragkv.engine.blocks.loading import StoreProfiles
     from ragkv.store.probe import profile_id
 
     StoreProfiles.load().forget({profile_id(t) for t in tiers})

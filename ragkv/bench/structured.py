@@ -1,4 +1,4 @@
-"""`ragkv bench structured`: what constrained decoding (response_format json_schema, engine/constrained.py) costs the
+"""`ragkv bench structured`: what constrained decoding (response_format json_schema, engine/decode/constrained.py) costs the
 decode: tokens/s of the same batched decode with and without a grammar, at each batch size, measured back to back
 in one process (issue 50's target: the mask costs <= 10% at batch 1 and 16).
 
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ragkv.bench.common import save_json
-from ragkv.engine.constrained import json_grammar
+from ragkv.engine.decode.constrained import json_grammar
 from ragkv.engine.options import FusionOptions, GenerationOptions
 
 

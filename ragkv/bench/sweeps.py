@@ -154,7 +154,7 @@ def calibrate_ape(sw: SweepRun, examples, temperatures=APE_GRID, scales=APE_GRID
     """APE auto-calibration on held-out data: the (T, S) with the best task score (`objective="score"`, as the
     APE paper tunes them; needs generated answers) or the lowest mean first-token KL to `full` (`"kl"`). Saved
     per model fingerprint and task, so that `ape` uses it by default (for that task in `ragkv eval`)."""
-    from ragkv.engine.calibration import save_ape_params
+    from ragkv.engine.fusion.calibration import save_ape_params
 
     grid = ape_grid_sweep(sw, examples, temperatures, scales, kind="calibrate", name=f"calibration-{sw.label}",
                           objective=objective)

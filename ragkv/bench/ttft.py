@@ -14,11 +14,11 @@ import torch
 
 from ragkv.bench.common import markdown_table, median_ms, real_passages, save_json
 from ragkv.bench.plots import plot_lines
-from ragkv.engine.kvcache import KVCache
+from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.modes import MODES, get_mode
 from ragkv.engine.options import FusionOptions
+from ragkv.engine.request.segments import Segments
 from ragkv.errors import InvalidRequestError
-from ragkv.engine.request import Segments
 
 
 def build_request(engine, passages, question: str, context_tokens: int, query_tokens: int) -> Segments:

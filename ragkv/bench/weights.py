@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ragkv.bench.common import markdown_table, save_json, sync_device
+from ragkv.engine.kv.state import decode_batch
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.state import decode_batch
 from ragkv.eval.modes import parse_mode_key
 
 COLD = "reuse (cold)"

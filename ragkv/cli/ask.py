@@ -5,8 +5,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
-                              fusion_from_args, library_location, print_json)
+from ragkv.cli.common import (
+    add_fusion_args,
+    add_index_arg,
+    add_model_args,
+    add_store_args,
+    engine_from_args,
+    fusion_from_args,
+    library_location,
+    print_json,
+)
 from ragkv.errors import RagkvError
 from ragkv.rag.order import PASSAGE_ORDERS, order_passages
 from ragkv.settings import DEFAULT_PASSAGE_ORDER
@@ -36,7 +44,7 @@ def register(sub) -> None:
 
 
 def read_passages(docs: list[str], docs_dir: str | None):
-    from ragkv.engine.request import Passage
+    from ragkv.engine.request.segments import Passage
 
     paths = [Path(d) for d in docs]
     if docs_dir:

@@ -28,7 +28,7 @@ def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[st
 
 
 def run_fidelity_calibration(args) -> int:
-    from ragkv.engine.estimates import fidelity_fit_path
+    from ragkv.engine.measure.estimates import fidelity_fit_path
     from ragkv.eval import fidelity_fit
 
     rows, names, models = _records(args.records, "--records")

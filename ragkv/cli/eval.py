@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 from ragkv.cli.common import add_fusion_args, add_model_args, floats, ints, print_json
+from ragkv.cli.eval_data import base_fusion, dataset_spec, load_engine, load_examples, model_label, rank_passages, say
+from ragkv.engine.measure.risk import SIGNALS
 from ragkv.engine.modes import MODES, get_mode
-from ragkv.engine.risk import SIGNALS
 from ragkv.errors import RagkvError
-from ragkv.cli.eval_data import (base_fusion, dataset_spec, load_engine, load_examples, model_label,
-                                  rank_passages, say)
 from ragkv.rag.order import PASSAGE_ORDERS
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
@@ -207,7 +206,7 @@ def run_eval_cmd(args) -> int:
         examples = truncate_to_window(engine, examples, max_new, prompt)
         desc["truncate"] = True  # only when set: files written before the flag still resume
         label += "-truncated"
-    from ragkv.engine.calibration import load_ape_params
+    from ragkv.engine.fusion.calibration import load_ape_params
 
     # APE's T and S: calibrated for this data set's task when that was done, else the model's
     T, S, source = load_ape_params(engine.fingerprint, examples[0].task) if examples else (
@@ -360,7 +359,7 @@ def run_calibrate_cmd(args) -> int:
 
 
 def _calibrate_auto(args) -> int:
-    from ragkv.engine.calibration import save_auto_params
+    from ragkv.engine.fusion.calibration import save_auto_params
     from ragkv.eval.datasets import EVAL_DATASETS
     from ragkv.eval.results import read_results
     from ragkv.eval.risk import calibrate_auto
@@ -432,7 +431,6 @@ def run_report_cmd(args) -> int:
         return 0
     if args.vs_work:
         from ragkv.bench.report import quality_vs_work
-
         from ragkv.eval.modes import split_mode_list
 
         keys = split_mode_list(args.modes) if args.modes else None

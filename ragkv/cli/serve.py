@@ -6,8 +6,16 @@ import argparse
 import logging
 import math
 
-from ragkv.cli.common import (add_fusion_args, add_index_arg, add_model_args, add_store_args, engine_from_args,
-                              fusion_from_args, library_location, size_arg)
+from ragkv.cli.common import (
+    add_fusion_args,
+    add_index_arg,
+    add_model_args,
+    add_store_args,
+    engine_from_args,
+    fusion_from_args,
+    library_location,
+    size_arg,
+)
 from ragkv.errors import InvalidRequestError
 from ragkv.settings import SERVE
 
@@ -170,7 +178,7 @@ def run_serve(args) -> int:
 
     import uvicorn
 
-    from ragkv.engine.kvbudget import freeze_long_lived
+    from ragkv.engine.kv.kvbudget import freeze_long_lived
     from ragkv.serve.app import create_app
 
     check_flags(args)

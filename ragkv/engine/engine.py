@@ -17,24 +17,32 @@ from typing import Iterator
 import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
-from ragkv.engine.block_pool import BlockPool
-from ragkv.engine.blocks import BlockCache, route_id
-from ragkv.engine.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
-from ragkv.engine.estimates import load_fidelity_fits
-from ragkv.engine.generate import Delta, Sequence, step_sequences
-from ragkv.engine.history import settle_history
-from ragkv.engine.kvcache import DECODE_HEADROOM
-from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
-from ragkv.engine.loading import LoadingPlanner, StoreProfiles
-from ragkv.engine.prefix_cache import CHAIN
+from ragkv.engine.blocks.encode import BlockCache, route_id
+from ragkv.engine.blocks.history import settle_history
+from ragkv.engine.blocks.loading import LoadingPlanner, StoreProfiles
+from ragkv.engine.blocks.pool import BlockPool
+from ragkv.engine.blocks.prefix_cache import CHAIN, keep_chunks
+from ragkv.engine.decode.generate import Delta, Sequence, step_sequences
+from ragkv.engine.fusion.ape import DEFAULT_S, DEFAULT_T
+from ragkv.engine.fusion.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
+from ragkv.engine.kv.kvcache import DECODE_HEADROOM
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.kv.stepwise import Steps, drain
+from ragkv.engine.measure.estimates import load_fidelity_fits
+from ragkv.engine.measure.risk import DEFAULT_SIGNAL
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.risk import DEFAULT_SIGNAL
-from ragkv.engine.request import (Passage, PromptFormat, Segments, build_segments, chat_segments,
-                                  history_segments, split_blocks, tokenize)
-from ragkv.engine.state import DecodeState
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.stepwise import Steps, drain
+from ragkv.engine.request.segments import (
+    Passage,
+    PromptFormat,
+    Segments,
+    build_segments,
+    chat_segments,
+    history_segments,
+    split_blocks,
+    tokenize,
+)
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import EXACT_COPIES, decode_copy, resolve_decode_weights
@@ -131,7 +139,7 @@ class Engine:
         self.loading_planner = LoadingPlanner(self.model, self._store, profiles, loaded.fingerprint)
         self.block_cache.place = lambda tokens: self.loading_planner.placement(tokens, FusionOptions().ratio)
         # per-reply fidelity estimates fitted for this model (`ragkv calibrate --target fidelity`), else None:
-        # replies then state the population estimate (engine/estimates.py)
+        # replies then state the population estimate (engine/measure/estimates.py)
         self.fidelity_fits = load_fidelity_fits(loaded.name)
 
     @classmethod
@@ -212,7 +220,7 @@ class Engine:
         return self._store.stats() if hasattr(self._store, "stats") else {}
 
     def pool_stats(self) -> dict:
-        """The block pool that `kv_layout=shared` reads blocks from in place (engine/block_pool.py)."""
+        """The block pool that `kv_layout=shared` reads blocks from in place (engine/blocks/pool.py)."""
         return self.block_pool.stats()
 
     def held_blocks(self, limit: int = 4096) -> list[str]:
@@ -296,7 +304,7 @@ class Engine:
 
     def history_segments(self, turns: list[dict], system: str | None = None) -> Segments:
         """A chat as blocks: the system message the prefix, each earlier message a block, the last the query; the
-        same tokens as `chat_segments` (engine/history.py says how block modes run it)."""
+        same tokens as `chat_segments` (engine/blocks/history.py says how block modes run it)."""
         return history_segments(self.tokenizer, turns, system)
 
     def text_segments(self, text: str) -> Segments:
@@ -323,7 +331,7 @@ class Engine:
                              chunk=None) -> Steps[dict]:
         """After a chat reply (`history_segments`), in units: encode its turns the store lacks as blocks (a later
         edit fuses them) and prefill its history exactly into the prefix cache if a fused reply left it out (the
-        next turn is exact again); engine/history.py. The server runs it in the background while idle."""
+        next turn is exact again); engine/blocks/history.py. The server runs it in the background while idle."""
         return settle_history(self.forward_model, self.block_cache, self.fingerprint, segs, namespace or self.namespace,
                               prefix_chunk, chunk)
 
@@ -394,7 +402,7 @@ class Engine:
             if fitted is not None:
                 stats.fidelity = {**stats.fidelity, "estimate": fitted}
         history = stats.extra.get("history")
-        if history is not None:  # chat turns: exact when nothing was fused (engine/history.py)
+        if history is not None:  # chat turns: exact when nothing was fused (engine/blocks/history.py)
             stats.fidelity = {**stats.fidelity, "exact": bool(history["exact"] or stats.fidelity.get("exact")),
                               "history": history}
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
@@ -428,7 +436,14 @@ class Engine:
                     chunk=None) -> Steps[Sequence]:
         """`start` in units (see `prefill_steps`); the caller holds Engine.lock while advancing it."""
         state, stats = yield from self.prefill_steps(segs, fusion, gen.max_new_tokens, namespace, chunk)
-        return Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions, segs.all_ids())
+        seq = Sequence(state, gen, self.tokenizer, self.eos_ids, stats, self.max_positions, segs.all_ids())
+        if segs.history and stats.fidelity.get("exact") and self.decode_weights in ("exact",) + EXACT_COPIES:
+            # a chat's next turn starts with this prompt and this answer: their exact KV goes to the prefix cache
+            # as the answer ends (an agent's next step then prefills only the tool's result)
+            ns = namespace or self.namespace
+            seq.on_finish = lambda s: keep_chunks(self.store, self.fingerprint, ns, s.prompt_ids + s.out.token_ids,
+                                                  s.state.cache, fusion.prefix_chunk)
+        return seq
 
     def step(self, seqs: list[Sequence], rows: int | None = None) -> None:
         """Advance every unfinished sequence by one token in one batched forward (call `advance()` first);

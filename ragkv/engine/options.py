@@ -1,15 +1,15 @@
 """Per-request options: the fusion mode and its parameters (FusionOptions), and decoding (GenerationOptions, from
-engine/generation.py, which sits below the modes). Each field is declared once (engine/option_spec.py)."""
+engine/request/generation.py, which sits below the modes). Each field is declared once (engine/request/option_spec.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ragkv.engine.generation import GenerationOptions
+from ragkv.engine.measure.risk import SIGNALS
 from ragkv.engine.modes import get_mode, mode_names
-from ragkv.engine.option_spec import OptionSpec, check_option, option, option_specs
+from ragkv.engine.request.generation import GenerationOptions
+from ragkv.engine.request.option_spec import OptionSpec, check_option, option, option_specs
 from ragkv.engine.selections import SELECTIONS
-from ragkv.engine.risk import SIGNALS
 from ragkv.errors import OptionError
 
 

@@ -20,7 +20,7 @@ is waiting to be prefilled, so a chat request arriving during a large ingest wai
 can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
 unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
 
-Memory: a generation reserves its KV bytes (engine/kvbudget.py) when it is admitted. One that would not fit beside
+Memory: a generation reserves its KV bytes (engine/kv/kvbudget.py) when it is admitted. One that would not fit beside
 the running ones waits at the head of the queue (first come, first served) until enough is released; one that
 could never fit is refused when submitted. A generation gives its KV back the moment it leaves the batch.
 """
@@ -35,7 +35,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
-from ragkv.engine.kvbudget import KVBudget
+from ragkv.engine.kv.kvbudget import KVBudget
 from ragkv.errors import RagkvError
 from ragkv.settings import SERVE
 

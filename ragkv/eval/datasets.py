@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ragkv.config import data_dir
-from ragkv.engine.request import Passage, PromptFormat  # Passage: one definition, frozen (text, title="")
+from ragkv.engine.request.segments import Passage, PromptFormat  # Passage: one definition, frozen (text, title="")
 from ragkv.errors import RagkvError
 
 

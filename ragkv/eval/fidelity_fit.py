@@ -2,7 +2,7 @@
 fitted on eval records of held-out data (issue 49).
 
 Per (mode, selection), from features every reply has when its prefill ends: the recomputed share r (token-layers
-against a full prefill), the answer's first-token entropy H and margin m (engine/estimates.py reads the same):
+against a full prefill), the answer's first-token entropy H and margin m (engine/measure/estimates.py reads the same):
 - expected_top1: logistic regression of "first token equals full's" on [1, r, H, m] (ridge 1e-2, Newton steps);
 - expected_kl: linear regression of log(KL + 1e-4) on the same, back-transformed with Duan's smearing factor (the
   mean of exp(residual)), so that its mean matches the KL's mean rather than its geometric mean.
@@ -10,7 +10,7 @@ against a full prefill), the answer's first-token entropy H and margin m (engine
 Held-out figures come from two folds split by question (every record of a question on one side): the binned
 calibration error of expected_top1 (equal-width bins of the stated probability; per bin |mean stated - mean
 measured|), Spearman(expected_kl, measured KL) pooled and per key, and the same for the population estimate
-(engine/estimates.py) the replies stated before, for comparison."""
+(engine/measure/estimates.py) the replies stated before, for comparison."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from ragkv.engine.estimates import FEATURES, FidelityFits, fit_key, population_estimate
+from ragkv.engine.measure.estimates import FEATURES, FidelityFits, fit_key, population_estimate
 from ragkv.eval.risk import spearman
 
 KL_FLOOR = 1e-4
@@ -134,6 +134,6 @@ def summarize(judged: list[tuple], bins: int = 5) -> dict:
 
 
 def document(model: str, records_desc: str, fits: dict) -> dict:
-    """The JSON `ragkv calibrate --target fidelity` saves (engine/estimates.py FidelityFits reads it)."""
+    """The JSON `ragkv calibrate --target fidelity` saves (engine/measure/estimates.py FidelityFits reads it)."""
     return {"kind": "fidelity-fit", "version": 1, "model": model, "features": list(FEATURES),
             "source": records_desc, "fits": fits}

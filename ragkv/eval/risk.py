@@ -1,11 +1,11 @@
-"""Which cheap risk signal (ragkv/engine/risk.py) says an approximate answer is far from `full`'s, and the
+"""Which cheap risk signal (ragkv/engine/measure/risk.py) says an approximate answer is far from `full`'s, and the
 threshold above which `auto` escalates: measured on held-out eval records by `ragkv calibrate --target auto`."""
 
 from __future__ import annotations
 
 import math
 
-from ragkv.engine.risk import SIGNALS
+from ragkv.engine.measure.risk import SIGNALS
 
 
 def _ranks(xs: list[float]) -> list[float]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request import Passage
+from ragkv.engine.request.segments import Passage
 from ragkv.rag.catalog import open_catalog
 from ragkv.rag.embedding import get_embedder
 from ragkv.rag.pipeline import Retriever

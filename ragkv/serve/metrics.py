@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector)
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
@@ -71,7 +70,7 @@ class Metrics:
         self.uncached.inc(stats.extra.get("uncached_blocks", 0))
         self.escalations.labels(stats.mode).inc(stats.fidelity.get("escalations", 0))
         history = stats.extra.get("history")
-        if history:  # engine/history.py
+        if history:  # engine/blocks/history.py
             self.history_turns.labels("exact").inc(history.get("exact_turns", 0))
             self.history_turns.labels("fused").inc(history.get("fused_turns", 0))
         if "store_fault" in stats.extra:
@@ -106,7 +105,7 @@ class LiveStats:
             yield GaugeMetricFamily("ragkv_prefill_stall_seconds_max",
                                     "Longest pause a prefill imposed on running decodes.",
                                     sched["prefill_stall_ms_max"] / 1000)
-            if "kv_bytes_reserved" in sched:  # the KV memory budget (engine/kvbudget.py)
+            if "kv_bytes_reserved" in sched:  # the KV memory budget (engine/kv/kvbudget.py)
                 yield GaugeMetricFamily("ragkv_kv_bytes_reserved", "KV bytes the admitted generations reserved "
                                         "(prompt + n x max_tokens rows each).", sched["kv_bytes_reserved"])
                 yield GaugeMetricFamily("ragkv_kv_bytes_in_use", "KV bytes the live caches hold now.",
@@ -127,7 +126,7 @@ class LiveStats:
                 family.add_metric([tier], 1 if ok else 0)
             yield family
         pool = self.pool_stats()
-        if pool:  # blocks resident for kv_layout=shared (engine/block_pool.py), bounded apart from --kv-memory
+        if pool:  # blocks resident for kv_layout=shared (engine/blocks/pool.py), bounded apart from --kv-memory
             yield GaugeMetricFamily("ragkv_block_pool_bytes", "Bytes of blocks the pool keeps for in-place reads "
                                     "(kv_layout=shared).", pool["bytes"])
             yield GaugeMetricFamily("ragkv_block_pool_limit_bytes", "The pool's bound (--block-pool).",

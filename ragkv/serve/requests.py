@@ -13,11 +13,11 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ragkv.engine.constrained import lark_grammar
+from ragkv.engine.decode.constrained import lark_grammar
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.request import Passage, Segments
-from ragkv.engine.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
+from ragkv.engine.request.segments import Passage, Segments
+from ragkv.engine.request.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
 from ragkv.errors import InvalidRequestError, OptionError, RagkvError
 from ragkv.rag.order import order_passages
 from ragkv.serve.budget import TenantBudget, check_cost
@@ -40,7 +40,7 @@ class Prepared:
     sources: list[dict]
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
     tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
-    tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (engine/tools.py)
+    tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (engine/request/tools.py)
 
 
 def salted_namespace(namespace: str, salt: str) -> str:
@@ -70,7 +70,7 @@ def as_passage(doc) -> Passage:
 
 
 def chat_turns(req: ChatRequest) -> tuple[str | None, list[dict], str]:
-    """A chat's system message (with the tools' definitions, as Qwen2.5's template writes them: engine/tools.py),
+    """A chat's system message (with the tools' definitions, as Qwen2.5's template writes them: engine/request/tools.py),
     its turns as the template renders them, and the last turn's own text (what retrieval searches for)."""
     msgs = req.messages
     system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
@@ -224,13 +224,13 @@ class RequestBuilder:
         passages, sources = self.passages(req, last_text, tenant)
         if passages:
             fusion = self.fusion(req.ragkv, True)
-            # earlier turns: blocks before the passages (exact while the conversation only grows: engine/history.py)
+            # earlier turns: blocks before the passages (exact while the conversation only grows: engine/blocks/history.py)
             segs = self.engine.segments(question, passages, system=system, turns=rendered[:-1])
         else:
             if not question.strip():
                 raise FieldError("messages", "the last user message is empty")
             # earlier turns (user, assistant, tool) are blocks: exact while the conversation only grows, fused
-            # behind an edit (engine/history.py)
+            # behind an edit (engine/blocks/history.py)
             segs = self.engine.history_segments(rendered, system)
             fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)

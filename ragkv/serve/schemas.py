@@ -12,7 +12,6 @@ from ragkv.errors import InvalidRequestError
 from ragkv.rag.order import PASSAGE_ORDERS
 from ragkv.settings import DEFAULT_PASSAGE_ORDER
 
-
 MAX_TOKENS = 1 << 20     # any larger max_tokens is refused before the model's own limit is even looked at
 SEED_MAX = (1 << 63) - 1
 DOC_ID = r"^[^\x00-\x1f\x7f]{1,256}$"  # printable, at most 256 characters ("/" round-trips through the path)
@@ -187,7 +186,7 @@ class JsonSchemaFormat(_Loose):
 
 class ResponseFormat(_Loose):
     """OpenAI's: free text, any JSON object, or JSON following `json_schema.schema` (strict or not: the output
-    follows the schema either way, by constrained decoding: engine/constrained.py)."""
+    follows the schema either way, by constrained decoding: engine/decode/constrained.py)."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -202,7 +201,7 @@ class ResponseFormat(_Loose):
         """llguidance's grammar for this format (None: free text); an unusable schema is a 400 naming it."""
         if self.type == "text":
             return None
-        from ragkv.engine.constrained import json_grammar
+        from ragkv.engine.decode.constrained import json_grammar
         from ragkv.errors import InvalidRequestError
 
         schema = self.json_schema.schema_ if self.type == "json_schema" else None

@@ -8,13 +8,13 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from ragkv.engine.kvbudget import KVBudget, freeze_long_lived, kv_need
-from ragkv.serve.budget import TenantBudget
-from ragkv.engine.kvcache import bytes_per_token
-from ragkv.engine.options import FusionOptions
+from ragkv.engine.kv.kvbudget import KVBudget, freeze_long_lived, kv_need
+from ragkv.engine.kv.kvcache import bytes_per_token
 from ragkv.engine.modes import get_mode
+from ragkv.engine.options import FusionOptions
 from ragkv.engine.scheduler import Job, QueueFull, Scheduler
 from ragkv.serve.auth import ApiKeys
+from ragkv.serve.budget import TenantBudget
 from ragkv.serve.ingest import IngestJobs
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.requests import Prepared, RequestBuilder
@@ -123,7 +123,7 @@ class Server:
     def warm_turns(self, p: Prepared) -> None:
         """In the background while the server is idle: encode the chat's turns the block store lacks (a later
         edit of this conversation fuses them instead of prefilling them) and prefill a fused history exactly into
-        the prefix cache (the next turn is exact again); engine/history.py. Skipped when the background queue is
+        the prefix cache (the next turn is exact again); engine/blocks/history.py. Skipped when the background queue is
         full: the next turn then prefills what it lacks, as without blocks."""
         try:
             self.scheduler.submit_background(

@@ -34,7 +34,7 @@ class Check:
     namespace: str | None
     first_logits: torch.Tensor  # the answer's first-token distribution, on the CPU
     tokens: list[int]           # the answer's first tokens (greedy answers only, else [])
-    expected: dict              # the estimate the answer stated (engine/estimates.py), or {}
+    expected: dict              # the estimate the answer stated (engine/measure/estimates.py), or {}
 
 
 class ShadowChecks:

@@ -1,5 +1,5 @@
 """What loading a tier costs, measured with real reads: its per-read latency and its bandwidth (the inputs of the
-engine's loading controller, engine/loading.py, which keeps them in its profile file; nothing here writes files).
+engine's loading controller, engine/blocks/loading.py, which keeps them in its profile file; nothing here writes files).
 
 Per layer, loading a block's KV from a tier takes latency(tier) + bytes_per_layer / bandwidth(tier): one read per
 block and layer, so a remote tier's round trip or a disk seek counts once per read. Both figures come from reads of

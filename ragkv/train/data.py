@@ -1,6 +1,6 @@
 """Training examples for block fine-tuning: RAG examples -> token ids, segment ids, labels; batching with padding.
 
-An example is built exactly like an inference prompt (ragkv.engine.request.build_segments: prefix, one block per
+An example is built exactly like an inference prompt (ragkv.engine.request.segments.build_segments: prefix, one block per
 passage, query), then the gold answer + EOS is appended as the target. Segment ids follow the Block-Attention
 layout (Ma et al., ICLR 2025, sec. 3.4): prefix = 0, passage i = i + 1, query + answer = one "open" segment that
 attends to everything. Positions are sequential 0..N-1, as `reuse` inference lays the blocks out.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ragkv.engine.request import PromptFormat, Segments, build_segments, tokenize
+from ragkv.engine.request.segments import PromptFormat, Segments, build_segments, tokenize
 from ragkv.errors import RagkvError
 from ragkv.ops.attention import SegmentedMask, block_attention_mask
 

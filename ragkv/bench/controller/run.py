@@ -25,8 +25,8 @@ from ragkv.store.base import KVStore
 def run_controller_bench(cfg: ControllerBenchConfig, out_dir: Path = Path("bench_out"), progress=print) -> dict:
     from ragkv.bench.common import real_passages, save_json
     from ragkv.bench.ttft import build_request
+    from ragkv.engine.blocks.loading import StoreProfiles, recompute_cost
     from ragkv.engine.engine import Engine
-    from ragkv.engine.loading import StoreProfiles, recompute_cost
     from ragkv.store.memory import MemoryStore
     from ragkv.store.probe import profile_id
     from ragkv.store.tiered import TieredStore
@@ -238,7 +238,7 @@ def _restore_profiles(before: dict, tier_ids: set, fingerprint: str) -> None:
     """Put back what this run changed in the saved load profiles: its tiers' bandwidths (throwaway directories,
     a private Redis, the throttle) and its recompute measurement (taken under this run's threads and load) must
     not become another process's schedule. Entries other processes wrote meanwhile stay."""
-    from ragkv.engine.loading import StoreProfiles
+    from ragkv.engine.blocks.loading import StoreProfiles
 
     profiles = StoreProfiles.load()
     profiles.restore(before, {k for k in profiles.data if k in tier_ids or k.startswith(f"recompute:{fingerprint}:")})

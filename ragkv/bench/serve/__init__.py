@@ -10,7 +10,7 @@ tokens) from C client threads. TTFT is measured client-side (request sent -> fir
 queueing included.
 
 The peer gets the same text in plain chat messages: the same system prompt, and one user message holding the
-passages and the question rendered exactly as ragkv renders its blocks and query (`ragkv.engine.request`), so
+passages and the question rendered exactly as ragkv renders its blocks and query (`ragkv.engine.request.segments`), so
 both see the same chat prompt. The two servers never run at the same time. The peer reports no usage in its
 streams: its prompt and answer tokens are counted client-side with the model's own tokenizer.
 

@@ -25,7 +25,7 @@ PEER_SAMPLING = {"llama-cpp": {"repeat_penalty": 1.0}, "llama-server": {"repeat_
 def peer_user_text(req: BenchRequest) -> str:
     """Passages and question as one user message: the text ragkv puts between the chat template's head and tail
     (its blocks, then its query), so the peer's rendered chat prompt is ragkv's prompt, character for character."""
-    from ragkv.engine.request import Passage, PromptFormat, render_passage
+    from ragkv.engine.request.segments import Passage, PromptFormat, render_passage
 
     fmt = PromptFormat()
     blocks = [render_passage(Passage(d["text"], d.get("title") or ""), fmt) for d in req.documents

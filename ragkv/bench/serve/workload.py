@@ -58,7 +58,7 @@ def warmup_requests(pool: list[dict], questions: list[str], owned: list[list[int
 
 def system_prompt() -> str:
     """The system prompt ragkv uses for passages by default; both servers are sent it explicitly."""
-    from ragkv.engine.request import PromptFormat
+    from ragkv.engine.request.segments import PromptFormat
 
     return PromptFormat().system
 

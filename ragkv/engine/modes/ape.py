@@ -1,16 +1,16 @@
 """`ape`: Adaptive Parallel Encoding (Yang, Chen, Chen). Blocks encoded after the shared prefix share one position
 range; the query's attention over the blocks takes a temperature T and a scale S (appendix C.4's joint merge,
-engine/ape.py), in prefill and in every decode step. T = S = 1 on the sequential layout equals `reuse` (invariant 7)."""
+engine/fusion/ape.py), in prefill and in every decode step. T = S = 1 on the sequential layout equals `reuse` (invariant 7)."""
 
 from __future__ import annotations
 
-from ragkv.engine.ape import ApeAttention
-from ragkv.engine.blocks import prefix_conditioning
-from ragkv.engine.fusion import prefill_over_context
-from ragkv.engine.estimates import population_estimate
+from ragkv.engine.blocks.encode import prefix_conditioning
+from ragkv.engine.fusion.ape import ApeAttention
+from ragkv.engine.fusion.context import prefill_over_context
+from ragkv.engine.fusion.shared_attention import prefill_shared
+from ragkv.engine.measure.estimates import population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
-from ragkv.engine.shared_attention import prefill_shared
 
 
 @register

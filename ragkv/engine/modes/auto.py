@@ -1,6 +1,6 @@
 """`auto` (experimental): a quality-bounded mode. It starts cheap, as `blend` with the query-aware selection
 (ProphetKV) at r, and recomputes everything (which equals `full`) only when the request's risk signal
-(engine/risk.py: `shift`, `entropy`, `margin` or `uncovered`) is above `max_risk`. Unset, the signal and the
+(engine/measure/risk.py: `shift`, `entropy`, `margin` or `uncovered`) is above `max_risk`. Unset, the signal and the
 threshold are the model's calibration (`ragkv calibrate --target auto`: on held-out data, the signal that ranks the
 distance to `full` best and the threshold that brings the mean first-token KL under a target within an escalation
 budget), else `shift` at 0.05. Measured (docs/results/quality_selection.md): no signal yet ranks the error left

@@ -14,15 +14,15 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
-from ragkv.engine.blocks import NO_CONDITIONING, BlockCache, EnsureResult, prefix_conditioning
-from ragkv.engine.flops import head_flops, rows_flops
-from ragkv.engine.history import prefill_history, with_exact_prefix
-from ragkv.engine.layout import Layout, make_layout
-from ragkv.engine.request import Segments
-from ragkv.engine.shared_attention import keep_own_rows, prefill_shared
-from ragkv.engine.state import DecodeState
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.stepwise import Steps, drain
+from ragkv.engine.blocks.encode import NO_CONDITIONING, BlockCache, EnsureResult, prefix_conditioning
+from ragkv.engine.blocks.history import prefill_history, with_exact_prefix
+from ragkv.engine.fusion.layout import Layout, make_layout
+from ragkv.engine.fusion.shared_attention import keep_own_rows, prefill_shared
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.kv.stepwise import Steps, drain
+from ragkv.engine.measure.flops import head_flops, rows_flops
+from ragkv.engine.measure.stats import RequestStats
+from ragkv.engine.request.segments import Segments
 from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
 
@@ -137,7 +137,7 @@ class BlockMode(FusionMode):
     def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
         alone = self.conditioning(segs, fusion) == NO_CONDITIONING
         if segs.history and alone and self.layout_kind(fusion) == "sequential":
-            # chat turns: the exactly computable start of the conversation first (engine/history.py)
+            # chat turns: the exactly computable start of the conversation first (engine/blocks/history.py)
             return (yield from prefill_history(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks))
         return (yield from self.prefill_blocks(engine, segs, fusion, capacity, stats, ns, chunk, blocks))
 
@@ -171,7 +171,7 @@ class BlockMode(FusionMode):
         return state
 
     def reads_in_place(self, fusion: "FusionOptions") -> bool:
-        """Whether the query attends to the pooled blocks in place (ragkv.engine.shared_attention) rather than to
+        """Whether the query attends to the pooled blocks in place (ragkv.engine.fusion.shared_attention) rather than to
         a re-rotated copy in its own cache: a mode that reads `kv_layout` (its `fuse_in_place`), set to shared."""
         return "kv_layout" in self.option_fields and fusion.kv_layout == "shared"
 

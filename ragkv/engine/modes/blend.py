@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ragkv.engine.estimates import EXACT_ESTIMATE, population_estimate
+from ragkv.engine.measure.estimates import EXACT_ESTIMATE, population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 from ragkv.engine.selections import get_selection
@@ -63,7 +63,7 @@ class Blend(BlockMode):
                 "draft_tokens": fusion.draft_tokens,
                 "recomputed_tokens": stats.recomputed_tokens,
                 "reused_tokens": stats.reused_tokens,
-                # the risk signal (engine/risk.py) the model's calibration chose, and its value for this answer
+                # the risk signal (engine/measure/risk.py) the model's calibration chose, and its value for this answer
                 "signal": risk[name] if risk else None, "signal_name": name if risk else None,
                 # how close it is expected to be (a population's figures at the recomputed share: engine/estimates)
                 "estimate": EXACT_ESTIMATE if exact else population_estimate(self.name, self.selection(fusion),

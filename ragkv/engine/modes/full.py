@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ragkv.engine.flops import head_flops, rows_flops
-from ragkv.engine.fusion import prefill_full
+from ragkv.engine.kv.prefill import prefill_full
+from ragkv.engine.measure.flops import head_flops, rows_flops
 from ragkv.engine.modes.base import FusionMode
 from ragkv.engine.modes.registry import register
 

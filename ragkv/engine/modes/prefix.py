@@ -3,13 +3,13 @@ rest. Exact: equals `full` (invariant 3)."""
 
 from __future__ import annotations
 
-from ragkv.engine.blocks import EnsureResult
-from ragkv.engine.flops import head_flops, rows_flops
+from ragkv.engine.blocks.encode import EnsureResult
+from ragkv.engine.blocks.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.kv.stepwise import drain
+from ragkv.engine.measure.flops import head_flops, rows_flops
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes.base import FusionMode
 from ragkv.engine.modes.registry import register
-from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.stepwise import drain
 
 
 @register

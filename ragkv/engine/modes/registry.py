@@ -3,7 +3,7 @@ every module of the package, so adding a mode is adding one module."""
 
 from __future__ import annotations
 
-from ragkv.engine.registry import Registry
+from ragkv.engine.request.registry import Registry
 
 _MODES = Registry("mode", "fusion modes", "mode")
 register = _MODES.register

@@ -4,8 +4,8 @@ block attention mask (invariant 4)."""
 
 from __future__ import annotations
 
-from ragkv.engine.fusion import prefill_over_context
-from ragkv.engine.estimates import population_estimate
+from ragkv.engine.fusion.context import prefill_over_context
+from ragkv.engine.measure.estimates import population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
 

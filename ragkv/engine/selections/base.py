@@ -4,7 +4,7 @@ blocks, how, what it checks of the options, and its FLOPs to the first token.
 A selection is a stateless object. `prefill` runs over the reused context, layer by layer (`layer_iter`), and
 records what it chose in one vocabulary for every selection (query_select.record_selection): `select`,
 `selected`, `selected_per_block`, `block_tokens`, and where a first answer existed before the recompute, the risk
-signals of the answer (engine/risk.py). Invariant 6 holds for every selection: r = 1 (or sinks covering every
+signals of the answer (engine/measure/risk.py). Invariant 6 holds for every selection: r = 1 (or sinks covering every
 block) equals `full`, r = 0 equals `reuse`.
 
 `StaticSelection` is the shape of the selections known from the layout alone (no stage 1): one pass over the
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ragkv.engine.flops import attention_flops, head_flops, linear_flops
-from ragkv.engine.layout import Layout
-from ragkv.engine.query_select import check_selectable, prefill_static, record_selection
-from ragkv.engine.risk import measure
-from ragkv.engine.state import DecodeState
-from ragkv.engine.stats import RequestStats
+from ragkv.engine.fusion.layout import Layout
+from ragkv.engine.fusion.query_select import check_selectable, prefill_static, record_selection
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.measure.flops import attention_flops, head_flops, linear_flops
+from ragkv.engine.measure.risk import measure
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.models.args import ModelArgs
 
 if TYPE_CHECKING:  # annotations only: the options import the selections

@@ -3,8 +3,8 @@ layer(s) from the reused one, recomputed from there on (every token before the f
 
 from __future__ import annotations
 
-from ragkv.engine.blend import prefill_blend
-from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_flops
+from ragkv.engine.fusion.blend import prefill_blend
+from ragkv.engine.measure.flops import attention_flops, head_flops, linear_flops, rows_flops
 from ragkv.engine.selections.base import Selection
 from ragkv.engine.selections.registry import register
 

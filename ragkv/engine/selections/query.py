@@ -1,11 +1,11 @@
 """`query`: ProphetKV (arXiv 2602.02579): stage 1 is `reuse`'s query over the reused cache, scoring each context
 token by the query's attention (and a draft's, with `draft_tokens`); stage 2 recomputes the top r and the query at
-every layer (engine/query_select.py)."""
+every layer (engine/fusion/query_select.py)."""
 
 from __future__ import annotations
 
-from ragkv.engine.flops import attention_flops, head_flops, linear_flops, rows_flops
-from ragkv.engine.query_select import prefill_query_aware
+from ragkv.engine.fusion.query_select import prefill_query_aware
+from ragkv.engine.measure.flops import attention_flops, head_flops, linear_flops, rows_flops
 from ragkv.engine.selections.base import Selection
 from ragkv.engine.selections.registry import register
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.engine.query_select import choose_tokens
+from ragkv.engine.fusion.query_select import choose_tokens
 from ragkv.engine.selections.base import StaticSelection
 from ragkv.engine.selections.registry import register
 

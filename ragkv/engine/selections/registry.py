@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ragkv.engine.registry import Registry
+from ragkv.engine.request.registry import Registry
 
 _SELECTIONS = Registry("selection", "selections", "select")
 register = _SELECTIONS.register

@@ -3,7 +3,7 @@ and the query recomputed, nothing chosen at run time."""
 
 from __future__ import annotations
 
-from ragkv.engine.query_select import choose_tokens
+from ragkv.engine.fusion.query_select import choose_tokens
 from ragkv.engine.selections.base import StaticSelection
 from ragkv.engine.selections.registry import register
 from ragkv.errors import OptionError

@@ -61,7 +61,7 @@ class EngineReplica:
     def __init__(self, make_server: Callable, threads: int, metrics_need_key: bool):
         import torch
 
-        from ragkv.engine.kvbudget import freeze_long_lived
+        from ragkv.engine.kv.kvbudget import freeze_long_lived
         from ragkv.serve.app import create_app
 
         torch.set_num_threads(threads)

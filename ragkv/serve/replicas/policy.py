@@ -1,6 +1,6 @@
 """Which replica answers a request, as plain data (router.py applies it inside Ray Serve's request router).
 
-A request's blocks are named by their route ids (engine/blocks.py `route_id`: namespace and tokens). A replica
+A request's blocks are named by their route ids (engine/blocks/encode.py `route_id`: namespace and tokens). A replica
 holds what it last reported (its memory tier, polled by Ray Serve) plus what this router sent it since (reports lag
 by a poll period). The replica holding most of the request's blocks answers, unless it is busier than the least
 loaded one by more than `slack` requests; without a holder, the least loaded answers. Blocks in any order count

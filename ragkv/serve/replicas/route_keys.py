@@ -1,8 +1,8 @@
-"""The blocks a chat request will use, named as the engine names them (engine/blocks.py `route_id`), computed
+"""The blocks a chat request will use, named as the engine names them (engine/blocks/encode.py `route_id`), computed
 from the body with the tokenizer alone: what the ingress hands the router before any replica sees the request.
 
 The segments are built by the functions the server's RequestBuilder uses (serve/requests.py `chat_turns`,
-engine/request.py), in the tenant's namespace, so the ids are the replica's own. Inline documents and a chat's
+engine/request/segments.py), in the tenant's namespace, so the ids are the replica's own. Inline documents and a chat's
 earlier turns are known here; retrieved passages are not (retrieval runs on the replica), and a body the server
 would refuse routes without blocks (the replica answers its 4xx)."""
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from ragkv.engine.blocks import block_route_id
-from ragkv.engine.request import PromptFormat, build_segments, history_segments
+from ragkv.engine.blocks.encode import block_route_id
+from ragkv.engine.request.segments import PromptFormat, build_segments, history_segments
 from ragkv.errors import RagkvError
 from ragkv.serve.requests import as_passage, chat_turns, request_namespace
 from ragkv.serve.schemas import ChatRequest

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.fusion import prefill_chunks
-from ragkv.engine.state import DecodeState
-from ragkv.engine.stepwise import Steps
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.prefill import prefill_chunks
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.kv.stepwise import Steps
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
 CHAIN = "chain"
@@ -61,3 +61,21 @@ def prefill_prefix(model, store: KVStore, fingerprint: str, namespace: str, ids:
     stats.cached_tokens += reused
     stats.recomputed_tokens += len(ids) - reused
     return DecodeState(cache, len(ids), logits)
+
+
+def keep_chunks(store: KVStore, fingerprint: str, namespace: str, ids: list[int], cache: KVCache, chunk: int) -> int:
+    """Store the whole chunks of `ids` whose rows `cache` holds exactly (a prompt computed as `full` and the answer
+    decoded after it: the next turn of a chat sends both back as its start) and the store lacks; returns how many.
+    The answer's rows were computed one at a time by the decode step, not by a prefill: the same forward, equal to
+    float rounding (vLLM's prefix cache keeps decoded blocks likewise)."""
+    rows = min(len(ids), cache.length)
+    keys = chunk_keys(ids[:rows], chunk, fingerprint, namespace)
+    missing = [j for j, key in enumerate(keys) if not store.contains(key)]
+    if not missing:
+        return 0
+    layers = [cache.layer(i) for i in range(len(cache.keys))]
+    for j in missing:
+        a, b = j * chunk, (j + 1) * chunk
+        store.put(keys[j], BlockKV(torch.stack([k[0, :, a:b] for k, _ in layers]).clone(),
+                                   torch.stack([v[0, :, a:b] for _, v in layers]).clone()))
+    return len(missing)

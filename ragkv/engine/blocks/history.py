@@ -2,7 +2,7 @@
 fused at their new offsets by the request's block mode.
 
 A conversation sent statelessly (the whole `messages` list every turn) repeats its earlier turns. The turns the
-hash-chained prefix cache (engine/prefix_cache.py) already holds, and new turns right after them, are prefilled
+hash-chained prefix cache (engine/blocks/prefix_cache.py) already holds, and new turns right after them, are prefilled
 exactly over that prefix, and their chunks stored: an unedited conversation is computed exactly as `prefix` would.
 After an edit (a summary replacing ten turns, a dropped message) the prefix cache stops at the edit; the turns after
 it that the block store holds (each encoded alone, in the background after an earlier reply: `settle_history`)
@@ -16,12 +16,12 @@ while they stay the same from turn to turn, the prefix cache reaches through the
 
 from __future__ import annotations
 
-from ragkv.engine.blocks import NO_CONDITIONING
-from ragkv.engine.prefix_cache import chunk_keys, prefill_prefix
-from ragkv.engine.request import Segments
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.state import DecodeState
-from ragkv.engine.stepwise import Steps
+from ragkv.engine.blocks.encode import NO_CONDITIONING
+from ragkv.engine.blocks.prefix_cache import chunk_keys, prefill_prefix
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.kv.stepwise import Steps
+from ragkv.engine.measure.stats import RequestStats
+from ragkv.engine.request.segments import Segments
 
 # a run of stored turns shorter than this is prefilled exactly: fusing it would save little and leave every later
 # token approximate (a repeated short answer such as "OK." must not end the exact prefix)

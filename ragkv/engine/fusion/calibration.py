@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from ragkv.config import cache_dir
-from ragkv.engine.ape import DEFAULT_S, DEFAULT_T
-from ragkv.engine.risk import DEFAULT_SIGNAL, check_signal
+from ragkv.engine.fusion.ape import DEFAULT_S, DEFAULT_T
+from ragkv.engine.measure.risk import DEFAULT_SIGNAL, check_signal
 
 
 def calibration_path(fingerprint: str) -> Path:

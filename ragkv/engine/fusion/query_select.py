@@ -9,7 +9,7 @@ ProphetKV's dual-stage pipeline: stage 1 is `reuse` (the query's rows over the r
 records, at every layer, how much attention the query gives each context token; the per-layer scores are fused
 into one relevance score and the top r of the block tokens are chosen. Stage 2 recomputes only those tokens and the
 query, at every layer from the embeddings on, over the cache stage 1 filled: each layer's selected rows overwrite
-their reused K/V and attend causally to the whole context (ragkv/engine/blend.py's row attention). No token runs
+their reused K/V and attend causally to the whole context (ragkv/engine/fusion/blend.py's row attention). No token runs
 through a full layer 0 or a check layer (CacheBlend's cost): the work is Tq rows x L layers for stage 1 plus
 (k + Tq) rows x L for stage 2, which is what `recomputed_token_layers` counts.
 
@@ -40,13 +40,13 @@ import time
 
 import torch
 
-from ragkv.engine.blend import RecomputedRows, keep_count
-from ragkv.engine.fusion import context_rotation, load_context_layer, prefill_over_context
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.layout import Layout
-from ragkv.engine.risk import DEFAULT_SIGNAL, measure
-from ragkv.engine.state import DecodeState, decode_step
-from ragkv.engine.stats import RequestStats
+from ragkv.engine.fusion.blend import RecomputedRows, keep_count
+from ragkv.engine.fusion.context import context_rotation, load_context_layer, prefill_over_context
+from ragkv.engine.fusion.layout import Layout
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.state import DecodeState, decode_step
+from ragkv.engine.measure.risk import DEFAULT_SIGNAL, measure
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
@@ -192,7 +192,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
                         signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0) -> DecodeState:
     """ProphetKV's two stages (the static selections run `prefill_static` instead: selections/base.py). With
     several `ratios` (the quality-bounded mode), stage 2 runs
-    again at the next ratio while the risk `signal` (engine/risk.py: e.g. KL(this answer's first-token
+    again at the next ratio while the risk `signal` (engine/measure/risk.py: e.g. KL(this answer's first-token
     distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
     the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
     before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft)."""

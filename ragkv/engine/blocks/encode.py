@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.engine.stepwise import Steps, drain
+from ragkv.engine.kv.stepwise import Steps, drain
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import causal_attention, prefill_mask, sdpa
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens

@@ -109,7 +109,7 @@ def fidelity_fit_path(model_name: str):
 
 
 def load_fidelity_fits(model_name: str) -> FidelityFits | None:
-    """The user's fit for this model, else the one shipped for a registered model (ragkv/engine/fidelity_fits/),
+    """The user's fit for this model, else the one shipped for a registered model (ragkv/engine/measure/fidelity_fits/),
     else None (replies state the population estimate)."""
     from pathlib import Path
 

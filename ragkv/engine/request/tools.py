@@ -4,7 +4,7 @@
 Earlier calls and tool results are rendered as text turns too, so they become blocks like any turn (chat history
 as blocks: exact while the conversation only grows).
 
-`tool_choice` "required" or a named function constrains the answer to call blocks (engine/constrained.py grammar,
+`tool_choice` "required" or a named function constrains the answer to call blocks (engine/decode/constrained.py grammar,
 each call's arguments following its function's JSON schema); "auto" lets the model choose, and the answer is
 parsed afterwards."""
 
@@ -80,7 +80,9 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool,
                                                  "arguments": closed(f.get("parameters") or {"type": "object"})},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     body = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
-    body["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no tokens spent on indentation
+    # one line, spaced as render_calls (and Qwen2.5's template) writes a call: the next turn then sends back the very
+    # tokens decoded, and finds them in the prefix cache (Engine.start_steps keeps a chat answer's KV)
+    body["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     # parallel: up to one call per function offered (at most MAX_PARALLEL): a small model otherwise repeats its
     # call until max_tokens
     most = min(len(fns), MAX_PARALLEL) if parallel else 1

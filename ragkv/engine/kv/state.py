@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ragkv.engine.kvcache import KVCache
+from ragkv.engine.kv.kvcache import KVCache
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import decode_attention, decode_attention_parts
 
@@ -69,7 +69,7 @@ class DecodePlan:
 
     The projections and MLP run batched over all rows (the weights are read once per step); attention runs per
     sequence over its own cache, so lengths, layouts and policies (APE) can differ within a batch. Policies with an
-    `attend_batch` (blocks read in place, engine/shared_attention.py) attend together, so that a block several
+    `attend_batch` (blocks read in place, engine/fusion/shared_attention.py) attend together, so that a block several
     sequences hold is read once per step, unless the forward runs at a fixed row count (batch invariance).
     """
 

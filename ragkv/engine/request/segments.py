@@ -42,7 +42,7 @@ class Segments:
     blocks: list[list[int]]
     query: list[int]
     block_titles: list[str] = field(default_factory=list)
-    history: bool = False  # the blocks are earlier chat turns, in order (engine/history.py: exact prefix first)
+    history: bool = False  # the blocks are earlier chat turns, in order (engine/blocks/history.py: exact prefix first)
     next_turn: list[int] = field(default_factory=list)  # history: the last user message as the block it becomes
     passages: int = 0  # history with documents: the first `passages` blocks are passages, the rest turns
 
@@ -102,7 +102,7 @@ def build_segments(tokenizer, question: str | None, passages=(), fmt: PromptForm
     `question=None`, the context alone (no query segment): what warming a store caches.
 
     `turns`: a conversation's earlier messages, each a block after the passages (`render_turn`), in the order the
-    text had when the history was folded into the question. Such segments are a history (engine/history.py): the
+    text had when the history was folded into the question. Such segments are a history (engine/blocks/history.py): the
     start the prefix cache holds is exact, stored blocks after it fused, the newest turns computed with the
     question."""
     if question is not None and not question.strip():

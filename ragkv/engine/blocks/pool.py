@@ -1,6 +1,6 @@
 """The block pool: blocks resident on the compute device, K rotated once at the block's own positions 0..n-1,
 read in place by every sequence that holds the block, whatever its offset (issue 28's shared block attention,
-ragkv.engine.shared_attention). A block enters the pool from the store once; later requests neither fetch nor
+ragkv.engine.fusion.shared_attention). A block enters the pool from the store once; later requests neither fetch nor
 copy nor re-rotate it.
 
 Bounded by bytes, least recently used first out. An evicted block stays alive as long as a sequence still reads it
@@ -19,7 +19,6 @@ import torch
 from ragkv.ops.rope import half_tables, rope_into
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES
 from ragkv.store.base import CacheKey
-
 
 # keys -> per layer, each key's raw (K, V) [Hkv, n, D] (the store's layer stream)
 LayerStream = Callable[[list[CacheKey]], Iterator[list[tuple[torch.Tensor, torch.Tensor]]]]

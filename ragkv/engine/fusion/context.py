@@ -1,8 +1,9 @@
-"""Fusion modes `full`, `reuse` and `ape`: turn cached blocks into the KV the query attends to.
+"""Fusion for `reuse` and `ape`: turn cached blocks into the KV the query attends to (`full`'s plain prefill is
+kv/prefill.py).
 
 `reuse` is Block-Attention inference (Ma et al. 2025, sec. 3.3): each block's cached raw K is re-rotated to its
 position in the fused prompt and the query is prefilled over all of it. `ape` uses the same loop with a shared
-prefix, the shared layout and APE's attention (ragkv.engine.ape).
+prefix, the shared layout and APE's attention (ragkv.engine.fusion.ape).
 """
 
 from __future__ import annotations
@@ -11,49 +12,15 @@ import time
 
 import torch
 
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.layout import Layout
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.state import AttentionPolicy, DecodeState
-from ragkv.engine.stepwise import Steps
+from ragkv.engine.fusion.layout import Layout
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.prefill import _ms
+from ragkv.engine.kv.state import AttentionPolicy, DecodeState
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import prefill_mask, sdpa
 from ragkv.ops.rope import half_tables, rope_into
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000
-
-
-def prefill_chunks(model, cache: KVCache, ids: list[int], chunk) -> Steps[torch.Tensor]:
-    """Causal prefill of `ids` after what `cache` holds, in units of `chunk` tokens (an int, None for all at
-    once, or a function giving the size for the next unit: a scheduler chunks only while others decode);
-    returns the last token's logits [V]. A model with `forward_rows` (an exact decode copy, models/quant.py) runs
-    each unit in forwards of at most that many rows: its kernels are fastest there, and the activations stay in
-    cache (a 1.5K-token prefill 0.73x one forward's time on Zen 3, docs/results/serve_vllm/s22)."""
-    a, rows = 0, getattr(model, "forward_rows", None)
-    while a < len(ids):
-        step = min((chunk() if callable(chunk) else chunk) or len(ids) - a, len(ids) - a)
-        with torch.inference_mode():
-            unit = rows or step
-            for b in range(a, a + step, unit):
-                part = ids[b:min(a + step, b + unit)]
-                logits = model(torch.tensor([part], device=model.device), cache=cache)[0, -1]
-        a += step
-        if a < len(ids):
-            yield
-    return logits
-
-
-def prefill_full(model, ids: list[int], capacity: int, stats: RequestStats, chunk=None) -> Steps[DecodeState]:
-    """Ordinary prefill of the whole sequence: the quality reference."""
-    t0 = time.perf_counter()
-    cache = KVCache.for_model(model, capacity)
-    logits = yield from prefill_chunks(model, cache, ids, chunk)
-    stats.recompute_ms += _ms(t0)
-    stats.recomputed_tokens += len(ids)
-    return DecodeState(cache, len(ids), logits)
 
 
 def write_context_layer(cache: KVCache, layer: int, parts: list[tuple[torch.Tensor, torch.Tensor]],

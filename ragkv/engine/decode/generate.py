@@ -1,17 +1,22 @@
 """Decoding after any fusion mode: a sequence chooses its tokens, detokenizes them incrementally and stops on EOS,
-a stop string or its budget; feeding the chosen tokens back is batched across sequences (ragkv.engine.state)."""
+a stop string or its budget; feeding the chosen tokens back is batched across sequences (ragkv.engine.kv.state)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
+
 import torch
 
-from ragkv.engine.constrained import Constraint
-from ragkv.engine.generation import GenerationOptions
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.sampling import TokenLogprob, apply_penalties, sample, token_logprob
-from ragkv.engine.state import DecodeState, decode_batch
+from ragkv.engine.decode.constrained import Constraint
+from ragkv.engine.decode.sampling import TokenLogprob, apply_penalties, sample, token_logprob
+from ragkv.engine.kv.state import DecodeState, decode_batch
+from ragkv.engine.measure.stats import RequestStats
+from ragkv.engine.request.generation import GenerationOptions
+
+log = logging.getLogger("ragkv.engine")
 
 
 @dataclass
@@ -107,6 +112,7 @@ class Sequence:
         self.logprobs_sent = 0  # entries of out.logprobs already streamed
         self.feed: int | None = None
         self.finished = False
+        self.on_finish: Callable[["Sequence"], None] | None = None  # run once when it ends, before its KV goes
         self.t0 = time.perf_counter()
 
     def advance(self) -> list[Delta]:
@@ -172,6 +178,11 @@ class Sequence:
     def _finish(self, reason: str, text: str | None = None) -> list[Delta]:
         """`text`: the answer cut at a stop string; otherwise all decoded text, partial characters included."""
         self.finished, self.feed = True, None
+        if self.on_finish is not None:  # e.g. a chat reply's KV kept for the next turn (Engine.start_steps)
+            try:
+                self.on_finish(self)
+            except Exception:  # keeping is an optimisation: the answer is whole without it
+                log.exception("could not keep a finished sequence's KV")
         self.state.release()  # the KV goes now, not when the last reference to this sequence does
         self.out.finish_reason = reason
         self.out.text = text if text is not None else self.detok.final()

@@ -17,26 +17,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.engine.block_pool import PooledBlock
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.layout import Layout
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.state import DecodeState
+from ragkv.engine.blocks.pool import PooledBlock
+from ragkv.engine.fusion.layout import Layout
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
-from ragkv.ops.attention import attention_with_lse, causal_mask, kernel_wins, merge_by_lse, \
-    unmasked_attention_with_lse
+from ragkv.ops.attention import attention_with_lse, causal_mask, kernel_wins, merge_by_lse, unmasked_attention_with_lse
 from ragkv.ops.decode_kernel import parts_attention_cpu
 from ragkv.ops.rope import apply_rope
 
 
 @dataclass(frozen=True)
 class SharedBlocksAttention:
-    """Callable as a decode attention policy (ragkv.engine.state): q [1, Hq, T, D] rotated at its positions, k/v
+    """Callable as a decode attention policy (ragkv.engine.kv.state): q [1, Hq, T, D] rotated at its positions, k/v
     the sequence's own rows [1, Hkv, S, D], the last T of them q's own.
 
     With APE (`temperature`, `scale` != 1), the blocks from `context_from` on are its context: attended with the
-    temperature and merged into one part whose LSE is scaled by S * T (ragkv.engine.ape), the blocks before it (the
+    temperature and merged into one part whose LSE is scaled by S * T (ragkv.engine.fusion.ape), the blocks before it (the
     prefix) attended plainly."""
     blocks: tuple[PooledBlock, ...]
     cos: torch.Tensor  # [nb, 1, 1, D] fp32: cos(o_b * f)

@@ -14,7 +14,7 @@ import gc
 import threading
 import time
 
-from ragkv.engine.kvcache import live_bytes
+from ragkv.engine.kv.kvcache import live_bytes
 
 TRIM_AFTER_BYTES = 64 << 20  # freed KV since the last trim worth trimming for while busy
 TRIM_EVERY_S = 2.0           # at most this often while busy (a trim walks the heap: milliseconds)

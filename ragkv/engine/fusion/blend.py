@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragkv.engine.fusion import context_rotation, load_context_layer
-from ragkv.engine.kvcache import KVCache
-from ragkv.engine.layout import Layout
-from ragkv.engine.stats import RequestStats
-from ragkv.engine.state import DecodeState
+from ragkv.engine.fusion.context import context_rotation, load_context_layer
+from ragkv.engine.fusion.layout import Layout
+from ragkv.engine.kv.kvcache import KVCache
+from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import run_layers
 from ragkv.ops.attention import sdpa

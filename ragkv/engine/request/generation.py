@@ -1,11 +1,11 @@
 """Decoding options of one request (sampling, stops, penalties, log-probabilities): below the fusion modes, so the
-decode loop (engine/generate.py) depends on no mode."""
+decode loop (engine/decode/generate.py) depends on no mode."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragkv.engine.option_spec import check_option, option, option_specs
+from ragkv.engine.request.option_spec import check_option, option, option_specs
 from ragkv.errors import OptionError
 
 
@@ -25,8 +25,8 @@ class GenerationOptions:
     repetition_penalty: float = option(1.0, "CTRL's, on prompt and generated tokens; 1: off", gt=0)
     logprobs: int | None = option(None, "None: none; k: each chosen token's log-probability and the k most likely",
                                   ge=0)
-    # constrained decoding: llguidance's grammar (engine/constrained.py json_grammar), or None: free text
-    grammar: str | None = option(None, "a grammar every answer follows (engine/constrained.py)")
+    # constrained decoding: llguidance's grammar (engine/decode/constrained.py json_grammar), or None: free text
+    grammar: str | None = option(None, "a grammar every answer follows (engine/decode/constrained.py)")
 
     def __post_init__(self):
         for spec in option_specs(GenerationOptions):
