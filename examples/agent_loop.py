@@ -41,13 +41,14 @@ def run_tool(name: str, args: dict) -> str:
     return f"unknown tool {name!r}"
 
 
-def agent(client, model: str, question: str, steps: int = 3, max_tokens: int = 60) -> list[dict]:
+def agent(client, model: str, question: str, steps: int = 3, max_tokens: int = 120) -> list[dict]:
     """Runs the loop; returns one record per step: prompt and cached tokens, what the model did."""
     messages = [{"role": "user", "content": question}]
     records = []
     for step in range(steps + 1):
         choice = "required" if step < steps else "none"
         r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=choice,
+                                           parallel_tool_calls=False,
                                            max_tokens=max_tokens, temperature=0)
         usage, message = r.usage, r.choices[0].message
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0

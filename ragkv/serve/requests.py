@@ -75,7 +75,9 @@ def chat_turns(req: ChatRequest) -> tuple[str | None, list[dict], str]:
     msgs = req.messages
     system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)
     turns = [m for m in msgs if m.role in ("user", "assistant", "tool")]
-    tools = req.calls_tools()
+    # the definitions stay in the prompt with tool_choice "none" (as vLLM does): an agent's last step, which may only
+    # answer, then starts as its earlier steps did and finds them cached
+    tools = bool(req.tools)
     last = ("user", "tool") if tools else ("user",)  # an agent's next step follows a tool's result
     if not turns or turns[-1].role not in last:
         raise FieldError("messages", "the last message must come from the user" + (" or a tool" if tools else ""))
