@@ -306,6 +306,30 @@ def test_auto_escalates_to_full_exactly_when_its_signal_exceeds_the_budget(tiny_
     assert eng.prefill(segs, FusionOptions(mode="full"))[1].fidelity == {"mode": "full", "exact": True}
 
 
+def test_auto_on_the_expected_kl_escalates_within_its_budget(tiny_engine):
+    """`signal=expected_kl`: the reply's own fidelity estimate (the population's figure for a model never fitted)
+    against max_risk as a KL; `escalation_budget` caps the share of the last 100 answers escalated: beyond it an
+    answer at risk keeps its cheap recompute and says so."""
+    from ragkv.engine.measure.estimates import population_estimate
+
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    full, _ = eng.prefill(segs, FusionOptions(mode="full"))
+    cheap, _ = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.2))
+    _, est = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, signal="expected_kl", max_risk=100.0))
+    stated = est.extra["risk"]["expected_kl"]
+    share = est.extra["stage2_risks"][0]["expected_kl"]
+    assert stated == share and 0 < stated < population_estimate("blend", "query", 0.0)["expected_kl"]
+    eng.escalations = type(eng.escalations)(window=4)
+    budget = dict(mode="auto", ratio=0.2, signal="expected_kl", max_risk=stated / 2, escalation_budget=0.5)
+    runs = [eng.prefill(segs, FusionOptions(**budget)) for _ in range(4)]
+    escalated = [s.fidelity["escalations"] for _, s in runs]
+    assert escalated == [1, 0, 0, 1], escalated  # escalates while under half of the window escalated
+    assert [s.fidelity["budget_spent"] for _, s in runs] == [False, True, True, False]
+    assert maxdiff(runs[3][0].logits, full.logits) <= TOL and maxdiff(runs[2][0].logits, cheap.logits) <= TOL
+    assert maxdiff(full.logits, cheap.logits) > 1e-3  # not vacuous
+
+
 def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
     """EPIC's static chunk links: sinks covering every block == full; each block's first k otherwise."""
     eng = tiny_engine("llama")

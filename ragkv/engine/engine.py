@@ -28,8 +28,8 @@ from ragkv.engine.fusion.calibration import DEFAULT_MAX_RISK, load_ape_params, l
 from ragkv.engine.kv.kvcache import DECODE_HEADROOM
 from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.kv.stepwise import Steps, drain
-from ragkv.engine.measure.estimates import load_fidelity_fits
-from ragkv.engine.measure.risk import DEFAULT_SIGNAL
+from ragkv.engine.measure.estimates import expected_kl, load_fidelity_fits
+from ragkv.engine.measure.risk import DEFAULT_SIGNAL, RecentShare
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
@@ -141,6 +141,7 @@ class Engine:
         # per-reply fidelity estimates fitted for this model (`ragkv calibrate --target fidelity`), else None:
         # replies then state the population estimate (engine/measure/estimates.py)
         self.fidelity_fits = load_fidelity_fits(loaded.name)
+        self.escalations = RecentShare()  # `auto`'s recent escalations, against its escalation_budget
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -407,6 +408,10 @@ class Engine:
                               "history": history}
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
+
+    def expected_kl(self, logits, share: float) -> float:
+        """A query-aware blend reply's expected first-token KL to `full` (auto's `expected_kl` signal)."""
+        return expected_kl(self.fidelity_fits, logits, share)
 
     def layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):
         """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store (from

@@ -26,11 +26,16 @@ class FusionOptions:
                          choices=SELECTIONS, key="sel")
     signal: str | None = option(None, "auto: the risk signal it escalates on: shift (how far the recompute moved the "
                                 "first token's distribution), entropy or margin (1 - top-1 minus top-2 "
-                                "probability) of the answer's first token (default: calibrated, else shift)",
+                                "probability) of the answer's first token, uncovered (the query's attention left "
+                                "on reused tokens) or expected_kl (the reply's fidelity estimate; max_risk is then "
+                                "a KL) (default: calibrated, else shift)",
                                 choices=SIGNALS, key="sig")
     max_risk: float | None = option(None, "auto: recompute everything when the risk signal exceeds this (default: "
                                     "calibrated by `ragkv calibrate --target auto`, else 0.05)",
                                     ge=0.0, le=100.0, key="risk")
+    escalation_budget: float = option(1.0, "auto: escalate at most this share of the engine's last 100 auto answers "
+                                      "(1: no limit); an answer over the threshold beyond it keeps its cheap "
+                                      "recompute and says so", ge=0.0, le=1.0, key="budget")
     check_layers: tuple[int, ...] = option((1,), "blend: increasing layers where deviation selects tokens "
                                            "(gradual filtering if several)", ge=1, key="check", max_items=64)
     deviation: str = option("v", "blend: deviation on V (CacheBlend's code) or post-RoPE K (LMCache)",

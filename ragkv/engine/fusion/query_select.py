@@ -189,13 +189,14 @@ def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, c
 def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                         ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
                         stats: RequestStats, max_signal: float | None = None,
-                        signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0) -> DecodeState:
+                        signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0, expect=None) -> DecodeState:
     """ProphetKV's two stages (the static selections run `prefill_static` instead: selections/base.py). With
     several `ratios` (the quality-bounded mode), stage 2 runs
     again at the next ratio while the risk `signal` (engine/measure/risk.py: e.g. KL(this answer's first-token
     distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
     the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
-    before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft)."""
+    before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft). `expect(logits,
+    share)`: the reply's expected KL to `full` at that recomputed share (the `expected_kl` signal)."""
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
     total = N + Tq
     check_selectable(model, layout, total)
@@ -219,7 +220,9 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         out = model.logits(x[:, -1 - len(draft):])[0]
         new, ahead = out[0], list(zip(draft, out[1:]))
         stats.recomputed_token_layers += len(rows) * L
-        risks.append(measure(new, logits, uncovered_share(score, chosen, layout.prefix_len)))
+        share = stats.recomputed_token_layers / max(1, total * L)
+        estimate = None if expect is None else (lambda lg, share=share: expect(lg, share))
+        risks.append(measure(new, logits, uncovered_share(score, chosen, layout.prefix_len), estimate))
         logits = new
         if max_signal is None or risks[-1][signal] <= max_signal:
             break

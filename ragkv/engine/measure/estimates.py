@@ -101,6 +101,17 @@ class FidelityFits:
         return self.predict(fidelity["mode"], fidelity.get("select"), [share, conf["entropy"], conf["margin"]])
 
 
+def expected_kl(fits: FidelityFits | None, logits, share: float, mode: str = "blend", select: str = "query") -> float:
+    """A reply's expected first-token KL to `full` from its logits and recomputed share: the model's fit where it has
+    one for (mode, select), else the population's figure at that share (the same for every reply: it cannot rank)."""
+    if fits is not None and fit_key(mode, select) in fits.fits:
+        from ragkv.ops.divergence import confidence
+
+        conf = confidence(logits)
+        return fits.predict(mode, select, [share, conf["entropy"], conf["margin"]])["expected_kl"]
+    return population_estimate(mode, select, share)["expected_kl"] or 0.0
+
+
 def fidelity_fit_path(model_name: str):
     """Where `ragkv calibrate --target fidelity` saves a model's fit (a user's own, over the shipped one)."""
     from ragkv.config import cache_dir

@@ -19,7 +19,7 @@ from ragkv.engine.selections import get_selection
 class Auto(Blend):
     name = "auto"
     summary = "blend with the query-aware selection at r, escalated to a full recompute when its risk exceeds max_risk"
-    option_fields = ("ratio", "signal", "max_risk", "sink_tokens", "select_per_block", "draft_tokens", "conditioning",
+    option_fields = ("ratio", "signal", "max_risk", "escalation_budget", "sink_tokens", "select_per_block", "draft_tokens", "conditioning",
                      "kv_layout")
 
     def check(self, engine, fusion):
@@ -34,11 +34,19 @@ class Auto(Blend):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
         # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults
         limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
-        stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None)
+        signal = fusion.signal or engine.auto_signal
+        # the budget: beyond its share of recent answers escalated, an answer at risk keeps its cheap recompute
+        spent = engine.escalations.share() >= fusion.escalation_budget
+        stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None,
+                           escalation_budget=fusion.escalation_budget, budget_spent=spent)
+        expect = engine.expected_kl if signal == "expected_kl" else None
         # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
-        return get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
-                                              fusion, capacity, stats, fusion.signal or engine.auto_signal,
-                                              ratios=(fusion.ratio, 1.0), max_signal=limit)
+        state = get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
+                                               fusion, capacity, stats, signal,
+                                               ratios=(fusion.ratio,) if spent else (fusion.ratio, 1.0),
+                                               max_signal=limit, expect=expect)
+        engine.escalations.add(stats.extra.get("escalations", 0) > 0)
+        return state
 
     def selection(self, fusion) -> str:
         return "query"  # auto always selects by the query's attention
@@ -47,7 +55,8 @@ class Auto(Blend):
         out = super().fidelity(fusion, stats)
         x = stats.extra
         out.update(select="query", max_risk=x.get("max_risk"), escalations=x.get("escalations", 0),
-                   final_ratio=x.get("final_ratio"), calibration=x.get("calibration"))
+                   final_ratio=x.get("final_ratio"), calibration=x.get("calibration"),
+                   budget_spent=x.get("budget_spent", False))
         return out
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
