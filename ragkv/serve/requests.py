@@ -272,6 +272,9 @@ class RequestBuilder:
                 passages, sources = self.passages(req, prompt, tenant)
                 fusion = self.fusion(req.ragkv, bool(passages))
                 segs = self.engine.segments(prompt, passages) if passages else self.engine.text_segments(prompt)
+                if not segs.query:  # e.g. only characters the tokenizer drops (the fuzzer's "\x87"): nothing to read
+                    raise FieldError(field, f"the prompt {prompt[:40]!r} tokenizes to no tokens; send text the "
+                                            "model's tokenizer keeps")
             segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
             cost += self.check_prompt(segs, gen, fusion, field)
             out.append(Prepared(segs, fusion, gen, namespace, sources, req.n, tenant))
