@@ -409,9 +409,9 @@ class Engine:
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
 
-    def expected_kl(self, logits, share: float) -> float:
-        """A query-aware blend reply's expected first-token KL to `full` (auto's `expected_kl` signal)."""
-        return expected_kl(self.fidelity_fits, logits, share)
+    def expected_kl(self, logits, share: float, select: str = "query") -> float:
+        """A blend reply's expected first-token KL to `full` at that recomputed share (the `expected_kl` signal)."""
+        return expected_kl(self.fidelity_fits, logits, share, "blend", select)
 
     def layer_stream(self, keys, uncached: dict, store: KVStore, tiers=None):
         """Per-layer KV of `keys`: those the store could not keep from memory, the others from the store (from

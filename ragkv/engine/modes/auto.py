@@ -9,6 +9,7 @@ after the recompute well, so escalations are only partly aimed at the answers at
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from ragkv.engine.modes.blend import Blend
 from ragkv.engine.modes.registry import register
@@ -39,7 +40,7 @@ class Auto(Blend):
         spent = engine.escalations.share() >= fusion.escalation_budget
         stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None,
                            escalation_budget=fusion.escalation_budget, budget_spent=spent)
-        expect = engine.expected_kl if signal == "expected_kl" else None
+        expect = partial(engine.expected_kl, select="query")
         # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
         state = get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
                                                fusion, capacity, stats, signal,

@@ -6,6 +6,7 @@ hides. r = 1 equals `full`, r = 0 `reuse`, for every selection (invariant 6)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from ragkv.engine.measure.estimates import EXACT_ESTIMATE, population_estimate
 from ragkv.engine.modes.base import BlockMode
@@ -50,8 +51,10 @@ class Blend(BlockMode):
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
+        # every risk signal is recorded, the reply's own estimate too (`ragkv calibrate --target auto` ranks them)
+        expect = partial(engine.expected_kl, select=fusion.select)
         return get_selection(fusion.select).prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
-                                                    fusion, capacity, stats, engine.auto_signal)
+                                                    fusion, capacity, stats, engine.auto_signal, expect=expect)
 
     def fidelity(self, fusion, stats):
         x = stats.extra

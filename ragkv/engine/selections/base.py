@@ -37,8 +37,9 @@ class Selection:
         """Raise OptionError for options this selection cannot run with."""
 
     def prefill(self, model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
-                fusion: "FusionOptions", capacity: int, stats: RequestStats, signal: str) -> DecodeState:
-        """The decode state after recomputing this selection's tokens over the reused context."""
+                fusion: "FusionOptions", capacity: int, stats: RequestStats, signal: str, expect=None) -> DecodeState:
+        """The decode state after recomputing this selection's tokens over the reused context; `expect(logits,
+        share)`: the reply's expected KL to `full` (the `expected_kl` risk signal), or None."""
         raise NotImplementedError
 
     def first_token_flops(self, a: ModelArgs, fusion: "FusionOptions", context: int, query: int,
@@ -53,13 +54,16 @@ class StaticSelection(Selection):
         """Cache indices (ascending) of the block tokens to recompute."""
         raise NotImplementedError
 
-    def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal):
+    def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal,
+                expect=None):
         check_selectable(model, layout, len(context_ids) + len(query_ids))
         chosen = self.choose(layout, fusion)
         state = prefill_static(model, layer_iter, layout, context_ids + query_ids, len(query_ids), chosen, capacity,
                                stats)
         # no stage 1 to compare with: the risk's `shift` is unknown
-        record_selection(stats, self.name, chosen, layout, [measure(state.logits, None, None)], signal)
+        share = stats.recomputed_token_layers / max(1, (len(context_ids) + len(query_ids)) * model.args.num_layers)
+        estimate = None if expect is None else (lambda lg: expect(lg, share))
+        record_selection(stats, self.name, chosen, layout, [measure(state.logits, None, None, estimate)], signal)
         return state
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):

@@ -15,7 +15,8 @@ class Deviation(Selection):
     summary = "CacheBlend: the tokens whose KV deviates most at the check layer(s)"
     source = "CacheBlend, Yao et al., EuroSys'25 (arXiv 2405.16444), sec. 4.2-4.3"
 
-    def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal):
+    def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal, expect=None):
+        # CacheBlend records no risk signals (its deviation check is not a stage-1 answer): `expect` goes unused
         return prefill_blend(model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats)
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
