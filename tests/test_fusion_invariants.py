@@ -328,6 +328,9 @@ def test_auto_on_the_expected_kl_escalates_within_its_budget(tiny_engine):
     assert [s.fidelity["budget_spent"] for _, s in runs] == [False, True, True, False]
     assert maxdiff(runs[3][0].logits, full.logits) <= TOL and maxdiff(runs[2][0].logits, cheap.logits) <= TOL
     assert maxdiff(full.logits, cheap.logits) > 1e-3  # not vacuous
+    eng.escalations = type(eng.escalations)(window=4)  # budget 1 (the default) is no limit: every one escalates
+    unbounded = [eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, max_risk=0.0))[1] for _ in range(3)]
+    assert [s.fidelity["escalations"] for s in unbounded] == [1, 1, 1]
 
 
 def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):

@@ -37,7 +37,7 @@ class Auto(Blend):
         limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
         signal = fusion.signal or engine.auto_signal
         # the budget: beyond its share of recent answers escalated, an answer at risk keeps its cheap recompute
-        spent = engine.escalations.share() >= fusion.escalation_budget
+        spent = fusion.escalation_budget < 1.0 and engine.escalations.share() >= fusion.escalation_budget
         stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None,
                            escalation_budget=fusion.escalation_budget, budget_spent=spent)
         expect = partial(engine.expected_kl, select="query")
