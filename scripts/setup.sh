@@ -50,6 +50,13 @@ if [ "$FOR_TESTS" = 1 ]; then  # the demo uses none of these; `--model qwen2.5-c
 fi
 echo "== preparing the default model (converted once into ~/.cache/ragkv/models)"
 .venv/bin/ragkv models --prepare >/dev/null
-echo "== building the C++ kernels (once; cached in ~/.cache/torch_extensions; the bf16 ones only on AVX-512 BF16 CPUs)"
-.venv/bin/python -c "from ragkv.ops import decode_kernel, gemv_kernel, prefill_kernel as p; [m.kernel() for m in (decode_kernel, gemv_kernel, p)]"
+# the demo runs in float32: its set-up builds the decode-attention kernel only; the bf16 product and prefill kernels
+# (AVX-512 BF16 CPUs) build for the tests here, else on first bf16 use (about a minute, once)
+if [ "$FOR_TESTS" = 1 ]; then
+    echo "== building the C++ kernels (once; cached in ~/.cache/torch_extensions; the bf16 ones only on AVX-512 BF16 CPUs)"
+    .venv/bin/python -c "from ragkv.ops import decode_kernel, gemv_kernel, prefill_kernel as p; [m.kernel() for m in (decode_kernel, gemv_kernel, p)]"
+else
+    echo "== building the decode-attention kernel (once; cached in ~/.cache/torch_extensions)"
+    .venv/bin/python -c "from ragkv.ops import decode_kernel; decode_kernel.kernel()"
+fi
 echo "== set-up done"
