@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 class Engine:
@@ -30,7 +31,7 @@ class Engine:
                  "INFERENCE_NUM_THREADS": args.threads}
         self.pipe = ov_genai.ContinuousBatchingPipeline(args.model_dir, sched, "CPU", props)
         self.tokenizer = self.pipe.get_tokenizer()
-        self.config_path = str(__import__("pathlib").Path(args.model_dir) / "generation_config.json")
+        self.config_path = str(Path(args.model_dir) / "generation_config.json")
         self.lock = threading.Condition()
         self.ids = iter(range(1 << 62))
         self.worker = threading.Thread(target=self._loop, daemon=True, name="ov-step")

@@ -220,8 +220,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         out = model.logits(x[:, -1 - len(draft):])[0]
         new, ahead = out[0], list(zip(draft, out[1:]))
         stats.recomputed_token_layers += len(rows) * L
-        share = stats.recomputed_token_layers / max(1, total * L)
-        estimate = None if expect is None else (lambda lg, share=share: expect(lg, share))
+        estimate = None if expect is None else expect(new, stats.recomputed_token_layers / max(1, total * L))
         risks.append(measure(new, logits, uncovered_share(score, chosen, layout.prefix_len), estimate))
         logits = new
         if max_signal is None or risks[-1][signal] <= max_signal:

@@ -93,22 +93,24 @@ class FidelityFits:
 
     def estimate(self, fidelity: dict, share: float, logits) -> dict | None:
         """The reply's estimate from its fidelity statement (mode, select), recomputed share and first-token logits."""
-        if fit_key(fidelity.get("mode", ""), fidelity.get("select")) not in self.fits:
+        return self.from_logits(fidelity.get("mode", ""), fidelity.get("select"), share, logits)
+
+    def from_logits(self, mode: str, select: str | None, share: float, logits) -> dict | None:
+        """`predict` on a reply's features: its recomputed share and its first-token entropy and margin."""
+        if fit_key(mode, select) not in self.fits:
             return None
         from ragkv.ops.divergence import confidence
 
         conf = confidence(logits)
-        return self.predict(fidelity["mode"], fidelity.get("select"), [share, conf["entropy"], conf["margin"]])
+        return self.predict(mode, select, [share, conf["entropy"], conf["margin"]])
 
 
 def expected_kl(fits: FidelityFits | None, logits, share: float, mode: str = "blend", select: str = "query") -> float:
     """A reply's expected first-token KL to `full` from its logits and recomputed share: the model's fit where it has
     one for (mode, select), else the population's figure at that share (the same for every reply: it cannot rank)."""
-    if fits is not None and fit_key(mode, select) in fits.fits:
-        from ragkv.ops.divergence import confidence
-
-        conf = confidence(logits)
-        return fits.predict(mode, select, [share, conf["entropy"], conf["margin"]])["expected_kl"]
+    fitted = fits.from_logits(mode, select, share, logits) if fits is not None else None
+    if fitted is not None:
+        return fitted["expected_kl"]
     return population_estimate(mode, select, share)["expected_kl"] or 0.0
 
 

@@ -18,16 +18,16 @@ SIGNALS = ("shift", "entropy", "margin", "uncovered", "expected_kl")
 DEFAULT_SIGNAL = "shift"
 
 
-def measure(logits, previous_logits, uncovered: float | None, expected=None) -> dict:
+def measure(logits, previous_logits, uncovered: float | None, expected_kl: float | None = None) -> dict:
     """Every signal's value for one stage-2 answer (`logits`) recomputed from `previous_logits` (None where no
     earlier answer exists: no `shift`); `uncovered` comes from the selection (None where nothing scored the tokens);
-    `expected(logits)`: the reply's expected first-token KL to `full` (None: not estimated)."""
+    `expected_kl`: the reply's expected first-token KL to `full` (None: not estimated)."""
     conf = confidence(logits)
     shift = None if previous_logits is None else round(first_token_kl(logits, previous_logits), 6)
     return {"shift": shift, "entropy": round(conf["entropy"], 6),
             "margin": round(1.0 - conf["margin"], 6),
             "uncovered": None if uncovered is None else round(uncovered, 6),
-            "expected_kl": None if expected is None else round(expected(logits), 6)}
+            "expected_kl": None if expected_kl is None else round(expected_kl, 6)}
 
 
 def check_signal(name: str) -> str:

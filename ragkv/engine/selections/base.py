@@ -61,8 +61,8 @@ class StaticSelection(Selection):
         state = prefill_static(model, layer_iter, layout, context_ids + query_ids, len(query_ids), chosen, capacity,
                                stats)
         # no stage 1 to compare with: the risk's `shift` is unknown
-        share = stats.recomputed_token_layers / max(1, (len(context_ids) + len(query_ids)) * model.args.num_layers)
-        estimate = None if expect is None else (lambda lg: expect(lg, share))
+        full = (len(context_ids) + len(query_ids)) * model.args.num_layers
+        estimate = None if expect is None else expect(state.logits, stats.recomputed_token_layers / max(1, full))
         record_selection(stats, self.name, chosen, layout, [measure(state.logits, None, None, estimate)], signal)
         return state
 
