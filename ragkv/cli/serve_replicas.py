@@ -25,8 +25,10 @@ def run_replicas(args, build_server) -> int:
         raise InvalidRequestError("--replicas and --ray-address need Ray Serve: pip install 'ragkv[replicas]' "
                                   "(or bash scripts/setup.sh --for-tests)") from None
     from ragkv.serve.auth import ApiKeys
+    from ragkv.net import listening_socket
     from ragkv.serve.replicas.deployment import build_app
 
+    listening_socket(args.host, args.port).close()  # a port in use fails now, not after Ray and the models start
     keys = ApiKeys.parse(args.api_key, args.api_keys)  # read here: the replicas' machines may not have the file
 
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}

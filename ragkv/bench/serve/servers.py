@@ -169,11 +169,23 @@ class ServerProcess(ServerSubprocess):
 
     def wait_ready(self) -> None:
         try:
-            self._wait_ready()
+            try:
+                self._wait_ready()
+            except RuntimeError:
+                if not self._lost_its_port():
+                    raise
+                if self.tmp is not None:
+                    self.tmp.cleanup()
+                self.spawn()  # another process took the port between our choice and the server's bind: once more
+                self._wait_ready()
         except BaseException:
             if self.tmp is not None:
                 self.tmp.cleanup()
             raise
+
+    def _lost_its_port(self) -> bool:
+        log = self._log_tail().lower()
+        return "address already in use" in log or "failed to bind" in log
 
     def __exit__(self, *exc) -> None:
         self._stop()
