@@ -46,6 +46,29 @@ def test_product_kernel_equals_torch_to_bf16_rounding(out_features, in_features,
                                                                                  torch_err)
 
 
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(1152, 896), (130, 64), (1000, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_int8_product_kernel_equals_the_dequantized_weight(out_features, in_features, rows):
+    """int8 weights: the kernel converts them to bf16 exactly and scales each output's fp32 sum once, so it equals
+    the fp32 product with the dequantized weight (q * scale) to one bf16 rounding; and the int8 weight is itself
+    within half a quantization step (max |w| / 254 per output) of W."""
+    g = torch.Generator().manual_seed(rows * 11 + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    for bias in (None, b):
+        packed = gemv_kernel.pack(w, bias, int8=True)
+        assert packed[0].dtype == torch.int8 and packed[0].numel() == w.numel() + (-out_features % 64) * in_features
+        deq = gemv_kernel.unpack(packed[0], packed[1], out_features)
+        step = w.float().abs().amax(dim=1, keepdim=True) / 127
+        assert ((deq - w.float()).abs() <= step / 2 + 1e-7).all()
+        exact = x.float() @ deq.T + (0 if bias is None else bias.float())
+        got = gemv_kernel.gemv(x, *packed, out_features)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        assert _bf16_rel_err(got, exact) <= 2 ** -8 * 1.01, _bf16_rel_err(got, exact)
+
+
 def _bf16_qwen(tiny_dirs):
     from conftest import _load_tiny
 

@@ -212,3 +212,17 @@ def test_a_model_whose_linears_read_one_buffer_saves_and_loads_back(tiny_dirs, t
     again = _load_tiny(tmp_path / "saved").model
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_decode_is_named_in_every_replys_fidelity(kind, tiny_engine):
+    """The prefill runs on the exact weights, the answer after its first token on the quantized copy: every reply
+    says so (not exact; which weights; whether its first token is)."""
+    eng = tiny_engine("qwen2", decode_weights=kind)
+    for mode in ("full", "reuse", "blend"):
+        _, stats = eng.prefill(make_segs(), FusionOptions(mode=mode), 8)
+        assert stats.fidelity["exact"] is False and stats.fidelity["decode_weights"] == kind
+        assert stats.fidelity["first_token_exact"] is (mode == "full"), (mode, stats.fidelity)
+    _, stats = tiny_engine("qwen2").prefill(make_segs(), FusionOptions(mode="full"), 8)
+    assert stats.fidelity == {"mode": "full", "exact": True}

@@ -406,6 +406,9 @@ class Engine:
         if history is not None:  # chat turns: exact when nothing was fused (engine/blocks/history.py)
             stats.fidelity = {**stats.fidelity, "exact": bool(history["exact"] or stats.fidelity.get("exact")),
                               "history": history}
+        if self._decode_weights not in EXACT_COPIES + ("exact",):  # int8 / int4: the answer after its first token
+            stats.fidelity = {**stats.fidelity, "exact": False, "decode_weights": self._decode_weights,
+                              "first_token_exact": bool(stats.fidelity.get("exact"))}
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
 

@@ -8,6 +8,11 @@ one AVX-512 BF16 `vdpbf16ps` per 16 outputs, over a broadcast pair of x's values
 of the pairs are summed in fp32, bias added in fp32, rounded to bf16 once (as oneDNN does); the sum order differs
 from oneDNN's, so results equal to bf16 rounding, not bitwise.
 
+The same kernel takes int8 weights (symmetric, one fp32 scale per output; `pack(..., int8=True)`): each 32 weights
+are converted to bf16 in registers (exactly: |q| <= 127), multiplied as above, and the fp32 sums scaled once per
+output. It reads half the bytes of bf16 and computes x_bf16 . (q * scale) exactly as the bf16 path would with the
+dequantized weight (tested against that).
+
 Built where the compiler targets AVX-512 BF16 (-march=native on AVX-512 BF16 or AMX CPUs); elsewhere, or with
 RAGKV_NO_CPP_KERNELS=1, `kernel()` is None and callers keep oneDNN's path. Tested against F.linear.
 """
@@ -29,9 +34,23 @@ _SOURCE = r"""
 #include <cstring>
 
 #ifdef __AVX512BF16__
-// R rows of x against one packed block of 64 outputs: R x 4 accumulators of 16 fp32 lanes.
-template <int R>
-static inline void block_rows(const uint32_t* x, int64_t xstride, const uint16_t* w, int64_t Kp,
+// 32 weights of one pair-interleaved run as bf16: a bf16 weight is loaded, an int8 one converted (exact: |q| <= 127
+// fits bf16's 8 significant bits), so the int8 copy reads half the bytes through the same products.
+template <bool I8>
+static inline __m512bh load_w(const void* w, int64_t at) {
+  if (I8) {
+    const int8_t* p = static_cast<const int8_t*>(w) + at;
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  return (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(w) + at);
+}
+
+// R rows of x against one packed block of 64 outputs: R x 4 accumulators of 16 fp32 lanes. `w` is the block's
+// first weight; `scale` (int8 only) is the per-output scale, applied once to the fp32 sums.
+template <int R, bool I8>
+static inline void block_rows(const uint32_t* x, int64_t xstride, const void* w, int64_t Kp, const float* scale,
                               const float* bias, uint16_t* y, int64_t ystride, int64_t n0, int64_t N) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -40,19 +59,18 @@ static inline void block_rows(const uint32_t* x, int64_t xstride, const uint16_t
   if (R == 1) {  // one row: a second set of accumulators over odd pairs, or vdpbf16ps waits on its own latency
     __m512 odd[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (; kp + 2 <= Kp; kp += 2) {
-      const uint16_t* t = w + kp * 128;
+      int64_t t = kp * 128;
       __m512bh xe = (__m512bh)_mm512_set1_epi32(x[kp]), xo = (__m512bh)_mm512_set1_epi32(x[kp + 1]);
       for (int j = 0; j < 4; ++j) {
-        acc[0][j] = _mm512_dpbf16_ps(acc[0][j], xe, (__m512bh)_mm512_loadu_si512(t + 32 * j));
-        odd[j] = _mm512_dpbf16_ps(odd[j], xo, (__m512bh)_mm512_loadu_si512(t + 128 + 32 * j));
+        acc[0][j] = _mm512_dpbf16_ps(acc[0][j], xe, load_w<I8>(w, t + 32 * j));
+        odd[j] = _mm512_dpbf16_ps(odd[j], xo, load_w<I8>(w, t + 128 + 32 * j));
       }
     }
     for (int j = 0; j < 4; ++j) acc[0][j] = _mm512_add_ps(acc[0][j], odd[j]);
   }
   for (; kp < Kp; ++kp) {
-    const uint16_t* t = w + kp * 128;
-    __m512bh w0 = (__m512bh)_mm512_loadu_si512(t), w1 = (__m512bh)_mm512_loadu_si512(t + 32);
-    __m512bh w2 = (__m512bh)_mm512_loadu_si512(t + 64), w3 = (__m512bh)_mm512_loadu_si512(t + 96);
+    int64_t t = kp * 128;
+    __m512bh w0 = load_w<I8>(w, t), w1 = load_w<I8>(w, t + 32), w2 = load_w<I8>(w, t + 64), w3 = load_w<I8>(w, t + 96);
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * xstride + kp]);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
@@ -67,7 +85,8 @@ static inline void block_rows(const uint32_t* x, int64_t xstride, const uint16_t
       int64_t lo = j * 16;
       if (lo >= valid) break;
       __m512 v = acc[r][j];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + lo));  // bias is padded to the blocks
+      if (I8) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + n0 + lo));  // scales are padded to the blocks
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + lo));  // so is the bias
       __m256i b = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even, as torch does
       uint16_t* out = y + r * ystride + n0 + lo;
       if (valid - lo >= 16) {
@@ -77,6 +96,27 @@ static inline void block_rows(const uint32_t* x, int64_t xstride, const uint16_t
         _mm256_storeu_si256((__m256i*)tmp, b);
         std::memcpy(out, tmp, (valid - lo) * sizeof(uint16_t));
       }
+    }
+  }
+}
+
+template <bool I8>
+static void product(const uint32_t* xp, int64_t xs, int64_t M, const char* wp, int64_t blocks, int64_t Kp,
+                    const float* sp, const float* bp, uint16_t* yp, int64_t N) {
+  int64_t block_bytes = 128 * Kp * (I8 ? 1 : 2);
+  // Blocks handed out two at a time, not split in halves: on a 2-core machine the client or the HTTP thread takes
+  // a core now and then, and a static split would make the whole product wait for the preempted half.
+  #pragma omp parallel for schedule(dynamic, 2) num_threads(at::get_num_threads())
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const void* w = wp + blk * block_bytes;
+    for (int64_t r = 0; r < M; r += 4) {  // rows in groups of up to 4: the block stays in L2 between groups
+      int64_t R = M - r < 4 ? M - r : 4;
+      const uint32_t* xr = xp + r * xs;
+      uint16_t* yr = yp + r * N;
+      if (R == 4) block_rows<4, I8>(xr, xs, w, Kp, sp, bp, yr, N, blk * 64, N);
+      else if (R == 3) block_rows<3, I8>(xr, xs, w, Kp, sp, bp, yr, N, blk * 64, N);
+      else if (R == 2) block_rows<2, I8>(xr, xs, w, Kp, sp, bp, yr, N, blk * 64, N);
+      else block_rows<1, I8>(xr, xs, w, Kp, sp, bp, yr, N, blk * 64, N);
     }
   }
 }
@@ -90,34 +130,25 @@ bool available() {
 #endif
 }
 
-// x [M, K] bf16 (K even, rows contiguous), packed [Np/64, K/2, 64, 2] bf16, bias fp32 [Np] or empty -> y [M, N] bf16
-torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
+// x [M, K] bf16 (K even, rows contiguous), packed [Np/64, K/2, 64, 2] bf16 or int8, scales fp32 [Np] (int8) or
+// empty, bias fp32 [Np] or empty -> y [M, N] bf16
+torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(available(), "built without AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16");
+  bool i8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(i8 || packed.scalar_type() == at::kBFloat16, "packed weights must be bf16 or int8");
+  TORCH_CHECK(!i8 || scales.numel() == packed.size(0) * 64, "int8 weights need one fp32 scale per padded output");
   int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(Kp * 2 == K, "x has ", K, " columns, the weight ", Kp * 2);
   auto y = torch::empty({M, N}, x.options());
 #ifdef __AVX512BF16__
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  const float* sp = i8 ? scales.data_ptr<float>() : nullptr;
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  int64_t xs = x.stride(0) / 2;
-  // Blocks handed out two at a time, not split in halves: on a 2-core machine the client or the HTTP thread takes
-  // a core now and then, and a static split would make the whole product wait for the preempted half.
-  #pragma omp parallel for schedule(dynamic, 2) num_threads(at::get_num_threads())
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint16_t* w = wp + blk * 128 * Kp;
-    for (int64_t r = 0; r < M; r += 4) {  // rows in groups of up to 4: the block stays in L2 between groups
-      int64_t R = M - r < 4 ? M - r : 4;
-      const uint32_t* xr = xp + r * xs;
-      uint16_t* yr = yp + r * N;
-      if (R == 4) block_rows<4>(xr, xs, w, Kp, bp, yr, N, blk * 64, N);
-      else if (R == 3) block_rows<3>(xr, xs, w, Kp, bp, yr, N, blk * 64, N);
-      else if (R == 2) block_rows<2>(xr, xs, w, Kp, bp, yr, N, blk * 64, N);
-      else block_rows<1>(xr, xs, w, Kp, bp, yr, N, blk * 64, N);
-    }
-  }
+  if (i8) product<true>(xp, x.stride(0) / 2, M, wp, blocks, Kp, sp, bp, yp, N);
+  else product<false>(xp, x.stride(0) / 2, M, wp, blocks, Kp, sp, bp, yp, N);
 #endif
   return y;
 }
@@ -130,31 +161,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_gemv_v4"
+_NAME = "ragkv_bf16_gemv_v5"
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=torch.cpu._is_avx512_bf16_supported)
 
 
-def pack(w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] (K even) -> (W as [ceil(N/64), K/2, 64, 2] bf16, zero rows padding N; bias as fp32 [padded N], or
-    an empty tensor)."""
+def pack(w: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] (K even) -> (W as [ceil(N/64), K/2, 64, 2], zero rows padding N; fp32 scales [padded N] or an empty
+    tensor; bias as fp32 [padded N], or an empty tensor). bf16 W as it is; `int8`: each output's weights as
+    round(w / scale) with scale = max |w| / 127 (symmetric, per output channel), computed from W in fp32."""
     N, K = w.shape
     pad = -N % BLOCK
-    w = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, 0, 0, pad))
+    w = torch.nn.functional.pad(w.detach(), (0, 0, 0, pad))
+    scales = torch.empty(0)
+    if int8:
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        w = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    else:
+        w = w.to(torch.bfloat16)
     packed = w.view((N + pad) // BLOCK, BLOCK, K // 2, 2).permute(0, 2, 1, 3).contiguous()
     b = torch.empty(0) if bias is None else torch.nn.functional.pad(bias.detach().float(), (0, pad))
-    return packed, b
+    return packed, scales, b
+
+
+def unpack(packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [N, K] weight a packed one stands for, in fp32 (int8: times its scales): what the kernel multiplies by."""
+    blocks, kp = packed.shape[:2]
+    w = packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK, kp * 2).float()
+    return (w * scales[:, None] if scales.numel() else w)[:out_features]
 
 
 def packable(w: torch.Tensor) -> bool:
     return kernel() is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 with at most MAX_ROWS rows -> [..., out_features] bf16."""
+def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+         out_features: int) -> torch.Tensor:
+    """x [..., K] bf16 with at most MAX_ROWS rows -> [..., out_features] bf16 (`pack`'s three tensors)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != x2.shape[1]):
         x2 = x2.contiguous()
     with torch.profiler.record_function("ragkv::gemv"):  # visible to `bench decode`'s profile
-        y = kernel().gemv(x2, packed, bias, out_features)
+        y = kernel().gemv(x2, packed, scales, bias, out_features)
     return y.reshape(*x.shape[:-1], out_features)
