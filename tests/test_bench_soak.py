@@ -160,3 +160,22 @@ def test_report_shows_the_memory_verdict():
                                     "rss": v}})
     assert "## Memory under the abuse phase" in md and "| 1024.0 | 3072.0 |" in md
     assert "RSS not back" in md
+
+
+def test_report_shows_the_fuzzer_and_the_long_ape_requests_and_refuses_bad_settings():
+    from ragkv.bench.soak.run import _long_ape
+
+    recs = [{"kind": "abuse_long_ape", "status": 200, "latency_s": 61.24}, {"kind": "abuse_long_ape", "status": 400,
+                                                                           "latency_s": 0.31},
+            {"kind": "inline", "status": 200, "latency_s": 1.0}]
+    la = _long_ape(recs)
+    assert la == {"sent": 2, "statuses": {"200": 1, "400": 1}, "seconds": [61.2, 0.3]}
+    md = render_markdown({"figures": {"fuzz_5xx": 1, "fuzz_no_answer": 0}, "all_zero": False,
+                          "requests": summarize_requests([], {}), "probes": compare_probes({}, []),
+                          "config": {"fuzz_clients": 2, "long_ape_documents": 8, "long_ape_words": 4000,
+                                     "long_ape_every_s": 60.0},
+                          "fuzz": {"requests": 120, "rounds": 2, "statuses": {"400": 100, "200": 20}}, "long_ape": la})
+    assert "| fuzzer: HTTP 5xx | 1 |" in md and "120 generated requests in 2 rounds" in md
+    assert "2 sent, answers {'200': 1, '400': 1}" in md
+    with pytest.raises(InvalidRequestError, match="--fuzz-clients"):
+        SoakConfig(fuzz_clients=-1)

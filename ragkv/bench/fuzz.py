@@ -35,9 +35,12 @@ def cheap(body):
     return body
 
 
-def fuzz(base: str, cfg: FuzzConfig, say=print) -> dict:
-    """Send `cfg.examples` generated requests to each route of the server at `base`; counts per status and the
-    failures (a 5xx, or a 4xx without an error body)."""
+def fuzz(base: str, cfg: FuzzConfig, say=print, headers: dict | None = None, timeout_s: float = 120,
+         deadline: float | None = None) -> dict:
+    """Send `cfg.examples` generated requests to each route of the server at `base` (with `headers`, e.g. an API
+    key); counts per status and the failures (a 5xx, a 4xx without an error body, or no answer: "timeout" is a
+    hang, "connection" a dropped connection). A `deadline` (time.monotonic()) ends the round early: the rest of its
+    draws are skipped, not sent."""
     try:
         import httpx
         import schemathesis
@@ -45,19 +48,30 @@ def fuzz(base: str, cfg: FuzzConfig, say=print) -> dict:
     except ImportError as e:
         raise RuntimeError("`ragkv bench fuzz` needs schemathesis: pip install -e '.[test]'") from e
 
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    # the schema read with the same headers (a server with keys wants one for every route)
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", headers=headers or {}, timeout=timeout_s,
+                                                      trust_env=False).raise_for_status().json())
     seen: dict[int, int] = {}
     bad: list = []
     t0 = time.perf_counter()
-    with httpx.Client(base_url=base, timeout=120) as client:
+    with httpx.Client(base_url=base, timeout=timeout_s, trust_env=False) as client:
         for path, method in ROUTES:
             @settings(max_examples=cfg.examples, deadline=None, database=None, derandomize=cfg.seed is not None,
                       suppress_health_check=list(HealthCheck))
             @given(case=schema[path][method].as_strategy())
             def send(case):
+                if deadline is not None and time.monotonic() > deadline:
+                    return
                 body = cheap(case.body)
                 kw = {"json": body} if not isinstance(body, (bytes, str)) else {"content": body}
-                r = client.request(method, path, headers={"content-type": "application/json"}, **kw)
+                try:
+                    r = client.request(method, path, headers={"content-type": "application/json", **(headers or {})},
+                                       **kw)
+                except httpx.TransportError as e:  # no answer: a failure like a 5xx, and the run goes on
+                    status = "timeout" if isinstance(e, httpx.TimeoutException) else "connection"
+                    seen[status] = seen.get(status, 0) + 1
+                    bad.append({"path": path, "body": str(body)[:500], "status": status, "reply": repr(e)[:300]})
+                    return
                 seen[r.status_code] = seen.get(r.status_code, 0) + 1
                 if r.status_code >= 500 or (r.status_code >= 400 and "error" not in r.json()):
                     bad.append({"path": path, "body": str(body)[:500], "status": r.status_code, "reply": r.text[:300]})
@@ -65,9 +79,13 @@ def fuzz(base: str, cfg: FuzzConfig, say=print) -> dict:
             if cfg.seed is not None:
                 send = seed(cfg.seed)(send)
             send()
-            say(f"[fuzz] {path}: {sum(seen.values())} requests so far, statuses {dict(sorted(seen.items()))}")
-    return {"requests": sum(seen.values()), "statuses": dict(sorted(seen.items())), "failures": bad,
+            say(f"[fuzz] {path}: {sum(seen.values())} requests so far, statuses {_sorted(seen)}")
+    return {"requests": sum(seen.values()), "statuses": _sorted(seen), "failures": bad,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _sorted(seen: dict) -> dict:
+    return dict(sorted(seen.items(), key=lambda kv: str(kv[0])))
 
 
 def run_fuzz_bench(cfg: FuzzConfig, out_dir: Path, say=print) -> dict:

@@ -238,6 +238,12 @@ def register(sub) -> None:
     ab.add_argument("--rss-return-pct", type=float, default=10.0, help="RSS must come back within this %% of its "
                     "pre-phase level ...")
     ab.add_argument("--rss-return-s", type=float, default=30.0, help="... within this many seconds")
+    ho = k.add_argument_group("hostile traffic during the faults (0: none)")
+    ho.add_argument("--fuzz-clients", type=int, default=0, help="threads fuzzing the API from its OpenAPI schema")
+    ho.add_argument("--fuzz-examples", type=int, default=25, help="generated requests per route and round")
+    ho.add_argument("--long-ape-every", type=float, default=0.0, help="seconds between two long `ape` requests")
+    ho.add_argument("--long-ape-documents", type=int, default=8, help="documents of a long `ape` request")
+    ho.add_argument("--long-ape-words", type=int, default=4000, help="words per document")
     add_output_args(k)
     add_model_args(k, decode_weights=False)
     add_replica_soak_args(k)
@@ -465,7 +471,9 @@ def run_soak(args) -> int:
                      abuse_salts=args.abuse_salts, abuse_long_words=args.abuse_long_words,
                      abuse_word_chars=args.abuse_word_chars, abuse_documents=args.abuse_documents,
                      abuse_max_s=args.abuse_seconds, rss_slack=args.rss_slack, rss_return_pct=args.rss_return_pct,
-                     rss_return_s=args.rss_return_s)
+                     rss_return_s=args.rss_return_s, fuzz_clients=args.fuzz_clients,
+                     fuzz_examples=args.fuzz_examples, long_ape_every_s=args.long_ape_every,
+                     long_ape_documents=args.long_ape_documents, long_ape_words=args.long_ape_words)
     return finish_bench(args, run_soak_bench(cfg, Path(args.output_dir), say), "soak.md")
 
 

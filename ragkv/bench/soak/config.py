@@ -49,6 +49,14 @@ class SoakConfig:
     abuse_word_chars: int = 6000
     abuse_documents: int = 6           # requests with as many inline documents as the server accepts (and one more)
     abuse_max_s: float = 600.0         # the phase stops sending after this long
+    # hostile traffic during the faults (0: none): fuzzers against the server's OpenAPI schema, a tenant of their
+    # own; one long `ape` request (documents x words) per interval from tenant A
+    fuzz_clients: int = 0
+    fuzz_examples: int = 25            # per route and round (6 routes); each round is a new draw
+    long_ape_every_s: float = 0.0
+    long_ape_documents: int = 8
+    long_ape_words: int = 4000
+    long_ape_timeout_s: float = 900.0  # client side: a long request may run minutes, but not for ever
     # the verdict: RSS may rise over its pre-phase level by the memory tier + the KV limit + rss_slack at most, and
     # must come back within rss_return_pct of that level within rss_return_s of the phase's end
     rss_slack: str = "1GiB"
@@ -72,6 +80,10 @@ class SoakConfig:
                 or not self.abuse_max_s > 0 or self.max_batch < 1:
             raise InvalidRequestError("--abuse-clients, --abuse-n, --abuse-max-tokens, --abuse-read-events and "
                                       "--max-batch must be >= 1, the abuse counts >= 0, --abuse-seconds > 0")
+        if self.fuzz_clients < 0 or self.fuzz_examples < 1 or self.long_ape_every_s < 0 \
+                or self.long_ape_documents < 1 or self.long_ape_words < 1 or not self.long_ape_timeout_s > 0:
+            raise InvalidRequestError("--fuzz-clients and --long-ape-every must be >= 0; --fuzz-examples, "
+                                      "--long-ape-documents, --long-ape-words and --long-ape-timeout > 0")
         from ragkv.store.sizes import parse_size
 
         for name in ("memory", "rss_slack") + (("kv_memory",) if self.kv_memory else ()):

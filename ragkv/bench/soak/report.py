@@ -17,6 +17,10 @@ FIGURE_LABELS = {
     "differing_answers": "probe answers differing from the fault-free greedy run (during faults, after, after "
                          "restart)",
     "unclean_shutdown": "SIGTERM exit code not 0",
+    "fuzz_5xx": "fuzzer: HTTP 5xx",
+    "fuzz_bodiless_4xx": "fuzzer: 4xx without an error body",
+    "fuzz_no_answer": "fuzzer: no answer (timeout = hang, or a dropped connection)",
+    "fuzz_rounds_failed": "fuzzer: rounds that could not run",
     "rss_over_budget": "abuse phase: RSS rose over its pre-phase level by more than memory tier + KV limit + slack",
     "rss_not_returned": "abuse phase: RSS not back within the return margin of its pre-phase level in time",
 }
@@ -57,6 +61,15 @@ def render_markdown(out: dict) -> str:
               f"store {out.get('store')}; {out.get('machine', {}).get('cpus')} CPUs, load "
               f"{out.get('machine', {}).get('loadavg_at_start')} -> {out.get('machine', {}).get('loadavg_at_end')}",
               f"- server logs: {', '.join(out.get('server_logs', []))}"]
+    if out.get("fuzz"):
+        f = out["fuzz"]
+        lines.append(f"- fuzzer ({cfg.get('fuzz_clients')} threads, during the faults): {f['requests']} generated "
+                     f"requests in {f['rounds']} rounds, statuses {f['statuses']}")
+    if out.get("long_ape", {}).get("sent"):
+        la = out["long_ape"]
+        lines.append(f"- long `ape` requests ({cfg.get('long_ape_documents')} documents x "
+                     f"{cfg.get('long_ape_words')} words, one per {cfg.get('long_ape_every_s')} s): {la['sent']} sent, "
+                     f"answers {la['statuses']}, seconds {la['seconds']}")
     abuse = out.get("abuse")
     if abuse:
         v = abuse["rss"]

@@ -16,6 +16,7 @@ from ragkv.bench.soak.abuse import AbuseClients
 from ragkv.bench.soak.checks import DocLedger, compare_probes, parse_metrics, summarize_requests
 from ragkv.bench.soak.clients import SoakClients
 from ragkv.bench.soak.config import SoakConfig
+from ragkv.bench.soak.hostile import FUZZ_TENANT, HostileClients
 from ragkv.bench.soak.injector import FAULT_KINDS, FaultInjector
 from ragkv.bench.soak.memory import RssWatch
 from ragkv.bench.soak.processes import RedisProcess, ServerSupervisor
@@ -26,12 +27,15 @@ from ragkv.errors import InvalidRequestError
 WORK_MARK = ".ragkv-soak"  # a work folder holding this file is ours to clear
 
 
-class SoakRun(SoakClients, FaultInjector, AbuseClients):
+class SoakRun(SoakClients, FaultInjector, AbuseClients, HostileClients):
     """State shared by the client threads, the fault injector and the monitor."""
 
     def __init__(self, cfg: SoakConfig, progress):
         self.cfg, self.progress = cfg, progress
         self.keys = {t: f"soak-{t.lower()}-{secrets.token_hex(8)}" for t in TENANTS}
+        if cfg.fuzz_clients:
+            self.keys[FUZZ_TENANT] = f"soak-fuzz-{secrets.token_hex(8)}"
+        self.fuzzed: dict = {}
         self.probes = make_probes(cfg.seed, cfg.modes)
         self.inline = {t: [make_passage(cfg.seed, t, i, "inline") for i in range(6)] for t in TENANTS}
         self.questions = {t: [] for t in TENANTS}  # about the documents added so far
@@ -153,9 +157,14 @@ class SoakRun(SoakClients, FaultInjector, AbuseClients):
                 inj = threading.Thread(target=self.injector, args=(deadline, disk_dir, redis), daemon=True,
                                        name="soak-injector")
                 inj.start()
+                hostile = self.hostile_threads(deadline)
+                for th in hostile:
+                    th.start()
                 inj.join(deadline - time.monotonic() + 4 * cfg.request_timeout_s + 30)
                 for th in clients:
                     th.join(max(1.0, deadline - time.monotonic()) + cfg.request_timeout_s + 10)
+                for th in hostile:
+                    th.join(max(1.0, deadline - time.monotonic()) + cfg.long_ape_timeout_s + 20)
                 walls["faults"] = time.monotonic() - faults_start
             finally:
                 self.stop.set()
@@ -206,6 +215,9 @@ class SoakRun(SoakClients, FaultInjector, AbuseClients):
             "differing_answers": sum(ph.get(p, {}).get("differ", 0) for p in ("faults", "after", "after_restart")),
             "unclean_shutdown": int(out.get("shutdown", {}).get("exit_code", 0) not in (0, None)),
         }
+        if self.fuzzed:  # the fuzzers' own figures: a 5xx, a bodiless 4xx or no answer
+            for name in ("5xx", "bodiless_4xx", "no_answer", "rounds_failed"):
+                figures[f"fuzz_{name}"] = self.fuzzed[name]
         rss = out.get("abuse", {}).get("rss")
         if rss:  # the abuse phase's memory verdict
             figures["rss_over_budget"] = int(rss["over_budget"])
@@ -215,8 +227,18 @@ class SoakRun(SoakClients, FaultInjector, AbuseClients):
         return {"figures": figures, "all_zero": zero,
                 "fault_free_differences": noise, "probes": probes, "requests": requests,
                 "faults_injected": faults, "fault_events": self.faults, "crash_reports": self.crashes,
+                "fuzz": self.fuzzed, "long_ape": _long_ape(self.records),
                 "cross_tenant_samples": self.leaks[:10], "own_marker_responses": self.own_marker, "document_notes": self.ledger.notes[:20],
                 "server_logs": self.sup.logs if self.sup else []}
+
+
+def _long_ape(records: list[dict]) -> dict:
+    """The long `ape` requests: answers by status, and the seconds each took."""
+    mine = [r for r in records if r["kind"] == "abuse_long_ape"]
+    statuses: dict[str, int] = {}
+    for r in mine:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    return {"sent": len(mine), "statuses": statuses, "seconds": [round(r["latency_s"], 1) for r in mine]}
 
 
 def _work_dir(cfg: SoakConfig, out_dir: Path) -> Path:
