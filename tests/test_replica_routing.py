@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from tiny import default_model_available
 
 from ragkv.serve.replicas.forward import call_asgi
-from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_replicas
+from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_by_home, rank_replicas
 
 
 def test_the_holder_answers_unless_busier_than_the_slack():
@@ -39,6 +39,31 @@ def test_new_passage_sets_spread_and_stick_without_any_report():
     assert min(counts.values()) >= 10, counts  # rendezvous hashing spreads new sets over the replicas
     # a request without blocks may go to any least loaded replica
     assert rank_replicas([], {}, {"a": 1, "b": 0, "c": 0}, 4) == [["b", "c"], ["a"]]
+
+
+def test_home_partitions_the_blocks_and_spills_a_set_to_one_second_replica():
+    idle = {"a": 0, "b": 0, "c": 0}
+    homes = {}
+    for i in range(90):
+        blocks = [f"ns/{i}-{j}" for j in range(3)]
+        ranks = rank_by_home(blocks, idle, slack=1)
+        assert len(ranks[0]) == 1 and sorted(sum(ranks, [])) == ["a", "b", "c"]
+        assert rank_by_home(list(reversed(blocks)), idle, 1) == ranks  # any order: the same home
+        homes[i] = ranks[0][0]
+    counts = {r: list(homes.values()).count(r) for r in idle}
+    assert min(counts.values()) >= 18, counts  # sets spread over the replicas
+    blocks = ["ns/7-0", "ns/7-1", "ns/7-2"]
+    home = homes[7]
+    # the home stays home while it is within the slack of the least loaded, whatever the others hold or do
+    assert rank_by_home(blocks, {**idle, home: 1}, slack=1)[0] == [home]
+    # beyond it, the set spills, and always to the same second replica (its hash order), not to the least loaded
+    busy = {**idle, home: 5}
+    second = rank_by_home(blocks, busy, 1)[0][0]
+    assert second != home
+    third = next(r for r in idle if r not in (home, second))
+    assert rank_by_home(blocks, {**busy, third: 0, second: 1}, 1)[0] == [second]
+    assert rank_by_home(blocks, {**busy, second: 6}, 1)[0] == [third]  # both busy: whoever qualifies
+    assert rank_by_home([], {"a": 1, "b": 0, "c": 0}, 1) == [["b", "c"], ["a"]]
 
 
 def test_sent_blocks_are_bounded_and_forgotten_with_their_replica():

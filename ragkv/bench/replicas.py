@@ -22,6 +22,7 @@ from ragkv.bench.serve.clients import percentile
 from ragkv.bench.serve.servers import ServerProcess
 from ragkv.bench.serve.workload import build_pool, draw_requests, system_prompt
 from ragkv.errors import InvalidRequestError
+from ragkv.serve.replicas.policy import ROUTERS
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class ReplicaBenchConfig:
         if self.replicas < 2:
             raise InvalidRequestError("--replicas must be >= 2 to compare routers")
         for r in self.routers:
-            if r not in ("affinity", "round-robin"):
-                raise InvalidRequestError(f"--router {r!r}: choose affinity or round-robin")
+            if r not in ROUTERS:
+                raise InvalidRequestError(f"--router {r!r}: choose from {', '.join(ROUTERS)}")
         if self.sets < 1 or self.requests < 1 or self.concurrency < 1 or self.repeats < 1 or self.zipf < 0:
             raise InvalidRequestError("--passage-sets, --requests, --concurrency and --repeats must be >= 1, "
                                       "--zipf >= 0")

@@ -17,6 +17,7 @@ from ragkv.cli.common import (
     size_arg,
 )
 from ragkv.errors import InvalidRequestError
+from ragkv.serve.replicas.policy import ROUTERS
 from ragkv.settings import SERVE
 
 log = logging.getLogger("ragkv.serve")
@@ -55,10 +56,12 @@ def register(sub) -> None:
                         "own model and KV memory (default 1: this process serves alone, without Ray)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting a local Ray")
-    r.add_argument("--router", choices=("affinity", "round-robin"), default="affinity",
-                   help="which replica answers: the one holding most of the request's blocks in memory (the "
-                        "least loaded when none does or it is busier than the others by --affinity-slack), or "
-                        "each in turn")
+    r.add_argument("--router", choices=ROUTERS, default="affinity",
+                   help="which replica answers: `affinity`, the one holding most of the request's blocks in memory "
+                        "(the least loaded when none does or it is busier than the others by --affinity-slack); "
+                        "`home`, the home replica of most of its blocks by rendezvous hashing, unless busier by "
+                        "--affinity-slack (the blocks partitioned: for replicas whose memory holds only a share of "
+                        "the working set); or `round-robin`, each in turn")
     r.add_argument("--affinity-slack", type=int, default=2, metavar="REQUESTS",
                    help="a holder busier than the least loaded replica by more requests than this loses the request "
                         "to the least loaded one (while a replica is idle, only idle replicas answer)")

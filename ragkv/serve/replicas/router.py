@@ -1,7 +1,8 @@
 """The cache-aware request router, on Ray Serve's request-router API (`ray.serve.request_router.RequestRouter`):
 each request goes to the replica holding most of its blocks (policy.py), read from the replicas' routing stats
-(`EngineReplica.record_routing_stats`) and from what this router sent them since. `round-robin` is the baseline
-the benchmark compares it with."""
+(`EngineReplica.record_routing_stats`) and from what this router sent them since; or, `home`, to the home replica
+of most of its blocks (rendezvous hashing with bounded load: the working set partitioned over the replicas).
+`round-robin` is the baseline the benchmark compares them with."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_replicas
+from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_by_home, rank_replicas
 
 ROUTE_KWARG = "route_ids"  # the keyword argument the ingress passes the request's blocks in
 
@@ -39,6 +40,9 @@ class BlockAffinityRouter(RequestRouter):
             first = order[next(self._turn) % len(order)]
             return [[by_id[first]], [by_id[i] for i in order if i != first]]
         blocks = _blocks(pending_request)
+        if self._policy == "home":
+            loads = {i: self._load(r) for i, r in by_id.items()}
+            return [[by_id[i] for i in rank] for rank in rank_by_home(blocks, loads, self._slack)]
         holdings = {i: set(r.routing_stats.get("blocks", ())) | self._sent.of(i) for i, r in by_id.items()}
         loads = {i: self._load(r) for i, r in by_id.items()}
         return [[by_id[i] for i in rank] for rank in rank_replicas(blocks, holdings, loads, self._slack)]
