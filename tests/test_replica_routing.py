@@ -172,3 +172,17 @@ def test_route_ids_are_the_engine_own_block_keys(default_engine, case):
     assert route.of("/v1/embeddings", json.dumps(body).encode(), auth) == []
     if case == "tenant_salt":
         assert route.of("/v1/chat/completions", json.dumps(body).encode(), "Bearer wrong") == []
+
+
+def test_the_bench_compares_every_router_with_the_single_server_and_round_robin():
+    from ragkv.bench.replicas import ReplicaBenchConfig, summarize
+    from ragkv.errors import InvalidRequestError
+
+    runs = [{"config": c, "block_hit_rate": h, "ttft_p50_s": t, "ttft_p95_s": 2 * t, "req_per_s": 0.5}
+            for c, h, t in [("single", 0.9, 0.3), ("affinity", 0.72, 0.5), ("home:1", 0.855, 0.4),
+                            ("round-robin", 0.63, 1.0)]]
+    s = summarize(runs)
+    assert s["home:1"]["hit_rate_vs_single"] == 0.95 and s["round-robin"]["hit_rate_vs_single"] == 0.7
+    assert s["home_slack_1_ttft_p50_vs_round_robin"] == 0.4 and s["affinity_ttft_p50_vs_round_robin"] == 0.5
+    with pytest.raises(InvalidRequestError, match=":SLACK"):
+        ReplicaBenchConfig(routers=("home:x",))

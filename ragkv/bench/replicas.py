@@ -47,8 +47,10 @@ class ReplicaBenchConfig:
         if self.replicas < 2:
             raise InvalidRequestError("--replicas must be >= 2 to compare routers")
         for r in self.routers:
-            if r not in ROUTERS:
-                raise InvalidRequestError(f"--router {r!r}: choose from {', '.join(ROUTERS)}")
+            name, _, slack = r.partition(":")
+            if name not in ROUTERS or (slack and not slack.isdigit()):
+                raise InvalidRequestError(f"--router {r!r}: choose from {', '.join(ROUTERS)}, each with an optional "
+                                          ":SLACK (e.g. home:1, its --affinity-slack)")
         if self.sets < 1 or self.requests < 1 or self.concurrency < 1 or self.repeats < 1 or self.zipf < 0:
             raise InvalidRequestError("--passage-sets, --requests, --concurrency and --repeats must be >= 1, "
                                       "--zipf >= 0")
@@ -142,7 +144,9 @@ def run_replica_bench(cfg: ReplicaBenchConfig, model: str, dtype: str, out_dir: 
         extra = ("--no-startup-profile", "--shadow-fraction", "0", *server_args)  # routing alone is measured
         store = single_store(cfg) if name == "single" else cfg.memory
         if name != "single":
-            extra += ("--replicas", str(cfg.replicas), "--router", name, "--replica-threads", "1")
+            router, _, slack = name.partition(":")
+            extra += ("--replicas", str(cfg.replicas), "--router", router, "--replica-threads", "1")
+            extra += ("--affinity-slack", slack) if slack else ()
         say(f"[replicas bench] {name}: starting")
         with ServerProcess(model, dtype, "cpu", store, startup_s=600, extra=extra, threads=1) as server:
             figures = run_config(server.url, model, requests, cfg)
@@ -166,19 +170,22 @@ def summarize(runs: list[dict]) -> dict:
         return sum(xs) / len(xs) if xs else None
     out = {name: {f: _r(mean(name, f)) for f in ("block_hit_rate", "ttft_p50_s", "ttft_p95_s", "req_per_s")}
            for name in by}
-    single, aff, rr = out.get("single"), out.get("affinity"), out.get("round-robin")
+    single, rr = out.get("single"), out.get("round-robin")
+    routed = [name for name in by if name != "single"]
     if single and single["block_hit_rate"]:
-        for name in ("affinity", "round-robin"):
-            if name in out:
-                out[name]["hit_rate_vs_single"] = _r(out[name]["block_hit_rate"] / single["block_hit_rate"])
-    if aff and rr and rr["ttft_p50_s"]:
-        out["affinity_ttft_p50_vs_round_robin"] = _r(aff["ttft_p50_s"] / rr["ttft_p50_s"])
+        for name in routed:
+            out[name]["hit_rate_vs_single"] = _r(out[name]["block_hit_rate"] / single["block_hit_rate"])
+    if rr and rr["ttft_p50_s"]:
+        for name in routed:
+            if name != "round-robin" and out[name]["ttft_p50_s"] is not None:
+                key = "affinity" if name == "affinity" else name.replace(":", "_slack_")
+                out[f"{key}_ttft_p50_vs_round_robin"] = _r(out[name]["ttft_p50_s"] / rr["ttft_p50_s"])
     return out
 
 
 def render(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"# Replicas: affinity vs round-robin ({result['model']}, {result['dtype']})", "",
+    lines = [f"# Replicas: routers compared ({result['model']}, {result['dtype']})", "",
              f"{cfg['requests']} requests over {cfg['sets']} passage sets (Zipf {cfg['zipf']}, "
              f"{cfg['passages_per_request']} MuSiQue passages each, fresh order per request), {cfg['concurrency']} "
              f"clients, {cfg['replicas']} replicas of 1 thread, store {cfg['memory']} per replica (the single server: "
@@ -191,6 +198,8 @@ def render(result: dict) -> str:
         lines.append(f"| {r['config']} | {r['block_hit_rate']:.3f} | {vs if vs is not None else '-'} | "
                      f"{r['ttft_p50_s']} | {r['ttft_p95_s']} | {r['req_per_s']} | "
                      f"{', '.join(str(v) for v in sorted(r['per_replica'].values(), reverse=True))} | {r['errors']} |")
-    if "affinity_ttft_p50_vs_round_robin" in summary:
-        lines += ["", f"Affinity TTFT p50 / round-robin's: {summary['affinity_ttft_p50_vs_round_robin']}"]
+    ratios = {k.removesuffix("_ttft_p50_vs_round_robin"): v for k, v in summary.items()
+              if k.endswith("_ttft_p50_vs_round_robin")}
+    if ratios:
+        lines += ["", "TTFT p50 / round-robin's: " + ", ".join(f"{k} {v}" for k, v in ratios.items())]
     return "\n".join(lines) + "\n"
