@@ -205,6 +205,19 @@ def test_full_queue_refuses():
     block.set()
 
 
+def test_one_tenant_cannot_fill_the_background_queue():
+    """Ingestion jobs are bounded per tenant (a quarter of the queue): one tenant's uploads are refused before
+    another's are (the 40-minute soak: a fuzzer's accepted ingests made every other tenant's documents a 429)."""
+    sched = Scheduler(step=lambda seqs: None, max_queue=64, thread=False)  # no worker: jobs stay queued
+    work = lambda: iter(())  # noqa: E731
+    for _ in range(sched.max_background_per_tenant):
+        sched.submit_background(work, 10, tenant="A")
+    with pytest.raises(QueueFull, match="this tenant already has 4"):
+        sched.submit_background(work, 10, tenant="A")
+    sched.submit_background(work, 10, tenant="B")
+    sched.submit_background(work, 10)  # the server's own jobs (no tenant) count only against the whole queue
+
+
 @pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "ape"])
 def test_prefill_in_units_equals_prefill_at_once(mode, tiny_engine):
     eng = tiny_engine("llama")
@@ -255,6 +268,37 @@ def test_another_tenants_request_prefills_beside_a_long_one_and_a_tenants_own_wa
     assert order.index("b") < 3 and len([n for n in order[:order.index("b") + 6] if n == "b"]) == 3, order
     assert max(i for i, n in enumerate(order) if n == "b") < max(i for i, n in enumerate(order) if n == "a1")
     assert min(i for i, n in enumerate(order) if n == "a2") > max(i for i, n in enumerate(order) if n == "a1")
+
+
+def test_a_long_prefill_does_not_hold_its_own_tenants_later_requests():
+    """A long prefill (`long`: many units, e.g. a hostile `ape` request) keeps its tenant's place only as a normal
+    one would not: the tenant's next request is admitted beside it and finishes first; units go round-robin by
+    tenant, then by request within the tenant (A's two share A's turns, B keeps its own)."""
+    order = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=4)
+    gate = threading.Event()
+
+    def start(name, units):
+        def gen():
+            for _ in range(units):
+                order.append(name)
+                if name == "a1" and len(order) == 1:
+                    gate.wait(5)  # the other requests queue while A's first unit runs
+                yield
+            return FakeSeq(1, name), name
+        return gen
+
+    a1 = sched.submit_generation(start("a1", 30), tenant="A", long=True)
+    time.sleep(0.1)
+    a2 = sched.submit_generation(start("a2", 3), tenant="A")
+    b = sched.submit_generation(start("b", 6), tenant="B")
+    gate.set()
+    run_jobs(sched, [a1, a2, b])
+    last = {n: max(i for i, x in enumerate(order) if x == n) for n in ("a1", "a2", "b")}
+    assert last["a2"] < last["a1"] and last["b"] < last["a1"], order
+    # while all three are in flight, B has every other unit and A's two requests alternate in A's turns
+    window = order[1:13]
+    assert window.count("b") == 6 and window.count("a2") == 3 and window.count("a1") == 3, window
 
 
 def test_waiting_requests_are_taken_round_robin_by_tenant():

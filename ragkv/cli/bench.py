@@ -243,7 +243,8 @@ def register(sub) -> None:
     ho.add_argument("--fuzz-examples", type=int, default=25, help="generated requests per route and round")
     ho.add_argument("--long-ape-every", type=float, default=0.0, help="seconds between two long `ape` requests")
     ho.add_argument("--long-ape-documents", type=int, default=8, help="documents of a long `ape` request")
-    ho.add_argument("--long-ape-words", type=int, default=4000, help="words per document")
+    ho.add_argument("--long-ape-words", type=int, default=1000, help="words per document (random letters, ~3.6 "
+                    "tokens a word: 8 x 1000 is ~29K tokens)")
     add_output_args(k)
     add_model_args(k, decode_weights=False)
     add_replica_soak_args(k)

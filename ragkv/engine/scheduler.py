@@ -11,9 +11,12 @@ each batched step (throughput), while the running answers wait longer between to
 tokenized, its segments built by the caller's thread): the worker only runs the model.
 
 Fairness across tenants: waiting generations queue per tenant and are admitted round-robin by tenant; each tenant
-may have one generation prefilling at a time, and the units of the prefills in flight go round-robin (one tenant's
-long prefill, e.g. `ape` over 32K tokens, no longer holds the model until it ends: another tenant's request is
-admitted beside it and its units interleave). Within one tenant, generations prefill first come, first served.
+may have one generation prefilling at a time, and the units of the prefills in flight go round-robin, tenant by
+tenant, and within a tenant request by request (one tenant's long prefill, e.g. `ape` over 32K tokens, no longer
+holds the model until it ends: another tenant's request is admitted beside it and its units interleave). Within one
+tenant, generations prefill first come, first served, except that a `long` one (many units: Server.start marks
+it) does not hold its tenant's place: the tenant's next requests are admitted beside it, or one hostile request of
+minutes would hold every other request of its own tenant past its deadline (seen in the 40-minute soak).
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
@@ -116,8 +119,9 @@ class Job:
     streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
     def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                 settle: Callable | None = None, tenant: str = "default"):
+                 settle: Callable | None = None, tenant: str = "default", long: bool = False):
         self.start, self.emit, self.tenant = start, emit, tenant
+        self.long = long  # a prefill of many units: it does not keep its tenant's other requests waiting
         self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
         # (sequences) -> the most KV they can hold now that the prefill is done (what it kept is known), or None
         self.settle = settle
@@ -169,13 +173,15 @@ class Scheduler:
         self.prefill_stall_ms = prefill_stall_ms
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
-        self.prefilling: list[Job] = []  # admitted, mid-prefill: at most one per tenant, units round-robin
-        self._turn = 0
+        self.prefilling: list[Job] = []  # admitted, mid-prefill: one per tenant (besides long ones), units
+        self._turn = 0                    # round-robin by tenant, then by request within the tenant
+        self._inner: dict[str, int] = {}
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
         self.jobs = TenantQueues(max_queue)
         self.background: deque[Job] = deque()  # ingestion jobs, one unit at a time when nothing else waits
         self.max_background = max(1, max_queue // 4)
+        self.max_background_per_tenant = max(1, self.max_background // 4)
         self.running: list[Job] = []
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
@@ -205,25 +211,33 @@ class Scheduler:
             raise QueueFull(f"the server queue is full ({self.jobs.maxsize} requests waiting); retry later")
         return job
 
-    def submit_background(self, start: Callable, timeout_s: float, idle_only: bool = False) -> Job:
+    def submit_background(self, start: Callable, timeout_s: float, idle_only: bool = False,
+                          tenant: str | None = None) -> Job:
         """`start()` gives a generator doing the work in short units and returning the result. `idle_only`: its
-        units run only while no generation is decoding (for work whose unit is long and that nobody waits for)."""
-        if len([j for j in self.background if not j.future.done()]) >= self.max_background:
+        units run only while no generation is decoding (for work whose unit is long and that nobody waits for).
+        `tenant`: whose job it is; a tenant may hold at most a quarter of the queue (one tenant's uploads filled
+        it in the soak, and every other tenant's documents were refused)."""
+        pending = [j for j in self.background if not j.future.done()]
+        if len(pending) >= self.max_background:
             raise QueueFull(f"{self.max_background} background jobs are already queued; retry later")
-        job = Job(timeout_s, start=start)
+        if tenant is not None and sum(j.tenant == tenant for j in pending) >= self.max_background_per_tenant:
+            raise QueueFull(f"this tenant already has {self.max_background_per_tenant} background jobs queued (the "
+                            "most one tenant may hold); retry when one has finished")
+        job = Job(timeout_s, start=start, tenant=tenant)
         job.idle_only = idle_only
         self.background.append(job)
         return job
 
     def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                          settle: Callable | None = None, tenant: str = "default") -> Job:
+                          settle: Callable | None = None, tenant: str = "default", long: bool = False) -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
         to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need). `tenant`:
-        whose turn it takes (tenants are served round-robin)."""
+        whose turn it takes (tenants are served round-robin). `long`: a prefill of many units, which its tenant's
+        later requests need not wait for."""
         if not self.kv.fits_ever(kv_bytes):
             raise KVTooLarge(f"the generation needs {kv_bytes} bytes of KV memory; the limit is {self.kv.limit}")
         return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle,
-                             tenant=tenant))
+                             tenant=tenant, long=long))
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -270,15 +284,21 @@ class Scheduler:
         return self.waiting is None and not self.jobs.empty() and self.batch_size < self.max_batch
 
     def _next_prefill(self) -> Job | None:
-        """The prefill whose unit runs next: a newly admitted one (of a tenant with none in flight) joins those in
-        flight, and their units go round-robin, one tenant after another."""
+        """The prefill whose unit runs next: a newly admitted one (of a tenant with none in flight but long ones)
+        joins those in flight, and their units go round-robin, one tenant after another, and within a tenant one
+        request after another."""
         job = self._admit()
         if job is not None:
             self.prefilling.append(job)
         if not self.prefilling:
             return None
-        self._turn = (self._turn + 1) % len(self.prefilling)
-        return self.prefilling[self._turn]
+        tenants = list(dict.fromkeys(j.tenant for j in self.prefilling))
+        self._turn = (self._turn + 1) % len(tenants)
+        tenant = tenants[self._turn]
+        self._inner = {t: self._inner.get(t, 0) for t in tenants}  # tenants gone are forgotten
+        self._inner[tenant] += 1
+        mine = [j for j in self.prefilling if j.tenant == tenant]
+        return mine[self._inner[tenant] % len(mine)]
 
     def _unit(self) -> None:
         """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one)."""
@@ -359,8 +379,9 @@ class Scheduler:
         if job is None:
             try:
                 # wakes up to notice stop(); never waits while anything else could run. A tenant with a prefill in
-                # flight waits for it (its own requests prefill in order); another tenant's joins it
-                busy = frozenset(j.tenant for j in self.prefilling)
+                # flight waits for it (its own requests prefill in order) unless that one is long; another
+                # tenant's joins it
+                busy = frozenset(j.tenant for j in self.prefilling if not j.long)
                 job = self.jobs.get(block=not self.running and not self.background and not self.prefilling,
                                     timeout=0.5, skip=busy)
             except queue.Empty:

@@ -106,7 +106,7 @@ class IngestJobs:
         try:
             job = self.server.scheduler.submit_background(
                 lambda: library.add_steps(documents, status, on_commit=lambda doc_id: book.committed(record, doc_id)),
-                self.server.limits.ingest_timeout_s)
+                self.server.limits.ingest_timeout_s, tenant=tenant)
         except QueueFull as e:
             if not resumed:  # never accepted: the record says so, and the caller answers 429
                 book.end(record, FAILED, str(e))

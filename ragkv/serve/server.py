@@ -23,6 +23,8 @@ from ragkv.serve.shadow import ShadowChecks
 from ragkv.settings import DEFAULT_TENANT, SERVE
 from ragkv.store.sizes import human_size
 
+LONG_PREFILL_UNITS = 8  # a prefill of more units than this does not keep its tenant's later requests waiting
+
 log = logging.getLogger(__name__)
 
 
@@ -108,7 +110,10 @@ class Server:
                 return None
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
-        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant)
+        rows = get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, 1)  # rows through a layer, cold cache
+        long = rows > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk)
+        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant,
+                                               long=long)
         job.future.add_done_callback(self._maybe_shadow)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
             self.warm_turns(p)

@@ -55,7 +55,8 @@ class SoakConfig:
     fuzz_examples: int = 25            # per route and round (6 routes); each round is a new draw
     long_ape_every_s: float = 0.0
     long_ape_documents: int = 8
-    long_ape_words: int = 4000
+    long_ape_words: int = 1000         # of random letters, ~3.6 tokens each: 8 x 1000 is ~29K tokens, within the
+                                       # default --max-request-cost (32K rows in `ape`); 4000 is refused (a 400)
     long_ape_timeout_s: float = 900.0  # client side: a long request may run minutes, but not for ever
     # the verdict: RSS may rise over its pre-phase level by the memory tier + the KV limit + rss_slack at most, and
     # must come back within rss_return_pct of that level within rss_return_s of the phase's end
