@@ -205,6 +205,39 @@ def test_full_queue_refuses():
     block.set()
 
 
+def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
+    """A generation whose KV does not fit beside the running ones waits first in line; another tenant's that fits
+    passes it, its own tenant's waits behind it, and it starts once memory is released (the soak: a second long
+    `ape` request waiting for KV held every tenant's requests for minutes)."""
+    from ragkv.engine.kv.kvbudget import KVBudget
+
+    order = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
+    release = threading.Event()
+
+    def start(name, hold=False):
+        def gen():
+            order.append(name)
+            while hold and not release.is_set():  # a long prefill, unit after unit, holding 70 of the 100 bytes
+                time.sleep(0.01)
+                yield
+            yield
+            return FakeSeq(1, name), name
+        return gen
+
+    a1 = sched.submit_generation(start("a1", hold=True), kv_bytes=70, tenant="A", long=True)
+    time.sleep(0.2)
+    a2 = sched.submit_generation(start("a2"), kv_bytes=60, tenant="A")  # does not fit: waits
+    a3 = sched.submit_generation(start("a3"), kv_bytes=10, tenant="A")  # fits, but behind its tenant's a2
+    time.sleep(0.2)
+    b = sched.submit_generation(start("b"), kv_bytes=20, tenant="B")  # fits: passes a2
+    b.future.result(timeout=5)
+    assert order == ["a1", "b"] and not a2.future.done() and not a3.future.done()
+    release.set()
+    run_jobs(sched, [a1, a2, a3])
+    assert order.index("a2") < order.index("a3")
+
+
 def test_one_tenant_cannot_fill_the_background_queue():
     """Ingestion jobs are bounded per tenant (a quarter of the queue): one tenant's uploads are refused before
     another's are (the 40-minute soak: a fuzzer's accepted ingests made every other tenant's documents a 429)."""

@@ -24,8 +24,8 @@ can be cancelled between two units and obey their own deadline. An `idle_only` j
 unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
 
 Memory: a generation reserves its KV bytes (engine/kv/kvbudget.py) when it is admitted. One that would not fit beside
-the running ones waits at the head of the queue (first come, first served) until enough is released; one that
-could never fit is refused when submitted. A generation gives its KV back the moment it leaves the batch.
+the running ones waits first in line until enough is released; other tenants' generations that fit pass it
+meanwhile, its own tenant's wait behind it; one that could never fit is refused when submitted. A generation gives its KV back the moment it leaves the batch.
 """
 
 from __future__ import annotations
@@ -110,6 +110,12 @@ class TenantQueues:
 
     def get_nowait(self) -> "Job":
         return self.get(block=False)
+
+    def put_back(self, job: "Job") -> None:
+        """A job taken that could not start yet, first in its tenant's line again (it was counted already)."""
+        with self._cond:
+            self._queues.setdefault(job.tenant, deque()).appendleft(job)
+            self._cond.notify()
 
 
 class Job:
@@ -373,33 +379,60 @@ class Scheduler:
         self.stopping.set()
 
     def _admit(self) -> Job | None:
+        """The next generation to start prefilling, its KV reserved; None: none may start now. One that does not
+        fit beside the running ones waits first in line (`waiting`) until enough is released; meanwhile other
+        tenants' generations that fit pass it (a long request's KV blocked every tenant for minutes in the soak),
+        its own tenant's wait behind it."""
         if (self.running or self.prefilling) and self.batch_size + len(self.prefilling) >= self.max_batch:
             return None
-        job = self.waiting  # stays set until it leaves the line: stats() (other threads) never sees it vanish
-        if job is None:
+        # a tenant with a prefill in flight waits for it (its own requests prefill in order) unless that one is
+        # long; another tenant's joins it
+        busy = frozenset(j.tenant for j in self.prefilling if not j.long)
+        head = self.waiting  # stays set until it leaves the line: stats() (other threads) never sees it vanish
+        if head is not None and self._gone(head):
+            self.waiting = head = None
+        if head is not None:
+            if self._reserve(head):
+                self.waiting = None
+                return head
             try:
-                # wakes up to notice stop(); never waits while anything else could run. A tenant with a prefill in
-                # flight waits for it (its own requests prefill in order) unless that one is long; another
-                # tenant's joins it
-                busy = frozenset(j.tenant for j in self.prefilling if not j.long)
-                job = self.jobs.get(block=not self.running and not self.background and not self.prefilling,
-                                    timeout=0.5, skip=busy)
+                job = self.jobs.get(block=False, skip=busy | {head.tenant})
             except queue.Empty:
                 return None
-        if job.cancelled.is_set():
-            self.waiting = None
-            job.future.cancel()
+            if self._gone(job):
+                return None
+            if self._reserve(job):
+                return job
+            self.jobs.put_back(job)  # does not fit either: it keeps its place, behind the one waiting
             return None
-        if job.expired():
-            self.waiting = None
-            job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
+        try:
+            # wakes up to notice stop(); never waits while anything else could run
+            job = self.jobs.get(block=not self.running and not self.background and not self.prefilling,
+                                timeout=0.5, skip=busy)
+        except queue.Empty:
             return None
-        if not self.kv.try_reserve(job.kv_bytes):
-            self.waiting = job  # stays first in line until the running generations release enough
+        if self._gone(job):
             return None
-        self.waiting = None
-        job.reserved = job.kv_bytes
+        if not self._reserve(job):
+            self.waiting = job  # first in line until the running generations release enough
+            return None
         return job
+
+    def _gone(self, job: Job) -> bool:
+        """A queued job its client left or whose deadline passed: ended here (it never started)."""
+        if job.cancelled.is_set():
+            job.future.cancel()
+            return True
+        if job.expired():
+            job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
+            return True
+        return False
+
+    def _reserve(self, job: Job) -> bool:
+        if not self.kv.try_reserve(job.kv_bytes):
+            return False
+        job.reserved = job.kv_bytes
+        return True
 
     def _settle(self, job: Job) -> None:
         """After the prefill: give back the part of the reservation the sequences will never hold (blend over
