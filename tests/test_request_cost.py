@@ -10,7 +10,7 @@ from ragkv.bench.serve import ServerProcess
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request.segments import Segments
-from ragkv.serve.budget import TenantBudget, TenantOverBudget
+from ragkv.serve.budget import TenantBudget, TenantInFlight, TenantOverBudget
 
 KEY_A, KEY_B = "key-cost-tenant-a-01", "key-cost-tenant-b-02"
 LIMIT, BUDGET = 20_000, 30_000  # token-layers; SmolLM2 has 30 layers: ~660 and ~1,000 prompt tokens
@@ -45,6 +45,24 @@ def test_a_tenants_budget_refuses_over_its_window_and_recovers_as_it_passes():
     assert TenantBudget(None).charge("a", 10 ** 12) is None
     alone = TenantBudget(10, clock=lambda: now[0])
     alone.charge("a", 50)  # more than the budget, but alone in the window: the per-request limit is apart
+
+
+def test_a_tenants_requests_in_flight_are_bounded_and_released_as_they_end():
+    flight = TenantInFlight(100)
+    r1 = flight.admit("a", 70)
+    with pytest.raises(TenantOverBudget, match="--tenant-in-flight-cost") as e:
+        flight.admit("a", 40)  # 110 in flight: refused at once, not queued
+    assert e.value.retry_after_s == TenantInFlight.RETRY_AFTER_S
+    r2 = flight.admit("a", 30)  # 100: exactly the limit
+    flight.admit("b", 100)  # another tenant's count is its own
+    r1()
+    r1()  # releasing twice counts once
+    r3 = flight.admit("a", 70)
+    r2()
+    r3()
+    assert "a" not in flight.cost
+    assert TenantInFlight(10).admit("c", 500)  # alone it is always admitted (the per-request limit is apart)
+    TenantInFlight(None).admit("a", 10 ** 12)
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,42 @@ def test_prefill_units_interleave_with_decode_steps():
     assert a.future.result()[2] == "cancelled" and b.future.result()[1].done_tokens == 3
 
 
+def test_a_long_prefill_takes_at_most_its_share_of_the_time_while_answers_decode():
+    """Units of a long prefill beside a decoding answer run only once the decode steps since the last one took as
+    long (LONG_SHARE 0.5): the answer keeps about half its speed, where one long unit between every two steps made
+    it ~20x slower in the soak. Judged on the durations measured here, as the scheduler judges (not on counts: a
+    step slowed by the machine earns more)."""
+    events = []  # ("step" | "long", seconds)
+
+    def timed(kind, seconds):
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        events.append((kind, time.perf_counter() - t0))
+
+    sched = Scheduler(step=lambda seqs: timed("step", 0.01), max_batch=4)
+
+    def start_decoding():
+        yield
+        return FakeSeq(10**6, "a"), "A"
+
+    def start_long():
+        for _ in range(6):
+            timed("long", 0.03)
+            yield
+        return FakeSeq(1, "b"), "B"
+
+    a = sched.submit_generation(start_decoding)
+    time.sleep(0.2)  # A is decoding (nothing is banked meanwhile: no long prefill waits)
+    b = sched.submit_generation(start_long, tenant="B", long=True)
+    run_jobs(sched, [b])
+    a.cancel()
+    run_jobs(sched, [a])
+    at = [i for i, (kind, _) in enumerate(events) if kind == "long"]
+    assert len(at) == 6
+    for x, y in zip(at, at[1:]):  # the decode time between two long units covers the first one's
+        assert sum(sec for _, sec in events[x + 1:y]) >= 0.8 * events[x][1], events[x:y + 1]
+
+
 @pytest.mark.parametrize("budget_ms, together", [(10_000, True), (1, False)])
 def test_a_stall_budget_runs_newcomers_prefill_units_back_to_back(budget_ms, together):
     """prefill_stall_ms (serve --prefill-stall-ms): after a decode step, newcomers' prefill units (three requests

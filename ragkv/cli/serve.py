@@ -94,6 +94,10 @@ def register(sub) -> None:
     lim.add_argument("--tenant-budget", type=int, default=SERVE.tenant_budget, metavar="TOKEN_LAYERS",
                      help="token-layers each tenant's admitted requests may cost per minute; above it a 429 with "
                           "Retry-After (default: no budget)")
+    lim.add_argument("--tenant-in-flight-cost", type=int, default=None, metavar="TOKEN_LAYERS",
+                     help="token-layers each tenant's queued and running requests may cost together; above it a "
+                          f"429 (default: {SERVE.tenant_in_flight_windows:g} x the model's positions x layers, two "
+                          "requests at --max-request-cost's default; 0: no limit)")
     p.add_argument("--history-mode", default=SERVE.history_mode,
                    help="mode of a chat without documents when the request names none: earlier turns are blocks, "
                         "exact while the conversation only grows; after an edit the turns behind it are fused by "
@@ -124,6 +128,9 @@ def check_flags(args) -> None:
         raise InvalidRequestError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.max_request_cost is not None and args.max_request_cost < 0:
         raise InvalidRequestError(f"--max-request-cost must be >= 0 (0: no limit), got {args.max_request_cost}")
+    if args.tenant_in_flight_cost is not None and args.tenant_in_flight_cost < 0:
+        raise InvalidRequestError(f"--tenant-in-flight-cost must be >= 0 (0: no limit), got "
+                                  f"{args.tenant_in_flight_cost}")
     if args.tenant_budget is not None and args.tenant_budget < 1:
         raise InvalidRequestError(f"--tenant-budget must be >= 1 token-layers per minute, got {args.tenant_budget}")
     if not (math.isfinite(args.shadow_fraction) and 0 <= args.shadow_fraction <= 1):
@@ -167,7 +174,8 @@ def build_server(args, worker_thread: bool = False, keys=None):
     # one failing mid-run is: a replica restarted during an outage serves instead of staying down
     engine = engine_from_args(args, must_reach=False)
     limits = Limits(args.max_body, args.max_documents, args.max_document_chars, args.max_prompt_tokens,
-                    args.ingest_timeout, args.kv_memory, args.max_request_cost, args.tenant_budget)
+                    args.ingest_timeout, args.kv_memory, args.max_request_cost, args.tenant_budget,
+                    args.tenant_in_flight_cost)
     return Server(engine, args.model, library_location(args), args.max_queue, args.timeout, fusion,
                   args.max_batch, args.prefill_chunk, worker_thread=worker_thread, keys=keys, limits=limits,
                   served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,

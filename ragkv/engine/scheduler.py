@@ -16,7 +16,10 @@ tenant, and within a tenant request by request (one tenant's long prefill, e.g. 
 holds the model until it ends: another tenant's request is admitted beside it and its units interleave). Within one
 tenant, generations prefill first come, first served, except that a `long` one (many units: Server.start marks
 it) does not hold its tenant's place: the tenant's next requests are admitted beside it, or one hostile request of
-minutes would hold every other request of its own tenant past its deadline (seen in the 40-minute soak).
+minutes would hold every other request of its own tenant past its deadline (seen in the 40-minute soak). While
+answers decode, long prefills take at most LONG_SHARE of the worker's time: one unit of a long `ape` request was
+1-3 s, and one of them between every two decode steps made every answer beside it ~20x slower (the soak: 100
+requests in 6 minutes where there had been 600).
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
 is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
@@ -65,6 +68,10 @@ class KVTooLarge(RagkvError):
     """A generation whose KV could never fit in the server's KV memory limit."""
 
     param, code = "max_tokens", "kv_memory_exceeded"
+
+
+LONG_SHARE = 0.5  # of the worker's time that long prefills may take while answers decode
+LONG_CREDIT_MAX_MS = 5000.0  # decode time banked for long units at most (no burst of them after a quiet spell)
 
 
 class TenantQueues:
@@ -182,6 +189,7 @@ class Scheduler:
         self.prefilling: list[Job] = []  # admitted, mid-prefill: one per tenant (besides long ones), units
         self._turn = 0                    # round-robin by tenant, then by request within the tenant
         self._inner: dict[str, int] = {}
+        self._long_credit_ms = 0.0  # earned by decode steps and short units, spent by long units (LONG_SHARE)
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
         self.jobs = TenantQueues(max_queue)
@@ -254,7 +262,8 @@ class Scheduler:
                 self._unit()
                 while self.running and self._more_prefill() and \
                         (time.perf_counter() - t0) * 1000 < self.prefill_stall_ms:
-                    self._unit()
+                    if not self._unit():
+                        break
                 if self.running:
                     self._step()
                 elif self.waiting is not None and not self.prefilling:
@@ -296,22 +305,36 @@ class Scheduler:
         job = self._admit()
         if job is not None:
             self.prefilling.append(job)
-        if not self.prefilling:
+        ready = self.prefilling
+        if self.running and self._long_credit_ms < 0:  # long units have had their share for now
+            ready = [j for j in self.prefilling if not j.long]
+        if not ready:
             return None
-        tenants = list(dict.fromkeys(j.tenant for j in self.prefilling))
+        tenants = list(dict.fromkeys(j.tenant for j in ready))
         self._turn = (self._turn + 1) % len(tenants)
         tenant = tenants[self._turn]
         self._inner = {t: self._inner.get(t, 0) for t in tenants}  # tenants gone are forgotten
         self._inner[tenant] += 1
-        mine = [j for j in self.prefilling if j.tenant == tenant]
+        mine = [j for j in ready if j.tenant == tenant]
         return mine[self._inner[tenant] % len(mine)]
 
-    def _unit(self) -> None:
-        """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one)."""
+    def _credit(self, ms: float, long: bool) -> None:
+        """Account the worker's time: a long prefill's unit spends credit, anything else done for running or
+        waiting requests while a long prefill waits earns it (at LONG_SHARE's ratio, up to LONG_CREDIT_MAX_MS)."""
+        if long:
+            self._long_credit_ms -= ms
+        elif not any(j.long for j in self.prefilling):
+            self._long_credit_ms = min(self._long_credit_ms, 0.0)  # nothing banked while no long prefill waits
+        else:
+            self._long_credit_ms = min(LONG_CREDIT_MAX_MS,
+                                       self._long_credit_ms + ms * LONG_SHARE / (1 - LONG_SHARE))
+
+    def _unit(self) -> bool:
+        """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one), else of a
+        background job. False: there was none to do."""
         job = self._next_prefill()
         if job is None:
-            self._background_unit()
-            return
+            return self._background_unit()
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.should_stop():
@@ -344,16 +367,19 @@ class Scheduler:
             self._release(job, "error")
             if not job.future.done():
                 job.future.set_exception(e)
+        ms = (time.perf_counter() - t0) * 1000
+        if stalled or not job.long:
+            self._credit(ms, job.long)
         if stalled:
-            ms = (time.perf_counter() - t0) * 1000
             self.stall_ms_max = max(self.stall_ms_max, ms)
             self.stall_ms_total += ms
+        return True
 
-    def _background_unit(self) -> None:
+    def _background_unit(self) -> bool:
         """One unit of the oldest background job that may run now (nothing else is waiting for the model)."""
         job = next((j for j in self.background if not (j.idle_only and self.running)), None)
         if job is None:
-            return
+            return False
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.should_stop():
@@ -363,7 +389,7 @@ class Scheduler:
                 job.steps = job.start()
             with self.lock:
                 next(job.steps)
-            return
+            return True
         except StopIteration as done:
             job.future.set_result(done.value)
         except BaseException as e:  # noqa: BLE001 - a failed job must not take the worker down
@@ -374,6 +400,7 @@ class Scheduler:
             if stalled:
                 self.stall_ms_max = max(self.stall_ms_max, (time.perf_counter() - t0) * 1000)
         self.background.remove(job)
+        return True
 
     def stop(self) -> None:
         self.stopping.set()
@@ -461,6 +488,7 @@ class Scheduler:
         if not self.running:
             return
         seqs = [seq for job in self.running for seq in job.seqs if not seq.finished]
+        t0 = time.perf_counter()
         try:
             self.step_fn(seqs)
         except BaseException as e:  # noqa: BLE001
@@ -470,6 +498,7 @@ class Scheduler:
                 job.future.set_exception(e)
             self.running = []
             return
+        self._credit((time.perf_counter() - t0) * 1000, long=False)
         self.steps += 1
         self.batched_tokens += len(seqs)
         for job in list(self.running):

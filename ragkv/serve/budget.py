@@ -58,6 +58,41 @@ class TenantBudget:
                 f"{math.ceil(wait)} s", max(1, math.ceil(wait)))
 
 
+class TenantInFlight:
+    """Token-layers of each tenant's admitted, unfinished requests, against a limit (None: none); thread-safe. What
+    one tenant may have queued or running at once: beyond it a 429, not a wait that ends in a timeout."""
+
+    RETRY_AFTER_S = 10
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.cost: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: str, cost: int):
+        """Count `cost` for `tenant` until the returned release() is called (once), or raise TenantOverBudget.
+        A tenant with nothing in flight is always admitted (the per-request limit is apart)."""
+        with self._lock:
+            used = self.cost[tenant]
+            if self.limit is not None and used and used + cost > self.limit:
+                raise TenantOverBudget(
+                    f"tenant {tenant!r} has requests costing {used} token-layers queued or running, and this one "
+                    f"needs {cost}: at most {self.limit} may be in flight at once (--tenant-in-flight-cost); retry "
+                    "when one has finished", self.RETRY_AFTER_S)
+            self.cost[tenant] = used + cost
+        done = threading.Event()
+
+        def release() -> None:
+            if done.is_set():
+                return
+            done.set()
+            with self._lock:
+                self.cost[tenant] -= cost
+                if self.cost[tenant] <= 0:
+                    del self.cost[tenant]
+        return release
+
+
 def check_cost(cost: int, limit: int | None, tokens: int, layers: int, mode: str, field: str) -> None:
     """Refuse a request whose prefill may cost more than `limit` token-layers (None: no limit)."""
     if limit is not None and cost > limit:

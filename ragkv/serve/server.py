@@ -14,7 +14,7 @@ from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.scheduler import Job, QueueFull, Scheduler
 from ragkv.serve.auth import ApiKeys
-from ragkv.serve.budget import TenantBudget
+from ragkv.serve.budget import TenantBudget, TenantInFlight
 from ragkv.serve.ingest import IngestJobs
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.requests import Prepared, RequestBuilder
@@ -39,6 +39,7 @@ class Limits:
     kv_memory_bytes: int = SERVE.kv_memory_bytes        # --kv-memory: KV the running generations may reserve
     max_request_cost: int | None = None  # --max-request-cost: token-layers (None: SERVE.max_request_windows; 0: none)
     tenant_budget: int | None = SERVE.tenant_budget     # --tenant-budget: token-layers per tenant per minute
+    tenant_in_flight_cost: int | None = None  # --tenant-in-flight-cost (None: SERVE.tenant_in_flight_windows; 0: none)
 
 
 class Server:
@@ -72,6 +73,10 @@ class Server:
         self.metrics.registry.register(self.shadow)
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode,
                                        TenantBudget(limits.tenant_budget))
+        in_flight = limits.tenant_in_flight_cost
+        if in_flight is None:
+            in_flight = int(SERVE.tenant_in_flight_windows * engine.max_positions * engine.num_layers)
+        self.in_flight = TenantInFlight(in_flight or None)
         # requests are tokenized on the handlers' threads while the model thread decodes: one call here first, so
         # that a tokenizer resetting its truncation or padding settings on first use does it before any race
         engine.tokenize("ragkv")
@@ -110,10 +115,17 @@ class Server:
                 return None
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
-        rows = get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, 1)  # rows through a layer, cold cache
-        long = rows > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk)
-        job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant,
-                                               long=long)
+        layers = self.engine.num_layers
+        cost = get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, layers)  # token-layers, cold cache
+        long = cost > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk) * layers
+        release = self.in_flight.admit(p.tenant, cost)  # a 429 when the tenant's unfinished requests cost too much
+        try:
+            job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant,
+                                                   long=long)
+        except BaseException:
+            release()
+            raise
+        job.future.add_done_callback(lambda _: release())
         job.future.add_done_callback(self._maybe_shadow)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
             self.warm_turns(p)
