@@ -64,10 +64,10 @@ class ServeDefaults:
     # --tenant-budget: token-layers a tenant's admitted requests may cost per minute (None: no budget; 429 above)
     tenant_budget: int | None = None
     # --tenant-in-flight-cost: token-layers a tenant's admitted, unfinished requests may cost together (None: this
-    # many windows of the model; 0: no limit). 8 windows hold two requests at the per-request limit: a tenant
-    # sending one ~29K-token `ape` request a minute (each ~2 min on 2 cores) got 504s after 300 s in the queue
-    # and held the KV memory; now its third is a 429 at once
-    tenant_in_flight_windows: float = 8.0
+    # many windows of the model; 0: no limit). 5 windows hold one request at the per-request limit and a window of
+    # others: a tenant sending one ~29K-token `ape` request a minute (each minutes on 2 cores) got 504s after 300 s
+    # in the queue and held the KV memory; now its second is a 429 at once
+    tenant_in_flight_windows: float = 5.0
     # --history-mode: the mode of a chat whose earlier turns are blocks, when the request names none (exact while
     # the conversation is only extended; after an edit the turns behind it are fused by this mode). blend: at an
     # edit 0.34-0.47x full's TTFT at a first-token KL of 0.02-0.32 (docs/results/blocks_beyond_rag.md); auto

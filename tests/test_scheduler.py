@@ -274,6 +274,36 @@ def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
     assert order.index("a2") < order.index("a3")
 
 
+def test_background_work_takes_a_turn_under_a_steady_load_of_prefills():
+    """Ingestion advances while prefills are in flight, as one more tenant in the rotation (it used to run only when
+    no prefill was waiting: under the soak's steady load it never ran and the queue stayed full)."""
+    order = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=4)
+
+    def prefill(name, units):
+        def gen():
+            for _ in range(units):
+                order.append(name)
+                time.sleep(0.005)
+                yield
+            return FakeSeq(1, name), name
+        return gen
+
+    def ingest():
+        for _ in range(3):
+            order.append("ingest")
+            yield
+        return "done"
+
+    a = sched.submit_generation(prefill("a", 40), tenant="A", long=True)
+    time.sleep(0.05)
+    bg = sched.submit_background(ingest, 10, tenant="A")
+    assert bg.future.result(timeout=5) == "done"
+    run_jobs(sched, [a])
+    last = max(i for i, n in enumerate(order) if n == "ingest")
+    assert last < max(i for i, n in enumerate(order) if n == "a"), order  # done while A still prefilled
+
+
 def test_one_tenant_cannot_fill_the_background_queue():
     """Ingestion jobs are bounded per tenant (a quarter of the queue): one tenant's uploads are refused before
     another's are (the 40-minute soak: a fuzzer's accepted ingests made every other tenant's documents a 429)."""

@@ -96,8 +96,8 @@ def register(sub) -> None:
                           "Retry-After (default: no budget)")
     lim.add_argument("--tenant-in-flight-cost", type=int, default=None, metavar="TOKEN_LAYERS",
                      help="token-layers each tenant's queued and running requests may cost together; above it a "
-                          f"429 (default: {SERVE.tenant_in_flight_windows:g} x the model's positions x layers, two "
-                          "requests at --max-request-cost's default; 0: no limit)")
+                          f"429 (default: {SERVE.tenant_in_flight_windows:g} x the model's positions x layers: one "
+                          "request at --max-request-cost's default and a window of others; 0: no limit)")
     p.add_argument("--history-mode", default=SERVE.history_mode,
                    help="mode of a chat without documents when the request names none: earlier turns are blocks, "
                         "exact while the conversation only grows; after an edit the turns behind it are fused by "

@@ -21,8 +21,10 @@ answers decode, long prefills take at most LONG_SHARE of the worker's time: one 
 1-3 s, and one of them between every two decode steps made every answer beside it ~20x slower (the soak: 100
 requests in 6 minutes where there had been 600).
 
-Background jobs (document ingestion: `submit_background`) advance one short unit at a time, only when no request
-is waiting to be prefilled, so a chat request arriving during a large ingest waits for at most one unit. They
+Background jobs (document ingestion: `submit_background`) advance one short unit at a time, when no request is
+waiting to be prefilled and otherwise once per round of the prefills in flight (as one more tenant: under a
+steady load of prefills ingestion never ran, and every tenant's documents were refused with a full queue), so a
+chat request arriving during a large ingest waits for at most one unit. They
 can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
 unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
 
@@ -190,6 +192,7 @@ class Scheduler:
         self._turn = 0                    # round-robin by tenant, then by request within the tenant
         self._inner: dict[str, int] = {}
         self._long_credit_ms = 0.0  # earned by decode steps and short units, spent by long units (LONG_SHARE)
+        self._units_since_background = 0  # prefill units since a background job last had one
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
         self.jobs = TenantQueues(max_queue)
@@ -332,9 +335,14 @@ class Scheduler:
     def _unit(self) -> bool:
         """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one), else of a
         background job. False: there was none to do."""
+        if self.prefilling and self._units_since_background >= len({j.tenant for j in self.prefilling}) \
+                and self._background_unit(turn=True):  # background work takes a turn as one more tenant
+            self._units_since_background = 0
+            return True
         job = self._next_prefill()
         if job is None:
             return self._background_unit()
+        self._units_since_background += 1
         t0, stalled = time.perf_counter(), bool(self.running)
         try:
             if job.should_stop():
@@ -375,9 +383,10 @@ class Scheduler:
             self.stall_ms_total += ms
         return True
 
-    def _background_unit(self) -> bool:
-        """One unit of the oldest background job that may run now (nothing else is waiting for the model)."""
-        job = next((j for j in self.background if not (j.idle_only and self.running)), None)
+    def _background_unit(self, turn: bool = False) -> bool:
+        """One unit of the oldest background job that may run now (nothing else is waiting for the model, or
+        `turn`: its turn among prefills in flight, which idle-only jobs never take)."""
+        job = next((j for j in self.background if not (j.idle_only and (self.running or turn))), None)
         if job is None:
             return False
         t0, stalled = time.perf_counter(), bool(self.running)

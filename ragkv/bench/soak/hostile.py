@@ -30,14 +30,24 @@ class HostileClients:
         return threads
 
     def fuzzer(self, i: int, deadline: float) -> None:
-        """Rounds of generated requests (a new draw each round) until the deadline."""
-        from ragkv.bench.fuzz import FuzzConfig, fuzz
+        """Rounds of generated requests (a new draw each round) until the deadline, each round in a process of its
+        own (hypothesis is not thread-safe: rounds run in threads failed inside it)."""
+        import json
+        import os
+        import subprocess
+        import sys
 
-        headers = {"Authorization": f"Bearer {self.keys[FUZZ_TENANT]}"}
+        env = dict(os.environ, RAGKV_FUZZ_TIMEOUT_S=str(self.cfg.request_timeout_s))
         while time.monotonic() < deadline and not self.stop.is_set():
+            left = deadline - time.monotonic()
+            cmd = [sys.executable, "-m", "ragkv.bench.fuzz", self.sup.url, str(self.cfg.fuzz_examples), f"{left:.1f}",
+                   self.keys[FUZZ_TENANT]]
             try:
-                got = fuzz(self.sup.url, FuzzConfig(examples=self.cfg.fuzz_examples, seed=None), say=lambda _: None,
-                           headers=headers, timeout_s=self.cfg.request_timeout_s, deadline=deadline)
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                      timeout=left + 6 * self.cfg.request_timeout_s + 60)
+                if done.returncode != 0:
+                    raise RuntimeError(f"exit {done.returncode}: {done.stderr[-300:]}")
+                got = json.loads(done.stdout.strip().splitlines()[-1])
             except Exception as e:  # noqa: BLE001 (a round that could not run, e.g. the schema unreachable)
                 with self.lock:
                     self.fuzzed["rounds_failed"] += 1
