@@ -315,6 +315,11 @@ def test_one_tenant_cannot_fill_the_background_queue():
         sched.submit_background(work, 10, tenant="A")
     sched.submit_background(work, 10, tenant="B")
     sched.submit_background(work, 10)  # the server's own jobs (no tenant) count only against the whole queue
+    for _ in range(sched.max_background):  # idle-only work (never run under load) fills only its own queue
+        sched.submit_background(work, 10, idle_only=True)
+    with pytest.raises(QueueFull):
+        sched.submit_background(work, 10, idle_only=True)
+    sched.submit_background(work, 10, tenant="C")
 
 
 @pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "ape"])

@@ -233,8 +233,10 @@ class Scheduler:
         """`start()` gives a generator doing the work in short units and returning the result. `idle_only`: its
         units run only while no generation is decoding (for work whose unit is long and that nobody waits for).
         `tenant`: whose job it is; a tenant may hold at most a quarter of the queue (one tenant's uploads filled
-        it in the soak, and every other tenant's documents were refused)."""
-        pending = [j for j in self.background if not j.future.done()]
+        it in the soak, and every other tenant's documents were refused). Idle-only jobs (shadow checks, warming
+        chat turns) have a queue of their own: under load they never run, and they filled the one ingestion
+        shared."""
+        pending = [j for j in self.background if not j.future.done() and j.idle_only == idle_only]
         if len(pending) >= self.max_background:
             raise QueueFull(f"{self.max_background} background jobs are already queued; retry later")
         if tenant is not None and sum(j.tenant == tenant for j in pending) >= self.max_background_per_tenant:

@@ -146,7 +146,7 @@ class Server:
             self.scheduler.submit_background(
                 lambda: self.engine.settle_history_steps(p.segs, p.namespace, p.fusion.prefix_chunk,
                                                          self.prefill_chunk),
-                timeout_s=self.scheduler.timeout_s, idle_only=True)
+                timeout_s=self.scheduler.timeout_s, idle_only=True, tenant=p.tenant)
         except QueueFull:
             log.info("background queue full: this chat's turns are not encoded as blocks")
 
