@@ -345,6 +345,21 @@ def test_prefill_in_units_equals_prefill_at_once(mode, tiny_engine):
 
 
 
+def gated_prefills(order: list, gate: threading.Event):
+    """start(name, units): a prefill of `units` units, each recorded in `order`; the first unit of "a1" waits for
+    `gate` (the other requests queue meanwhile)."""
+    def start(name, units):
+        def gen():
+            for _ in range(units):
+                order.append(name)
+                if name == "a1" and len(order) == 1:
+                    gate.wait(5)
+                yield
+            return FakeSeq(1, name), name
+        return gen
+    return start
+
+
 def test_another_tenants_request_prefills_beside_a_long_one_and_a_tenants_own_wait_in_order():
     """Tenant A's prefill of many units (a long `ape` request) does not hold the model until it ends: tenant B's
     request is admitted beside it, their units alternate, and B answers first; A's second request waits for A's
@@ -352,16 +367,7 @@ def test_another_tenants_request_prefills_beside_a_long_one_and_a_tenants_own_wa
     order = []
     sched = Scheduler(step=lambda seqs: None, max_batch=4)
     gate = threading.Event()
-
-    def start(name, units):
-        def gen():
-            for _ in range(units):
-                order.append(name)
-                if name == "a1" and len(order) == 1:
-                    gate.wait(5)  # the other requests queue while A's first unit runs
-                yield
-            return FakeSeq(1, name), name
-        return gen
+    start = gated_prefills(order, gate)
 
     a1 = sched.submit_generation(start("a1", 20), tenant="A")
     time.sleep(0.1)
@@ -381,16 +387,7 @@ def test_a_long_prefill_does_not_hold_its_own_tenants_later_requests():
     order = []
     sched = Scheduler(step=lambda seqs: None, max_batch=4)
     gate = threading.Event()
-
-    def start(name, units):
-        def gen():
-            for _ in range(units):
-                order.append(name)
-                if name == "a1" and len(order) == 1:
-                    gate.wait(5)  # the other requests queue while A's first unit runs
-                yield
-            return FakeSeq(1, name), name
-        return gen
+    start = gated_prefills(order, gate)
 
     a1 = sched.submit_generation(start("a1", 30), tenant="A", long=True)
     time.sleep(0.1)
