@@ -24,13 +24,14 @@ requests in 6 minutes where there had been 600).
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, when no request is
 waiting to be prefilled and otherwise once per round of the prefills in flight (as one more tenant: under a
 steady load of prefills ingestion never ran, and every tenant's documents were refused with a full queue), so a
-chat request arriving during a large ingest waits for at most one unit. They
-can be cancelled between two units and obey their own deadline. An `idle_only` job (start-up profiling, whose
-unit is a forward of up to thousands of tokens) waits until nothing decodes either, so it never pauses an answer.
+chat request arriving during a large ingest waits for at most one unit. They can be cancelled between two units
+and obey their own deadline. An `idle_only` job (start-up profiling, shadow checks, whose unit is a forward of up
+to thousands of tokens) waits until nothing decodes or prefills, so it never pauses an answer.
 
-Memory: a generation reserves its KV bytes (engine/kv/kvbudget.py) when it is admitted. One that would not fit beside
-the running ones waits first in line until enough is released; other tenants' generations that fit pass it
-meanwhile, its own tenant's wait behind it; one that could never fit is refused when submitted. A generation gives its KV back the moment it leaves the batch.
+Memory: a generation reserves its KV bytes (engine/kv/kvbudget.py) when it is admitted. One that would not fit
+beside the running ones waits first in line until enough is released; other tenants' generations that fit pass it
+meanwhile, its own tenant's wait behind it; one that could never fit is refused when submitted. A generation gives
+its KV back the moment it leaves the batch.
 """
 
 from __future__ import annotations
