@@ -45,9 +45,8 @@ def free_port() -> int:
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before its model loads: a port in use fails in a second with a clear error (the
-    HTTP thread's own bind failed silently after the load, and the server ran on, unreachable)."""
-    from ragkv.errors import InvalidRequestError
-
+    HTTP thread's own bind failed silently after the load, and the server ran on, unreachable). An OSError whose
+    message says what to do."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart binds at once
@@ -55,6 +54,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port or "
-                                  "stop what holds it") from None
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port or stop "
+                               "what holds it") from None
     return sock

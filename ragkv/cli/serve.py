@@ -198,7 +198,10 @@ def run_serve(args) -> int:
         from ragkv.cli.serve_replicas import run_replicas
 
         return run_replicas(args, build_server)
-    sock = listening_socket(args.host, args.port)
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        raise InvalidRequestError(e.strerror) from None
     server = build_server(args)
     engine, keys = server.engine, server.keys
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%

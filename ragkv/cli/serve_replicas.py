@@ -28,7 +28,10 @@ def run_replicas(args, build_server) -> int:
     from ragkv.net import listening_socket
     from ragkv.serve.replicas.deployment import build_app
 
-    listening_socket(args.host, args.port).close()  # a port in use fails now, not after Ray and the models start
+    try:  # a port in use fails now, not after Ray and the models start
+        listening_socket(args.host, args.port).close()
+    except OSError as e:
+        raise InvalidRequestError(e.strerror) from None
     keys = ApiKeys.parse(args.api_key, args.api_keys)  # read here: the replicas' machines may not have the file
 
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
