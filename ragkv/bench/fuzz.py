@@ -106,17 +106,16 @@ def run_fuzz_bench(cfg: FuzzConfig, out_dir: Path, say=print) -> dict:
 
 
 def main(argv=None) -> int:
-    """One round in a process of its own (`python -m ragkv.bench.fuzz URL EXAMPLES DEADLINE_S [KEY]`), its result
-    as JSON on stdout: hypothesis is not thread-safe, and the soak's fuzzers run side by side."""
+    """One round in a process of its own (`python -m ragkv.bench.fuzz URL EXAMPLES DEADLINE_S TIMEOUT_S [KEY]`), its
+    result as JSON on stdout: hypothesis is not thread-safe, and the soak's fuzzers run side by side."""
     import json
-    import os
     import sys
 
-    url, examples, seconds, *key = (argv if argv is not None else sys.argv[1:])
+    url, examples, seconds, timeout_s, *key = (argv if argv is not None else sys.argv[1:])
     headers = {"Authorization": f"Bearer {key[0]}"} if key else None
     deadline = time.monotonic() + float(seconds)
     result = fuzz(url, FuzzConfig(examples=int(examples), seed=None), say=lambda _: None, headers=headers,
-                  timeout_s=float(os.environ.get("RAGKV_FUZZ_TIMEOUT_S", "120")), deadline=deadline)
+                  timeout_s=float(timeout_s), deadline=deadline)
     print(json.dumps(result, default=str))
     return 0
 
