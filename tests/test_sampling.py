@@ -34,6 +34,15 @@ def test_top_k_and_min_p_truncate():
     assert len(set(a)) == 1  # a seed repeats
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 2.3751195567713764e-288, 1e-30, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    """A temperature too small for fp32 (a fuzzer's 2e-288 is 0 there) is greedy, as in vLLM; it used to give NaN
+    probabilities and an error from the draw."""
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(2130)
+    assert sample(logits, temperature, 0.17, g) == sample(logits, temperature, 1.0, g, 5, 0.5) == int(logits.argmax())
+
+
 def test_token_logprob_is_the_log_softmax():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     ref = torch.log_softmax(logits, -1)

@@ -221,6 +221,43 @@ def test_cancelled_and_expired_jobs_leave_the_batch():
     assert sched.batch_size == 0
 
 
+class FailingSeq(FakeSeq):
+    """Its token choice raises at its `fail_at`-th advance (as sampling did on NaN probabilities)."""
+
+    def __init__(self, n, name, fail_at):
+        super().__init__(n, name)
+        self.fail_at, self.calls = fail_at, 0
+
+    def advance(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return super().advance()
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])  # its first token (right after the prefill), a later one (the batch)
+def test_a_requests_failed_token_choice_ends_it_alone_and_at_once(fail_at):
+    """A failure while choosing one request's token fails that request at once with its error (it used to hang
+    until its deadline, or fail every request of the batch), and the others decode on."""
+    sched = Scheduler(step=lambda seqs: time.sleep(0.001), max_batch=8, timeout_s=30)
+
+    def start(seq):
+        def gen():
+            yield
+            return seq, seq.name
+        return gen
+
+    good = sched.submit_generation(start(FakeSeq(20, "g")))
+    bad = sched.submit_generation(start(FailingSeq(20, "b", fail_at)))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="probability"):
+        bad.future.result(timeout=5)
+    assert time.monotonic() - t0 < 5
+    _, seq, reason = good.future.result(timeout=5)
+    assert (seq.done_tokens, reason) == (20, "length")
+    assert sched.batch_size == 0 and sched.kv.reserved == 0
+
+
 def test_full_queue_refuses():
     sched = Scheduler(step=lambda seqs: None, max_queue=1)
     block = threading.Event()

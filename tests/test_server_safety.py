@@ -211,6 +211,25 @@ def test_bad_input_is_a_4xx_naming_it_and_the_server_keeps_answering(server, nam
     assert ok.status_code == 200 and ok.json()["choices"], (name, ok.text[:300])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_vanishing_temperature_is_answered_greedily(server, stream):
+    """temperature 2e-288 (a fuzzer's) is valid and greedy: it used to hang its request until the server's
+    timeout (and its stream for ever)."""
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3, "frequency_penalty": -1.0,
+            "seed": 2130, "stream": stream}
+    texts = []
+    for temperature in (0, 2.3751195567713764e-288):
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": temperature}, headers=A,
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            texts.append("".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                                 if line.startswith("data: {")))
+        else:
+            texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_health_and_metrics_are_open_everything_else_needs_a_key(server):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200

@@ -366,12 +366,11 @@ class Scheduler:
             job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
             self._settle(job)
             job.send("start")
-            for i, seq in enumerate(job.seqs):
-                self._emit(job, i, seq.advance())
-            if job.finished:
-                self._finish(job, job.seq.out.finish_reason)
-            else:
-                self.running.append(job)
+            if self._advance(job):  # else it failed and has ended
+                if job.finished:
+                    self._finish(job, job.seq.out.finish_reason)
+                else:
+                    self.running.append(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
             if job in self.prefilling:
                 self.prefilling.remove(job)
@@ -514,11 +513,26 @@ class Scheduler:
         self.steps += 1
         self.batched_tokens += len(seqs)
         for job in list(self.running):
+            if self._advance(job) and job.finished:
+                self._finish(job, job.seq.out.finish_reason)
+
+    def _advance(self, job: Job) -> bool:
+        """Each unfinished choice of `job` takes its next token and streams it. False: choosing one failed, and the
+        job ended with that error, alone (a request whose sampling failed never answered, nor freed its place, and
+        a failure in the batch's loop took every other request's next token with it)."""
+        try:
             for i, seq in enumerate(job.seqs):
                 if not seq.finished:
                     self._emit(job, i, seq.advance())
-            if job.finished:
-                self._finish(job, job.seq.out.finish_reason)
+            return True
+        except BaseException as e:  # noqa: BLE001 - one request's failure is its own
+            log.exception("choosing a token failed")
+            if job in self.running:
+                self.running.remove(job)
+            self._release(job, "error")
+            if not job.future.done():
+                job.future.set_exception(e)
+            return False
 
     def _emit(self, job: Job, index: int, deltas) -> None:
         for d in deltas:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ragkv.engine.decode.sampling import GREEDY_BELOW
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.scheduler import QueueFull
 from ragkv.ops.divergence import first_token_kl, prefix_agreement, top1_agreement
@@ -61,7 +62,7 @@ class ShadowChecks:
                 self.skipped += 1
                 return
             self.pending += 1
-        greedy = p.gen.temperature == 0 and p.gen.grammar is None
+        greedy = p.gen.temperature < GREEDY_BELOW and p.gen.grammar is None
         tokens = list(seq.out.token_ids[:self.max_tokens]) if greedy else []
         check = Check(seq.stats.mode, p.segs, p.namespace, seq.first_logits.detach().float().cpu(), tokens,
                       dict(fidelity.get("estimate") or {}))

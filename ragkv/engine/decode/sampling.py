@@ -32,10 +32,15 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     return logits
 
 
+# a temperature below this is greedy, as in vLLM (its _SAMPLING_EPS): a fuzzer's 2e-288 is 0 in fp32, and the
+# division gave NaN probabilities that failed the draw
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, top_k: int = 0, min_p: float = 0.0) -> int:
     """logits: [V] fp32 -> token id. top_k <= 0 and min_p == 0 are off; temperature 0 is greedy."""
-    if temperature <= 0:
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
