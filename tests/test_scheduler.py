@@ -10,7 +10,7 @@ from tiny import make_segs
 
 from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.scheduler import QueueFull, Scheduler
+from ragkv.engine.scheduler import LongPrefillsBusy, QueueFull, Scheduler
 
 
 class FakeSeq:
@@ -256,6 +256,42 @@ def test_a_requests_failed_token_choice_ends_it_alone_and_at_once(fail_at):
     _, seq, reason = good.future.result(timeout=5)
     assert (seq.done_tokens, reason) == (20, "length")
     assert sched.batch_size == 0 and sched.kv.reserved == 0
+
+
+def test_a_long_prefill_that_could_not_end_by_its_deadline_beside_the_others_is_refused_at_once():
+    """LongLane: long prefills share half the worker, so one admitted beside another slows both (in the soak a second
+    one passed the 300 s deadline: a 504 after 5 minutes). Once a long prefill has ended (the rate is known), a new
+    one expected to end past 0.9 of its deadline beside those in flight is refused at once, with when to retry;
+    alone, or short, it is admitted."""
+    sched = Scheduler(step=lambda seqs: time.sleep(0.001), max_batch=8, timeout_s=2.0)
+    gate = threading.Event()
+
+    def start(units, unit_s, name, wait=False):
+        def gen():
+            for _ in range(units):
+                time.sleep(unit_s)
+                yield
+            while wait and not gate.is_set():
+                time.sleep(0.001)
+                yield
+            return FakeSeq(1, name), name
+        return gen
+
+    # 1000 token-layers in 5 units of 20 ms: the lane runs about 10 token-layers per ms
+    first = sched.submit_generation(start(5, 0.02, "l1"), long=True, cost=1000, tenant="a")
+    first.future.result(timeout=5)
+    assert sched.long_lane.rate == pytest.approx(10, rel=0.5)
+    # alone, a prefill of 2 s (at half the worker) is admitted; beside it another 0.2 s would end past 1.8 s
+    big = sched.submit_generation(start(1, 0.0, "l2", wait=True), long=True, cost=10_000, tenant="a")
+    time.sleep(0.05)
+    with pytest.raises(LongPrefillsBusy, match="beyond the server's 2 s deadline") as refused:
+        sched.submit_generation(start(1, 0.0, "l3"), long=True, cost=1000, tenant="b")
+    assert refused.value.retry_after_s >= 1
+    short = sched.submit_generation(start(1, 0.0, "s"), tenant="b")  # a short one is not the lane's
+    short.future.result(timeout=5)
+    gate.set()
+    big.future.result(timeout=5)
+    sched.submit_generation(start(1, 0.0, "l3"), long=True, cost=1000, tenant="b").future.result(timeout=5)
 
 
 def test_full_queue_refuses():

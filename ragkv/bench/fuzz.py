@@ -70,11 +70,11 @@ def fuzz(base: str, cfg: FuzzConfig, say=print, headers: dict | None = None, tim
                 except httpx.TransportError as e:  # no answer: a failure like a 5xx, and the run goes on
                     status = "timeout" if isinstance(e, httpx.TimeoutException) else "connection"
                     seen[status] = seen.get(status, 0) + 1
-                    bad.append({"path": path, "body": str(body)[:500], "status": status, "reply": repr(e)[:300]})
+                    bad.append({"path": path, "body": str(body)[:4000], "status": status, "reply": repr(e)[:300]})
                     return
                 seen[r.status_code] = seen.get(r.status_code, 0) + 1
                 if r.status_code >= 500 or (r.status_code >= 400 and "error" not in r.json()):
-                    bad.append({"path": path, "body": str(body)[:500], "status": r.status_code, "reply": r.text[:300]})
+                    bad.append({"path": path, "body": str(body)[:4000], "status": r.status_code, "reply": r.text[:300]})
 
             if cfg.seed is not None:
                 send = seed(cfg.seed)(send)

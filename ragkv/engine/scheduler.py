@@ -19,7 +19,8 @@ it) does not hold its tenant's place: the tenant's next requests are admitted be
 minutes would hold every other request of its own tenant past its deadline (seen in the 40-minute soak). While
 answers decode, long prefills take at most LONG_SHARE of the worker's time: one unit of a long `ape` request was
 1-3 s, and one of them between every two decode steps made every answer beside it ~20x slower (the soak: 100
-requests in 6 minutes where there had been 600).
+requests in 6 minutes where there had been 600). A long prefill that could not end by its deadline beside the long
+ones in flight is refused when submitted, not timed out minutes later (LongLane).
 
 Background jobs (document ingestion: `submit_background`) advance one short unit at a time, when no request is
 waiting to be prefilled and otherwise once per round of the prefills in flight (as one more tenant: under a
@@ -37,6 +38,7 @@ its KV back the moment it leaves the batch.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -75,6 +77,52 @@ class KVTooLarge(RagkvError):
 
 LONG_SHARE = 0.5  # of the worker's time that long prefills may take while answers decode
 LONG_CREDIT_MAX_MS = 5000.0  # decode time banked for long units at most (no burst of them after a quiet spell)
+LONG_DEADLINE_SHARE = 0.9  # a long prefill is admitted if it is expected to end within this share of its deadline
+
+
+class LongPrefillsBusy(Exception):
+    """A 429: the long prefills already admitted would keep this one from ending before its deadline."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class LongLane:
+    """Admission of long prefills by when they would end. Long prefills share LONG_SHARE of the worker (round-robin
+    among them), so each one admitted beside another slows both: in the 30-minute soak two of them (a tenant's
+    29K-token `ape` request and a fuzzer's) ran side by side and one passed the server's 300 s deadline, a 504 after
+    5 minutes of work. A new long prefill is refused at once (429, with when to retry) when the work left of those
+    in flight plus its own, at the rate long prefills have run here (token-layers per worker ms, measured on the
+    ones that ended) and at LONG_SHARE of the worker, would not end within LONG_DEADLINE_SHARE of its deadline.
+    Alone it is always admitted; before any long prefill has ended there is no rate, and none is refused."""
+
+    def __init__(self):
+        self.jobs: list[Job] = []   # admitted long prefills not yet ended
+        self.rate: float | None = None  # token-layers per worker ms
+        self._lock = threading.Lock()
+
+    def admit(self, job: Job) -> None:
+        with self._lock:
+            self.jobs = [j for j in self.jobs if not j.future.done() and not j.prefilled]
+            if self.jobs and self.rate:
+                left = sum(max(0.0, j.cost - j.work_ms * self.rate) for j in self.jobs)
+                expected_s = (left + job.cost) / self.rate / LONG_SHARE / 1000
+                allowed_s = LONG_DEADLINE_SHARE * job.timeout_s
+                if expected_s > allowed_s:
+                    raise LongPrefillsBusy(
+                        f"{len(self.jobs)} long prefills are running (about {left / self.rate / LONG_SHARE / 1000:.0f}"
+                        f" s of work left); with this one's {job.cost} token-layers it would take about "
+                        f"{expected_s:.0f} s, beyond the server's {job.timeout_s:.0f} s deadline (--timeout); retry "
+                        "later, or send fewer or shorter documents", max(1, math.ceil(expected_s - allowed_s)))
+            self.jobs.append(job)
+
+    def ended(self, job: Job) -> None:
+        """A long prefill has ended: its rate is the lane's (an average over the last ones)."""
+        with self._lock:
+            if job.cost and job.work_ms > 0:
+                rate = job.cost / job.work_ms
+                self.rate = rate if self.rate is None else 0.5 * (self.rate + rate)
 
 
 class TenantQueues:
@@ -135,9 +183,12 @@ class Job:
     streams "start" and "delta" events, a delta's payload being (choice index, Delta))."""
 
     def __init__(self, timeout_s: float, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                 settle: Callable | None = None, tenant: str = "default", long: bool = False):
+                 settle: Callable | None = None, tenant: str = "default", long: bool = False, cost: int = 0):
         self.start, self.emit, self.tenant = start, emit, tenant
         self.long = long  # a prefill of many units: it does not keep its tenant's other requests waiting
+        self.cost = cost  # its prefill's token-layers at most (0: not known)
+        self.work_ms = 0.0  # the worker's time its prefill units have taken so far
+        self.prefilled = False
         self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
         # (sequences) -> the most KV they can hold now that the prefill is done (what it kept is known), or None
         self.settle = settle
@@ -193,6 +244,7 @@ class Scheduler:
         self._turn = 0                    # round-robin by tenant, then by request within the tenant
         self._inner: dict[str, int] = {}
         self._long_credit_ms = 0.0  # earned by decode steps and short units, spent by long units (LONG_SHARE)
+        self.long_lane = LongLane()
         self._units_since_background = 0  # prefill units since a background job last had one
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
@@ -249,15 +301,19 @@ class Scheduler:
         return job
 
     def submit_generation(self, start: Callable, emit: Callable | None = None, kv_bytes: int = 0,
-                          settle: Callable | None = None, tenant: str = "default", long: bool = False) -> Job:
+                          settle: Callable | None = None, tenant: str = "default", long: bool = False,
+                          cost: int = 0) -> Job:
         """`start()` gives a generator that prefills in units and returns (sequence, info); the future resolves
         to (info, sequence, finish). `kv_bytes`: the most KV it can hold (engine/kvbudget.kv_need). `tenant`:
         whose turn it takes (tenants are served round-robin). `long`: a prefill of many units, which its tenant's
-        later requests need not wait for."""
+        later requests need not wait for; `cost` its token-layers (LongLane's admission)."""
         if not self.kv.fits_ever(kv_bytes):
             raise KVTooLarge(f"the generation needs {kv_bytes} bytes of KV memory; the limit is {self.kv.limit}")
-        return self._put(Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle,
-                             tenant=tenant, long=long))
+        job = Job(self.timeout_s, start=start, emit=emit, kv_bytes=kv_bytes, settle=settle, tenant=tenant,
+                  long=long, cost=cost)
+        if long:
+            self.long_lane.admit(job)
+        return self._put(job)
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -362,6 +418,10 @@ class Scheduler:
                     next(job.steps)
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
             self.prefilling.remove(job)
+            job.prefilled = True
+            job.work_ms += (time.perf_counter() - t0) * 1000
+            if job.long:
+                self.long_lane.ended(job)
             seqs, job.info = done.value
             job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
             self._settle(job)
@@ -378,6 +438,8 @@ class Scheduler:
             if not job.future.done():
                 job.future.set_exception(e)
         ms = (time.perf_counter() - t0) * 1000
+        if not job.prefilled:
+            job.work_ms += ms
         if stalled or not job.long:
             self._credit(ms, job.long)
         if stalled:

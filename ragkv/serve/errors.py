@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragkv.engine.scheduler import Cancelled, JobTimeout, QueueFull, ShuttingDown
+from ragkv.engine.scheduler import Cancelled, JobTimeout, LongPrefillsBusy, QueueFull, ShuttingDown
 from ragkv.serve.budget import TenantOverBudget
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.rag.redis_catalog import LibraryUnavailableError
@@ -47,6 +47,8 @@ def to_api_error(e: BaseException) -> ApiError:
         return ApiError(400, str(e), code=getattr(e, "code", None), param=getattr(e, "param", None))
     if isinstance(e, TenantOverBudget):
         return ApiError(429, str(e), "rate_limit_error", "tenant_budget_exceeded", retry_after=e.retry_after_s)
+    if isinstance(e, LongPrefillsBusy):
+        return ApiError(429, str(e), "rate_limit_error", "long_prefills_busy", retry_after=e.retry_after_s)
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), "rate_limit_error", "queue_full", retry_after=QueueFull.retry_after_s)
     if isinstance(e, ShuttingDown):

@@ -121,7 +121,7 @@ class Server:
         release = self.in_flight.admit(p.tenant, cost)  # a 429 when the tenant's unfinished requests cost too much
         try:
             job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant,
-                                                   long=long)
+                                                   long=long, cost=cost)
         except BaseException:
             release()
             raise

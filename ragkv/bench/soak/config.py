@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragkv.errors import InvalidRequestError
+from ragkv.settings import SERVE
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class SoakConfig:
     # own; one long `ape` request (documents x words) per interval from tenant A
     fuzz_clients: int = 0
     fuzz_examples: int = 25            # per route and round (6 routes); each round is a new draw
+    fuzz_timeout_s: float = SERVE.timeout_s + 30  # client side: the server answers every request by its --timeout
+                                                  # (a 504 then); none by this is a hang
     long_ape_every_s: float = 0.0
     long_ape_documents: int = 8
     long_ape_words: int = 1000         # of random letters, ~3.6 tokens each: 8 x 1000 is ~29K tokens, within the

@@ -39,10 +39,10 @@ class HostileClients:
         while time.monotonic() < deadline and not self.stop.is_set():
             left = deadline - time.monotonic()
             cmd = [sys.executable, "-m", "ragkv.bench.fuzz", self.sup.url, str(self.cfg.fuzz_examples), f"{left:.1f}",
-                   str(self.cfg.request_timeout_s), self.keys[FUZZ_TENANT]]
+                   str(self.cfg.fuzz_timeout_s), self.keys[FUZZ_TENANT]]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=left + 6 * self.cfg.request_timeout_s + 60)
+                                      timeout=left + 6 * self.cfg.fuzz_timeout_s + 60)
                 if done.returncode != 0:
                     raise RuntimeError(f"exit {done.returncode}: {done.stderr[-300:]}")
                 got = json.loads(done.stdout.strip().splitlines()[-1])

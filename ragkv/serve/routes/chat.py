@@ -136,14 +136,18 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
                          "ragkv": ragkv_extras(results)})
 
 
-async def event_or_gone(request: Request, events: asyncio.Queue):
-    """The next event, or None once the client has disconnected (checked while none comes)."""
+async def event_or_gone(request: Request, events: asyncio.Queue, deadline: float, timeout_s: float):
+    """The next event, or None once the client has disconnected (checked while none comes); JobTimeout once the
+    deadline has passed without one (a guard: the worker ends every job by its deadline, but a stream must never
+    wait for ever on a job that was not ended)."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
+            if time.monotonic() > deadline:
+                raise JobTimeout(f"generation exceeded {timeout_s:.0f} s") from None
 
 
 async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
@@ -156,9 +160,11 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
         job.future.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(events.put_nowait, (k, "done", f)))
     # every prompt's first event before answering 200: one that fails before its first token is a normal error
     early, started = [], set()
+    timeout_s = server.scheduler.timeout_s
+    deadline = time.monotonic() + timeout_s + 5
     try:
         while len(started) < len(jobs):
-            got = await event_or_gone(request, events)
+            got = await event_or_gone(request, events, deadline, timeout_s)
             if got is None:  # the client left before the first token: its queued or prefilling work stops now
                 for job in jobs:
                     job.cancel()
@@ -177,7 +183,9 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
                     req.logprobs_count() is not None)
 
     async def next_event():
-        return early.pop(0) if early else await events.get()
+        if early:
+            return early.pop(0)
+        return await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - time.monotonic()))
 
     async def body():
         results: dict[int, tuple] = {}
@@ -187,7 +195,12 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
                     yield sse(chunks.role(i))
             tools = chat and prepared[0].tools  # the answer is held until done: only then is it known to be calls
             while len(results) < len(jobs):
-                k, kind, payload = await next_event()
+                try:
+                    k, kind, payload = await next_event()
+                except asyncio.TimeoutError:
+                    err = to_api_error(JobTimeout(f"generation exceeded {timeout_s:.0f} s"))
+                    yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
+                    return
                 if kind == "delta" and not tools:
                     i, delta = payload
                     yield sse(chunks.delta(k * req.n + i, delta))
