@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from tiny import default_model_available
 
 from ragkv.serve.replicas.forward import call_asgi
-from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_by_home, rank_replicas
+from ragkv.serve.replicas.policy import InFlight, SentBlocks, WorkingSets, rank_by_balance, rank_by_home, rank_replicas
 
 
 def test_the_holder_answers_unless_busier_than_the_slack():
@@ -64,6 +64,38 @@ def test_home_partitions_the_blocks_and_spills_a_set_to_one_second_replica():
     assert rank_by_home(blocks, {**busy, third: 0, second: 1}, 1)[0] == [second]
     assert rank_by_home(blocks, {**busy, second: 6}, 1)[0] == [third]  # both busy: whoever qualifies
     assert rank_by_home([], {"a": 1, "b": 0, "c": 0}, 1) == [["b", "c"], ["a"]]
+
+
+def test_balance_adds_fewest_blocks_keeps_working_sets_even_and_respects_the_slack():
+    idle = {"a": 0, "b": 0}
+    # the replica holding the request's blocks answers
+    assert rank_by_balance(["x", "y"], {"a": {"x"}, "b": {"x", "y"}}, {"a": 2, "b": 2}, idle, 1)[0] == ["b"]
+    # a holder whose working set is far above the mean loses a request it would add only one block for:
+    # cost a = 1 missing + 0.5 x (12 - 7) = 3.5 > b's 2 missing
+    assert rank_by_balance(["x", "y"], {"a": {"x"}, "b": set()}, {"a": 12, "b": 2}, idle, 1)[0] == ["b"]
+    # beyond the slack the holder is passed over; every replica stays a fallback
+    ranks = rank_by_balance(["x", "y"], {"a": {"x", "y"}, "b": set()}, {"a": 2, "b": 0}, {"a": 3, "b": 0}, 1)
+    assert ranks == [["b"], ["a"]]
+    # new sets in any order go to the same replica; over many, both replicas get some
+    firsts = []
+    for i in range(40):
+        blocks = [f"ns/{i}-0", f"ns/{i}-1"]
+        first = rank_by_balance(blocks, {}, {}, idle, 1)[0]
+        assert rank_by_balance(list(reversed(blocks)), {}, {}, idle, 1)[0] == first
+        firsts.append(first[0])
+    assert 10 <= firsts.count("a") <= 30
+    assert rank_by_balance([], {}, {}, {"a": 1, "b": 0}, 0)[0] == ["b"]
+
+
+def test_working_sets_are_the_blocks_of_the_last_requests():
+    ws = WorkingSets(window=2)
+    ws.add("a", ["x", "y"])
+    ws.add("a", ["y", "z"])
+    assert ws.of("a") == {"x", "y", "z"} and ws.size("a") == 3
+    ws.add("a", ["w"])  # the first request leaves the window
+    assert ws.of("a") == {"y", "z", "w"}
+    ws.forget("a")
+    assert ws.size("a") == 0 and ws.of("b") == set()
 
 
 def test_sent_blocks_are_bounded_and_forgotten_with_their_replica():

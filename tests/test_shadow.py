@@ -38,6 +38,7 @@ def wait_for(cond, timeout_s=120):
 
 
 def test_a_checked_answer_is_measured_as_the_engine_measures_it(default_engine):
+    from ragkv.bench.shadow_cost import shadow_counters
     from ragkv.engine.options import FusionOptions
     from ragkv.eval.metrics import prefix_agreement, top1_agreement
     from ragkv.ops.divergence import first_token_kl
@@ -66,6 +67,7 @@ def test_a_checked_answer_is_measured_as_the_engine_measures_it(default_engine):
         text = body.decode()
         assert 'ragkv_fidelity_checks_total{mode="reuse"} 1.0' in text
         assert 'ragkv_fidelity_first_token_kl{mode="reuse"}' in text
+        assert shadow_counters(text) == {"checks_done": 1, "checks_skipped": 0}  # what `bench shadow` reads
     finally:
         server.scheduler.stop()
 

@@ -20,7 +20,7 @@ from ragkv.settings import DEFAULT_MODEL, SERVE
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: ttft, shared, invariance, engine (vs transformers), decode, "
                                      "train-step, store, serve, structured, fuzz, fairness, soak, chat, controller, "
-                                     "lookahead, ceiling, profile, weights")
+                                     "lookahead, ceiling, profile, weights, shadow")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
@@ -190,6 +190,20 @@ def register(sub) -> None:
     add_output_args(fz)
     fz.set_defaults(func=run_fuzz)
 
+    sv = bsub.add_parser("shadow", help="what shadow verification costs live traffic: TTFT and req/s under load with "
+                                        "--shadow-fraction F against 0, servers started here in alternating order")
+    sv.add_argument("--mode", default="blend:sel=query,r=0.15", help="the requests' mode (approximate: checked)")
+    sv.add_argument("--fraction", type=float, default=0.05, help="the checked server's --shadow-fraction")
+    sv.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
+    sv.add_argument("--requests", type=int, default=64, help="requests per run")
+    sv.add_argument("--rounds", type=int, default=2, help="rounds of (without, with), the order flipped each round")
+    sv.add_argument("--max-tokens", type=int, default=32)
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    sv.add_argument("--dtype", default="float32")
+    add_output_args(sv)
+    sv.set_defaults(func=run_shadow)
+
     fa = bsub.add_parser("fairness", help="another tenant's TTFT while one tenant's long request (ape over many "
                                           "documents) runs, against a `ragkv serve` started here")
     fa.add_argument("--mode", default="ape", help="the long request's mode")
@@ -308,6 +322,15 @@ def run_fuzz(args) -> int:
     result = run_fuzz_bench(cfg, Path(args.output_dir), say)
     finish_bench(args, result, "fuzz.md")
     return 1 if result["failures"] else 0
+
+
+def run_shadow(args) -> int:
+    from ragkv.bench.shadow_cost import ShadowBenchConfig, run_shadow_bench
+
+    cfg = ShadowBenchConfig(model=args.model, dtype=args.dtype, mode=args.mode, fraction=args.fraction,
+                            concurrency=args.concurrency, requests=args.requests, rounds=args.rounds,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    return finish_bench(args, run_shadow_bench(cfg, Path(args.output_dir), say), "shadow_bench.md")
 
 
 def run_fairness(args) -> int:

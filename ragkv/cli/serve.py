@@ -61,7 +61,9 @@ def register(sub) -> None:
                         "(the least loaded when none does or it is busier than the others by --affinity-slack); "
                         "`home`, the home replica of most of its blocks by rendezvous hashing, unless busier by "
                         "--affinity-slack (the blocks partitioned: for replicas whose memory holds only a share of "
-                        "the working set); or `round-robin`, each in turn")
+                        "the working set); `balance`, among those within --affinity-slack of the least loaded, the "
+                        "one that would add fewest of the request's blocks while the replicas' working sets stay "
+                        "even; or `round-robin`, each in turn")
     r.add_argument("--affinity-slack", type=int, default=2, metavar="REQUESTS",
                    help="a holder busier than the least loaded replica by more requests than this loses the request "
                         "to the least loaded one (while a replica is idle, only idle replicas answer)")

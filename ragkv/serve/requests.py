@@ -41,6 +41,7 @@ class Prepared:
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
     tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
     tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (engine/request/tools.py)
+    cost: int = 0  # its prefill's token-layers at most (cold cache, its mode's worst case: check_prompt)
 
 
 def salted_namespace(namespace: str, salt: str) -> str:
@@ -249,10 +250,11 @@ class RequestBuilder:
                                  "invalid_tool") from None
             gen = replace(gen, grammar=grammar)
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
-        self.budget.charge(tenant, self.check_prompt(segs, gen, fusion))
+        cost = self.check_prompt(segs, gen, fusion)
+        self.budget.charge(tenant, cost)
         names = tuple(t.function.name for t in req.tools) if tools else ()
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
-                        names)
+                        names, cost)
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""
@@ -276,8 +278,9 @@ class RequestBuilder:
                     raise FieldError(field, f"the prompt {prompt[:40]!r} tokenizes to no tokens; send text the "
                                             "model's tokenizer keeps")
             segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
-            cost += self.check_prompt(segs, gen, fusion, field)
-            out.append(Prepared(segs, fusion, gen, namespace, sources, req.n, tenant))
+            one = self.check_prompt(segs, gen, fusion, field)
+            cost += one
+            out.append(Prepared(segs, fusion, gen, namespace, sources, req.n, tenant, cost=one))
         self.budget.charge(tenant, cost)  # the prompts are admitted together or not at all
         return out
 

@@ -116,7 +116,7 @@ class Server:
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
         layers = self.engine.num_layers
-        cost = get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, layers)  # token-layers, cold cache
+        cost = p.cost or get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, layers)  # cold cache
         long = cost > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk) * layers
         release = self.in_flight.admit(p.tenant, cost)  # a 429 when the tenant's unfinished requests cost too much
         try:

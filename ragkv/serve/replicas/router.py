@@ -1,7 +1,8 @@
 """The cache-aware request router, on Ray Serve's request-router API (`ray.serve.request_router.RequestRouter`):
 each request goes to the replica holding most of its blocks (policy.py), read from the replicas' routing stats
 (`EngineReplica.record_routing_stats`) and from what this router sent them since; or, `home`, to the home replica
-of most of its blocks (rendezvous hashing with bounded load: the working set partitioned over the replicas).
+of most of its blocks (rendezvous hashing with bounded load: the working set partitioned over the replicas); or,
+`balance`, to the replica that would add fewest blocks while keeping the replicas' working sets even.
 `round-robin` is the baseline the benchmark compares them with."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.serve.replicas.policy import InFlight, SentBlocks, rank_by_home, rank_replicas
+from ragkv.serve.replicas.policy import (InFlight, SentBlocks, WorkingSets, rank_by_balance, rank_by_home,
+                                         rank_replicas)
 
 ROUTE_KWARG = "route_ids"  # the keyword argument the ingress passes the request's blocks in
 
@@ -22,6 +24,7 @@ class BlockAffinityRouter(RequestRouter):
     def initialize_state(self, policy: str = "affinity", slack: int = 4, remember: int = 8192, **kwargs):
         self._policy, self._slack = policy, slack
         self._sent = SentBlocks(remember)
+        self._working = WorkingSets()  # `balance`: the blocks of each replica's recent requests
         self._ongoing = InFlight()  # requests this router sent each replica and not yet completed
         self._turn = itertools.count()
 
@@ -40,16 +43,21 @@ class BlockAffinityRouter(RequestRouter):
             first = order[next(self._turn) % len(order)]
             return [[by_id[first]], [by_id[i] for i in order if i != first]]
         blocks = _blocks(pending_request)
-        if self._policy == "home":
-            loads = {i: self._load(r) for i, r in by_id.items()}
-            return [[by_id[i] for i in rank] for rank in rank_by_home(blocks, loads, self._slack)]
-        holdings = {i: set(r.routing_stats.get("blocks", ())) | self._sent.of(i) for i, r in by_id.items()}
         loads = {i: self._load(r) for i, r in by_id.items()}
+        if self._policy == "home":
+            return [[by_id[i] for i in rank] for rank in rank_by_home(blocks, loads, self._slack)]
+        if self._policy == "balance":
+            holdings = {i: set(r.routing_stats.get("blocks", ())) | self._working.of(i) for i, r in by_id.items()}
+            working = {i: self._working.size(i) for i in by_id}
+            ranks = rank_by_balance(blocks, holdings, working, loads, self._slack)
+            return [[by_id[i] for i in rank] for rank in ranks]
+        holdings = {i: set(r.routing_stats.get("blocks", ())) | self._sent.of(i) for i, r in by_id.items()}
         return [[by_id[i] for i in rank] for rank in rank_replicas(blocks, holdings, loads, self._slack)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._ongoing.routed(replica_id, pending_request.metadata.internal_request_id)
         self._sent.add(replica_id, _blocks(pending_request))
+        self._working.add(replica_id, _blocks(pending_request))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ongoing.finished(replica_id, internal_request_id)
@@ -57,6 +65,7 @@ class BlockAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._sent.forget(replica_id)
+        self._working.forget(replica_id)
         self._ongoing.forget(replica_id)
 
 
