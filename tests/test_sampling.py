@@ -43,6 +43,21 @@ def test_a_vanishing_temperature_is_greedy(temperature):
     assert sample(logits, temperature, 0.17, g) == sample(logits, temperature, 1.0, g, 5, 0.5) == int(logits.argmax())
 
 
+def test_a_vanishing_repetition_penalty_leaves_a_valid_draw():
+    """repetition_penalty 3e-250 (valid: > 0) divides the seen tokens' positive logits into +inf: those tokens tie
+    as the only choices, greedy or sampled; the draw used to fail on NaN probabilities (a 500)."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
+    seen = torch.tensor([0, 0, 1, 1, 0])
+    penalized = apply_penalties(logits, seen, None, repetition=2.921619187031793e-250)
+    assert torch.isinf(penalized).any()
+    g = torch.Generator().manual_seed(0)
+    draws = {sample(penalized, 1.7, 1.0, g, 0, 0.46) for _ in range(50)}
+    assert draws == {2, 3}  # the two seen tokens with positive logits, both drawn
+    assert sample(penalized, 0.0) in (2, 3)
+    nan = torch.tensor([float("nan"), 1.0, 0.0])
+    assert sample(nan, 0.0) == 1 and sample(nan, 1.0, generator=g) in (1, 2)
+
+
 def test_token_logprob_is_the_log_softmax():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     ref = torch.log_softmax(logits, -1)

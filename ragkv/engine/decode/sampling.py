@@ -32,6 +32,18 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     return logits
 
 
+def finite_or_tied(logits: torch.Tensor) -> torch.Tensor:
+    """Logits a draw can use whatever the penalties did: a repetition penalty of 3e-250 (valid: > 0; a fuzzer's)
+    divides a positive logit into +inf, and softmax then gives NaN probabilities, a failed draw. The tokens at +inf
+    tie as the only choices; NaN is never chosen."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    top = logits == float("inf")
+    if bool(top.any()):
+        return torch.where(top, 0.0, float("-inf"))
+    return torch.nan_to_num(logits, nan=float("-inf"))
+
+
 # a temperature below this is greedy, as in vLLM (its _SAMPLING_EPS): a fuzzer's 2e-288 is 0 in fp32, and the
 # division gave NaN probabilities that failed the draw
 GREEDY_BELOW = 1e-5
@@ -40,9 +52,10 @@ GREEDY_BELOW = 1e-5
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, top_k: int = 0, min_p: float = 0.0) -> int:
     """logits: [V] fp32 -> token id. top_k <= 0 and min_p == 0 are off; temperature 0 is greedy."""
+    logits = finite_or_tied(logits.float())
     if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    logits = logits.float() / temperature
+    logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
