@@ -313,7 +313,11 @@ class Scheduler:
                   long=long, cost=cost)
         if long:
             self.long_lane.admit(job)
-        return self._put(job)
+        try:
+            return self._put(job)
+        except QueueFull:
+            job.future.cancel()  # never queued: the long lane no longer counts it
+            raise
 
     # -- the worker ---------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
