@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from ragkv.engine.blocks.loading import (
     StoreProfiles,
@@ -106,6 +107,36 @@ def test_engine_reads_each_block_from_the_tier_its_schedule_names(tiny_engine, t
     assert list(plan["tiers"]) == [disk, mem] and 0.15 <= plan["ratio"] <= 1
     read = {t: n - before[t] for t, n in store.counters["hits"].items()}
     assert read == {mem: 1, disk: 1} and stats.cache_misses == 0
+
+
+def test_a_block_lost_while_read_by_its_loading_plan_is_recomputed(tiny_engine, tmp_path, monkeypatch):
+    """The soak's 500: a block vanished while a planned blend request read it; the request is computed again in
+    its own memory, where the plan's tiers name nothing (it passed them to a store without tiers)."""
+    from tiny import make_segs
+
+    from ragkv.engine.options import FusionOptions
+    from ragkv.store.errors import MissingBlockError
+    from ragkv.store.memory import MemoryStore
+    from ragkv.store.spec import open_store
+    from ragkv.store.tiered import TieredStore
+
+    store = open_store(f"memory:64MiB,disk:{tmp_path}:1GiB")
+    engine = tiny_engine(store=store)
+    segs = make_segs(prefix=0, blocks=(20, 30))
+    engine.warm(segs)
+    engine.profile_store()
+    planned = TieredStore.iter_layers
+
+    def vanish_once(self, keys, num_layers, *args, tiers=None, **kwargs):
+        if tiers is not None and not getattr(vanish_once, "done", False):
+            vanish_once.done = True
+            raise MissingBlockError(f"block {keys[0].digest()} vanished from the store while its layers were read")
+        return planned(self, keys, num_layers, *args, tiers=tiers, **kwargs)
+    monkeypatch.setattr(TieredStore, "iter_layers", vanish_once)
+    state, stats = engine.prefill(segs, FusionOptions(mode="blend"))
+    assert vanish_once.done and "MissingBlockError" in stats.extra["store_fault"]
+    want = tiny_engine(store=MemoryStore()).prefill(segs, FusionOptions(mode="blend"))[0].logits
+    torch.testing.assert_close(state.logits, want, rtol=0, atol=1e-5)
 
 
 def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):

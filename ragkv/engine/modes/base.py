@@ -160,7 +160,10 @@ class BlockMode(FusionMode):
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
             if self.fuses_in_place:
                 return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
-        fusion, tiers = self.load_schedule(engine, res, fusion, stats)
+        # a plan names the engine store's tiers: none for a request's own memory (the store failed mid-request and
+        # its blocks were computed again: the soak's one 500 read them with the plan's tiers)
+        fusion, tiers = self.load_schedule(engine, res, fusion, stats) if blocks is engine.block_cache \
+            else (fusion, None)
         layer_iter = engine.layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
         state = self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
