@@ -347,6 +347,37 @@ def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
     assert order.index("a2") < order.index("a3")
 
 
+def test_a_long_request_waiting_for_kv_memory_does_not_hold_its_own_tenant():
+    """A long generation waiting for KV lets its own tenant's short ones that fit pass it (in the soak a long `ape`
+    request waited minutes for KV while its tenant's chat requests timed out behind it); it starts once memory is
+    released."""
+    from ragkv.engine.kv.kvbudget import KVBudget
+
+    order = []
+    sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
+    release = threading.Event()
+
+    def start(name, hold=False):
+        def gen():
+            order.append(name)
+            while hold and not release.is_set():
+                time.sleep(0.01)
+                yield
+            yield
+            return FakeSeq(1, name), name
+        return gen
+
+    b1 = sched.submit_generation(start("b1", hold=True), kv_bytes=70, tenant="B", long=True)
+    time.sleep(0.2)
+    a_long = sched.submit_generation(start("a-long"), kv_bytes=60, tenant="A", long=True)  # does not fit: waits
+    a_short = sched.submit_generation(start("a-short"), kv_bytes=10, tenant="A")  # fits: passes its tenant's long
+    a_short.future.result(timeout=5)
+    assert order == ["b1", "a-short"] and not a_long.future.done()
+    release.set()
+    run_jobs(sched, [b1, a_long])
+    assert order[-1] == "a-long"
+
+
 def test_background_work_takes_a_turn_under_a_steady_load_of_prefills():
     """Ingestion advances while prefills are in flight, as one more tenant in the rotation (it used to run only when
     no prefill was waiting: under the soak's steady load it never ran and the queue stayed full)."""

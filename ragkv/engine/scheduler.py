@@ -486,7 +486,9 @@ class Scheduler:
         """The next generation to start prefilling, its KV reserved; None: none may start now. One that does not
         fit beside the running ones waits first in line (`waiting`) until enough is released; meanwhile other
         tenants' generations that fit pass it (a long request's KV blocked every tenant for minutes in the soak),
-        its own tenant's wait behind it."""
+        its own tenant's wait behind it, unless it is long (a long `ape` request waiting minutes for KV held its
+        tenant's every chat request past the client's 180 s in the next soak: a long one never holds its tenant's
+        place, waiting or prefilling)."""
         if (self.running or self.prefilling) and self.batch_size + len(self.prefilling) >= self.max_batch:
             return None
         # a tenant with a prefill in flight waits for it (its own requests prefill in order) unless that one is
@@ -500,7 +502,7 @@ class Scheduler:
                 self.waiting = None
                 return head
             try:
-                job = self.jobs.get(block=False, skip=busy | {head.tenant})
+                job = self.jobs.get(block=False, skip=busy if head.long else busy | {head.tenant})
             except queue.Empty:
                 return None
             if self._gone(job):
