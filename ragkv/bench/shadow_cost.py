@@ -75,7 +75,7 @@ def one_run(cfg: ShadowBenchConfig, fraction: float, seed: int, out_dir: Path, s
     cell = result["cells"][0]
     return {"fraction": fraction, "ttft_p50_ms": cell["ttft_p50_ms"], "ttft_p95_ms": cell.get("ttft_p95_ms"),
             "requests_per_s": cell["requests_per_s"], "errors": cell.get("errors", 0),
-            "checks_done_during_cell": after_cell["checks_done"], "checks_done_when_idle": idle["checks_done"],
+            "checks_done_by_cell_end": after_cell["checks_done"], "checks_done_when_idle": idle["checks_done"],
             "checks_skipped": idle["checks_skipped"], "idle_wait_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -90,7 +90,7 @@ def run_shadow_bench(cfg: ShadowBenchConfig, out_dir: Path, say=print) -> dict:
             say(f"[shadow bench] round {r + 1}/{cfg.rounds}: {name} shadow checks (--shadow-fraction {f})")
             runs[name] = one_run(cfg, f, cfg.seed + r, out_dir / f"round{r + 1}-{name}", say)
             say(f"[shadow bench]   TTFT p50 {runs[name]['ttft_p50_ms']:.0f} ms, {runs[name]['requests_per_s']} req/s, "
-                f"checks {runs[name]['checks_done_during_cell']} during the cell, "
+                f"checks {runs[name]['checks_done_by_cell_end']} by the cell's end (warm-up included), "
                 f"{runs[name]['checks_done_when_idle']} after it")
         w, wo = runs["with"], runs["without"]
         rounds.append({"round": r + 1, "order": ["with" if f else "without" for f in order], **runs,
@@ -110,12 +110,12 @@ def render(result: dict) -> str:
              f"clients, {cfg['requests']} requests per run, --shadow-fraction {cfg['fraction']} vs 0)", "",
              f"CPU: {result['machine'].get('cpu')}", "",
              "| round | order | TTFT p50 without / with (ms) | ratio | TTFT p95 without / with | req/s ratio | checks "
-             "during the cell / after it |", "|---|---|---|---|---|---|---|"]
+             "by the cell's end (warm-up included) / after it |", "|---|---|---|---|---|---|---|"]
     for r in result["rounds"]:
         w, wo = r["with"], r["without"]
         lines.append(f"| {r['round']} | {' then '.join(r['order'])} | {wo['ttft_p50_ms']:.0f} / {w['ttft_p50_ms']:.0f} "
                      f"| {r['ttft_p50_ratio']:.3f} | {wo['ttft_p95_ms']:.0f} / {w['ttft_p95_ms']:.0f} | "
-                     f"{r['requests_per_s_ratio']:.3f} | {w['checks_done_during_cell']} / "
+                     f"{r['requests_per_s_ratio']:.3f} | {w['checks_done_by_cell_end']} / "
                      f"{w['checks_done_when_idle']} |")
     lines += ["", f"Median TTFT p50 ratio (with / without): **{result['ttft_p50_ratio_median']:.3f}**; "
                   f"req/s ratio: {result['requests_per_s_ratio_median']:.3f}."]
