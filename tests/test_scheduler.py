@@ -314,6 +314,21 @@ def test_full_queue_refuses():
     block.set()
 
 
+def recording_starts(order: list, release: threading.Event):
+    """start(name, hold) -> a generation's start that records its name when its prefill begins; `hold`: a long
+    prefill, unit after unit, until `release` is set."""
+    def start(name, hold=False):
+        def gen():
+            order.append(name)
+            while hold and not release.is_set():
+                time.sleep(0.01)
+                yield
+            yield
+            return FakeSeq(1, name), name
+        return gen
+    return start
+
+
 def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
     """A generation whose KV does not fit beside the running ones waits first in line; another tenant's that fits
     passes it, its own tenant's waits behind it, and it starts once memory is released (the soak: a second long
@@ -323,16 +338,7 @@ def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
     order = []
     sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
     release = threading.Event()
-
-    def start(name, hold=False):
-        def gen():
-            order.append(name)
-            while hold and not release.is_set():  # a long prefill, unit after unit, holding 70 of the 100 bytes
-                time.sleep(0.01)
-                yield
-            yield
-            return FakeSeq(1, name), name
-        return gen
+    start = recording_starts(order, release)
 
     a1 = sched.submit_generation(start("a1", hold=True), kv_bytes=70, tenant="A", long=True)
     time.sleep(0.2)
@@ -356,16 +362,7 @@ def test_a_long_request_waiting_for_kv_memory_does_not_hold_its_own_tenant():
     order = []
     sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
     release = threading.Event()
-
-    def start(name, hold=False):
-        def gen():
-            order.append(name)
-            while hold and not release.is_set():
-                time.sleep(0.01)
-                yield
-            yield
-            return FakeSeq(1, name), name
-        return gen
+    start = recording_starts(order, release)
 
     b1 = sched.submit_generation(start("b1", hold=True), kv_bytes=70, tenant="B", long=True)
     time.sleep(0.2)
