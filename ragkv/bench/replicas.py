@@ -28,7 +28,7 @@ from ragkv.serve.replicas.policy import ROUTERS
 @dataclass(frozen=True)
 class ReplicaBenchConfig:
     replicas: int = 2
-    routers: tuple[str, ...] = ("affinity", "round-robin")
+    routers: tuple[str, ...] = ("balance", "round-robin")
     sets: int = 24                   # distinct passage sets
     zipf: float = 1.0                # P(set of rank i) ~ 1 / i^zipf
     requests: int = 96               # per configuration

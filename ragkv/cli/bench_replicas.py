@@ -11,7 +11,7 @@ def add_replica_args(v) -> None:
     g = v.add_argument_group("replicas (--replicas N: the single server, then N replicas on Ray Serve per router, on "
                              "a workload of repeating passage sets)")
     g.add_argument("--replicas", type=int, default=1, help="compare routers over this many replicas (>= 2)")
-    g.add_argument("--router", default="affinity,round-robin", help="routers, comma-separated, run in turn; "
+    g.add_argument("--router", default="balance,round-robin", help="routers, comma-separated, run in turn; "
                    "ROUTER:N sets its --affinity-slack (e.g. affinity,home:1,round-robin)")
     g.add_argument("--passage-sets", type=int, default=24, help="distinct passage sets the requests draw from")
     g.add_argument("--zipf", type=float, default=1.0, help="P(set of rank i) ~ 1/i^zipf (0: uniform)")

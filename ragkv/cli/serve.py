@@ -56,8 +56,9 @@ def register(sub) -> None:
                         "own model and KV memory (default 1: this process serves alone, without Ray)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting a local Ray")
-    r.add_argument("--router", choices=ROUTERS, default="affinity",
-                   help="which replica answers: `affinity`, the one holding most of the request's blocks in memory "
+    r.add_argument("--router", choices=ROUTERS, default="balance",
+                   help="which replica answers (default `balance`: docs/results/replicas, runs 5-6): `affinity`, the "
+                        "one holding most of the request's blocks in memory "
                         "(the least loaded when none does or it is busier than the others by --affinity-slack); "
                         "`home`, the home replica of most of its blocks by rendezvous hashing, unless busier by "
                         "--affinity-slack (the blocks partitioned: for replicas whose memory holds only a share of "
