@@ -329,16 +329,21 @@ def recording_starts(order: list, release: threading.Event):
     return start
 
 
+def kv_limited_scheduler():
+    """A scheduler with 100 bytes of KV memory, the order prefills began in, the event that ends a held prefill, and
+    `recording_starts` over them."""
+    from ragkv.engine.kv.kvbudget import KVBudget
+
+    order, release = [], threading.Event()
+    sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
+    return sched, order, release, recording_starts(order, release)
+
+
 def test_a_request_waiting_for_kv_memory_blocks_only_its_own_tenant():
     """A generation whose KV does not fit beside the running ones waits first in line; another tenant's that fits
     passes it, its own tenant's waits behind it, and it starts once memory is released (the soak: a second long
     `ape` request waiting for KV held every tenant's requests for minutes)."""
-    from ragkv.engine.kv.kvbudget import KVBudget
-
-    order = []
-    sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
-    release = threading.Event()
-    start = recording_starts(order, release)
+    sched, order, release, start = kv_limited_scheduler()
 
     a1 = sched.submit_generation(start("a1", hold=True), kv_bytes=70, tenant="A", long=True)
     time.sleep(0.2)
@@ -357,12 +362,7 @@ def test_a_long_request_waiting_for_kv_memory_does_not_hold_its_own_tenant():
     """A long generation waiting for KV lets its own tenant's short ones that fit pass it (in the soak a long `ape`
     request waited minutes for KV while its tenant's chat requests timed out behind it); it starts once memory is
     released."""
-    from ragkv.engine.kv.kvbudget import KVBudget
-
-    order = []
-    sched = Scheduler(step=lambda seqs: None, max_batch=8, kv_budget=KVBudget(100))
-    release = threading.Event()
-    start = recording_starts(order, release)
+    sched, order, release, start = kv_limited_scheduler()
 
     b1 = sched.submit_generation(start("b1", hold=True), kv_bytes=70, tenant="B", long=True)
     time.sleep(0.2)

@@ -423,9 +423,6 @@ class Scheduler:
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
             self.prefilling.remove(job)
             job.prefilled = True
-            job.work_ms += (time.perf_counter() - t0) * 1000
-            if job.long:
-                self.long_lane.ended(job)
             seqs, job.info = done.value
             job.seqs = list(seqs) if isinstance(seqs, (list, tuple)) else [seqs]
             self._settle(job)
@@ -442,8 +439,9 @@ class Scheduler:
             if not job.future.done():
                 job.future.set_exception(e)
         ms = (time.perf_counter() - t0) * 1000
-        if not job.prefilled:
-            job.work_ms += ms
+        job.work_ms += ms
+        if job.long and job.prefilled:  # its last unit: the long lane learns its rate (a prefilled job runs no more)
+            self.long_lane.ended(job)
         if stalled or not job.long:
             self._credit(ms, job.long)
         if stalled:

@@ -99,6 +99,10 @@ def _retrieved(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+def generation_timeout(timeout_s: float) -> JobTimeout:
+    return JobTimeout(f"generation exceeded {timeout_s:.0f} s")
+
+
 async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
     server = server_of(request)
     timeout_s = server.scheduler.timeout_s
@@ -113,7 +117,7 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
                     job.cancel()
                     f.add_done_callback(_retrieved)  # nobody awaits it now: its `cancelled` error is expected
                 if time.monotonic() > deadline:
-                    raise JobTimeout(f"generation exceeded {timeout_s:.0f} s")
+                    raise generation_timeout(timeout_s)
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         results = [f.result() for f in futs]
     except BaseException:  # one prompt failed (or the handler was cancelled): the others stop too
@@ -121,7 +125,7 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
             job.cancel()
         raise
     if any(finish == "timeout" for _, _, finish in results):
-        raise JobTimeout(f"generation exceeded {timeout_s:.0f} s")
+        raise generation_timeout(timeout_s)
     rid, created = response_id(chat)
     text, logprobs = TokenText(server.engine.tokenizer), req.logprobs_count() is not None
     # choice index = prompt index * n + choice within the prompt, as OpenAI and vLLM number them
@@ -147,7 +151,7 @@ async def event_or_gone(request: Request, events: asyncio.Queue, deadline: float
             if await request.is_disconnected():
                 return None
             if time.monotonic() > deadline:
-                raise JobTimeout(f"generation exceeded {timeout_s:.0f} s") from None
+                raise generation_timeout(timeout_s) from None
 
 
 async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
@@ -198,7 +202,7 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
                 try:
                     k, kind, payload = await next_event()
                 except asyncio.TimeoutError:
-                    err = to_api_error(JobTimeout(f"generation exceeded {timeout_s:.0f} s"))
+                    err = to_api_error(generation_timeout(timeout_s))
                     yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
                     return
                 if kind == "delta" and not tools:
