@@ -3,6 +3,7 @@ model (byte tokenizer, 8 KiB of KV per token): abandoned streams give their KV a
 not multiply the prompt's KV, a request whose KV cannot fit now waits, and one that never could gets a 400 naming
 the limit."""
 
+import json
 import threading
 import time
 
@@ -167,3 +168,26 @@ def test_blend_over_pooled_blocks_gives_back_what_it_did_not_keep(server):
     assert copied >= PER_TOKEN * (prompt + 400)  # every prompt row, and the answer's
     assert PER_TOKEN * 400 < shared < copied - PER_TOKEN * prompt // 2
     assert wait_for(lambda: health(server)["kv_bytes_reserved"] == 0, timeout_s=10)
+
+
+def test_a_generation_the_deadline_ends_keeps_its_text(tmp_path):
+    """--timeout 2 and 8,000 forced tokens (thousands of decode steps, several seconds even for the tiny model): the
+    non-streamed and the streamed reply are a 200 with the text decoded so far, finish_reason "length" (as
+    llama-server's time limit ends one) and `ragkv.stopped: "deadline"`; a 504 threw the work away (issue 52's soak)."""
+    model = make_tiny_served(tmp_path)
+    extra = ("--served-model-name", "tiny", "--timeout", "2", "--no-startup-profile")
+    body = chat_body(max_tokens=8000) | {"min_tokens": 8000}
+    (tmp_path / "cache").mkdir()
+    with ServerProcess(model=str(model), dtype="float32", device="cpu", store="memory:16MiB", startup_s=300,
+                       cache_dir=tmp_path / "cache", extra=extra) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["finish_reason"] == "length" and out["ragkv"]["stopped"] == "deadline"
+        assert 0 < out["usage"]["completion_tokens"] < 8000 and out["choices"][0]["message"]["content"]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length" and last["ragkv"]["stopped"] == "deadline"

@@ -47,6 +47,12 @@ def legacy_logprobs(entries: list[TokenLogprob], text: TokenText, offset: int = 
             "text_offset": offsets}
 
 
+def finish_reason(reason: str) -> str:
+    """A generation the server's deadline (--timeout) ended keeps its text and finishes "length", as llama-server's
+    time limit does; the response's `ragkv.stopped` says "deadline"."""
+    return "length" if reason == "timeout" else reason
+
+
 def final_choice(index: int, seq, chat: bool, text: TokenText, logprobs: bool) -> dict:
     out = seq.out
     lp = None
@@ -54,8 +60,8 @@ def final_choice(index: int, seq, chat: bool, text: TokenText, logprobs: bool) -
         lp = chat_logprobs(out.logprobs, text) if chat else legacy_logprobs(out.logprobs, text)
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                "finish_reason": out.finish_reason}
-    return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+                "finish_reason": finish_reason(out.finish_reason)}
+    return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.finish_reason)}
 
 
 def with_tool_calls(choice: dict, names: tuple[str, ...]) -> dict:
@@ -112,6 +118,7 @@ class Chunks:
         return out, bool(calls)
 
     def finish(self, index: int, reason: str) -> dict:
+        reason = finish_reason(reason)
         if self.chat:
             return self.envelope([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
         return self.envelope([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}])

@@ -84,10 +84,12 @@ def start_all(server, prepared: list[Prepared], emit=None) -> list:
 
 
 def ragkv_extras(results: list) -> dict:
-    """The response's `ragkv` object: the (first) prompt's statistics and sources, and each prompt's when the
-    request had several."""
+    """The response's `ragkv` object: the (first) prompt's statistics and sources, each prompt's when the
+    request had several, and `stopped: "deadline"` when the server's deadline ended a generation early."""
     (p, seq, _), *more = results
     out = {"stats": seq.stats.to_dict(), "sources": p.sources}
+    if any(finish == "timeout" for _, _, finish in results):
+        out["stopped"] = "deadline"
     if more:
         out["prompts"] = [{"stats": s.stats.to_dict(), "sources": q.sources} for q, s, _ in results]
     return out
@@ -124,8 +126,6 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
         for job in jobs:
             job.cancel()
         raise
-    if any(finish == "timeout" for _, _, finish in results):
-        raise generation_timeout(timeout_s)
     rid, created = response_id(chat)
     text, logprobs = TokenText(server.engine.tokenizer), req.logprobs_count() is not None
     # choice index = prompt index * n + choice within the prompt, as OpenAI and vLLM number them
