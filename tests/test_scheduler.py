@@ -375,6 +375,25 @@ def test_a_long_request_waiting_for_kv_memory_does_not_hold_its_own_tenant():
     assert order[-1] == "a-long"
 
 
+def test_a_tenant_holding_its_share_of_kv_memory_does_not_pass_another_tenants_waiting_request():
+    """While A's request waits for KV, B (holding 70 of 100 bytes, above its share of 50) may not start another one
+    that fits; C (holding none) may. In the soak the fuzzer's reservations, renewed as they ended, kept another
+    tenant's long `ape` request waiting past its deadline."""
+    sched, order, release, start = kv_limited_scheduler()
+
+    b1 = sched.submit_generation(start("b1", hold=True), kv_bytes=70, tenant="B", long=True)
+    time.sleep(0.2)
+    a = sched.submit_generation(start("a"), kv_bytes=60, tenant="A", long=True)  # does not fit: waits
+    time.sleep(0.2)
+    b2 = sched.submit_generation(start("b2"), kv_bytes=20, tenant="B")  # fits, but B holds more than its share
+    c = sched.submit_generation(start("c"), kv_bytes=20, tenant="C")  # fits: passes A's
+    c.future.result(timeout=5)
+    assert order == ["b1", "c"] and not a.future.done() and not b2.future.done()
+    release.set()
+    run_jobs(sched, [b1, a, b2])
+    assert order.index("a") < order.index("b2")
+
+
 def test_background_work_takes_a_turn_under_a_steady_load_of_prefills():
     """Ingestion advances while prefills are in flight, as one more tenant in the rotation (it used to run only when
     no prefill was waiting: under the soak's steady load it never ran and the queue stayed full)."""

@@ -31,7 +31,8 @@ to thousands of tokens) waits until nothing decodes or prefills, so it never pau
 
 Memory: a generation reserves its KV bytes (engine/kv/kvbudget.py) when it is admitted. One that would not fit
 beside the running ones waits first in line until enough is released; other tenants' generations that fit pass it
-meanwhile, its own tenant's wait behind it; one that could never fit is refused when submitted. A generation gives
+meanwhile, unless their tenant already holds its share of the KV limit (the limit over the tenants holding KV), its
+own tenant's wait behind it; one that could never fit is refused when submitted. A generation gives
 its KV back the moment it leaves the batch.
 """
 
@@ -499,8 +500,9 @@ class Scheduler:
             if self._reserve(head):
                 self.waiting = None
                 return head
+            skip = busy | self._over_share(head.tenant) | (frozenset() if head.long else {head.tenant})
             try:
-                job = self.jobs.get(block=False, skip=busy if head.long else busy | {head.tenant})
+                job = self.jobs.get(block=False, skip=skip)
             except queue.Empty:
                 return None
             if self._gone(job):
@@ -521,6 +523,18 @@ class Scheduler:
             self.waiting = job  # first in line until the running generations release enough
             return None
         return job
+
+    def _over_share(self, waiting_tenant: str) -> frozenset:
+        """While a generation waits for KV: the other tenants already holding their share of the limit (the limit over
+        the tenants holding KV and the waiting one). They may not pass it: in the soak the fuzzer's n x max_tokens
+        reservations, renewed as they ended, kept another tenant's long request waiting past its deadline."""
+        if self.kv.limit is None:
+            return frozenset()
+        held: dict[str, int] = {waiting_tenant: 0}
+        for job in (*self.running, *self.prefilling):
+            held[job.tenant] = held.get(job.tenant, 0) + job.reserved
+        share = self.kv.limit / len(held)
+        return frozenset(t for t, b in held.items() if t != waiting_tenant and b >= share)
 
     def _gone(self, job: Job) -> bool:
         """A queued job its client left or whose deadline passed: ended here (it never started)."""
