@@ -163,6 +163,24 @@ def test_kv_need_counts_the_prompt_once():
     assert b.fits_ever(10**15) and b.try_reserve(10**15)
 
 
+def test_an_idle_server_trims_its_heap_again_after_the_first_trim(monkeypatch):
+    """What is freed after the idle trim (responses, a cancelled stream's cycle) goes back too: IDLE_RETRIMS more
+    trims while idle, none while busy with nothing freed, and none once they are spent."""
+    from ragkv.engine.kv import kvbudget
+
+    trims = []
+    monkeypatch.setattr(kvbudget, "give_back", lambda collect=False: trims.append(collect))
+    monkeypatch.setattr(kvbudget, "IDLE_RETRIM_S", 0.0)
+    b = KVBudget(100)
+    assert not b.maybe_give_back(idle=True)  # nothing released yet
+    b.try_reserve(50)
+    b.release(50)
+    assert b.maybe_give_back(idle=True) and trims == [True]
+    assert not b.maybe_give_back(idle=False)  # busy: the retrims wait for idleness
+    assert [b.maybe_give_back(idle=True) for _ in range(kvbudget.IDLE_RETRIMS + 2)] == \
+        [True] * kvbudget.IDLE_RETRIMS + [False, False]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 255, 300, 700])
 def test_attention_over_a_shared_prefix_equals_one_buffer_exactly(dtype, split, monkeypatch):
