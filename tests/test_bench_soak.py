@@ -162,14 +162,19 @@ def test_report_shows_the_memory_verdict():
     assert "RSS not back" in md
 
 
-def test_report_shows_the_fuzzer_and_the_long_ape_requests_and_refuses_bad_settings():
+def test_report_shows_the_fuzzer_and_the_long_ape_requests_and_refuses_bad_settings(tmp_path):
     from ragkv.bench.soak.run import _long_ape
 
     recs = [{"kind": "abuse_long_ape", "status": 200, "latency_s": 61.24}, {"kind": "abuse_long_ape", "status": 400,
                                                                            "latency_s": 0.31},
             {"kind": "inline", "status": 200, "latency_s": 1.0}]
-    la = _long_ape(recs)
-    assert la == {"sent": 2, "statuses": {"200": 1, "400": 1}, "seconds": [61.2, 0.3]}
+    log = tmp_path / "server.log"  # the long lane's lines are kept: the work folder with the log is not
+    log.write_text("ragkv: INFO: long prefill admitted: 9 token-layers\nINFO: 127.0.0.1 POST 200\n"
+                   "ragkv: WARNING: long prefill timed out: 9 token-layers in 300.0 s\n")
+    la = _long_ape(recs, [str(log), str(tmp_path / "gone.log")])
+    assert la == {"sent": 2, "statuses": {"200": 1, "400": 1}, "seconds": [61.2, 0.3],
+                  "lane_log": ["ragkv: INFO: long prefill admitted: 9 token-layers",
+                               "ragkv: WARNING: long prefill timed out: 9 token-layers in 300.0 s"]}
     md = render_markdown({"figures": {"fuzz_5xx": 1, "fuzz_no_answer": 0}, "all_zero": False,
                           "requests": summarize_requests([], {}), "probes": compare_probes({}, []),
                           "config": {"fuzz_clients": 2, "long_ape_documents": 8, "long_ape_words": 4000,

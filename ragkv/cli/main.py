@@ -19,7 +19,9 @@ def build_parser(settings: dict | None = None) -> argparse.ArgumentParser:
     """The full parser; `settings` (default: the settings file) become the defaults of the flags they name."""
     parser = argparse.ArgumentParser(prog="ragkv", description="Reuse retrieved passages' KV caches at any "
                                      "position: Block-Attention, APE and CacheBlend behind one engine.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (--log-level debug)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                        help="the least severe message logged (info: also the long prefills' admissions and ends)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -76,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ragkv: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="ragkv: %(levelname)s: %(message)s")
+    level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
+    # below warning the messages are a diagnosis of a long run: each says when
+    logging.basicConfig(level=level, format=("%(asctime)s " if level < logging.WARNING else "")
+                        + "ragkv: %(levelname)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

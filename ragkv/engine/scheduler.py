@@ -90,40 +90,106 @@ class LongPrefillsBusy(Exception):
 
 
 class LongLane:
-    """Admission of long prefills by when they would end. Long prefills share LONG_SHARE of the worker (round-robin
-    among them), so each one admitted beside another slows both: in the 30-minute soak two of them (a tenant's
-    29K-token `ape` request and a fuzzer's) ran side by side and one passed the server's 300 s deadline, a 504 after
-    5 minutes of work. A new long prefill is refused at once (429, with when to retry) when the work left of those
-    in flight plus its own, at the rate long prefills have run here (token-layers per worker ms, measured on the
-    ones that ended) and at LONG_SHARE of the worker, would not end within LONG_DEADLINE_SHARE of its deadline.
-    Alone it is always admitted; before any long prefill has ended there is no rate, and none is refused."""
+    """Admission of long prefills by when they would end. Long prefills share the worker's time left by answers and
+    other prefills (round-robin among them), so each one admitted beside another slows both: in the 30-minute soak
+    two of them (a tenant's 29K-token `ape` request and a fuzzer's) ran side by side and one passed the server's
+    300 s deadline, a 504 after 5 minutes of work. A new long prefill is refused at once (429, with when to retry)
+    when, with the long prefills in flight sharing the lane equally (processor sharing), it or one in flight would
+    not end within LONG_DEADLINE_SHARE of its deadline (a newcomer must not make an admitted one late). The lane's speed
+    is measured, not assumed: the token-layers per worker ms of the long prefills that ended, times the share of the
+    wall clock that long units have had while any long prefill was admitted (decayed over SHARE_WINDOW_S). Assuming
+    LONG_SHARE, a 48-minute soak's long request, admitted as able to end in 270 s, got a 504 after 304 s: under the
+    fuzzers' load, short prefills of four tenants also take turns. Alone a long prefill is always admitted; before
+    any long prefill has ended there is no rate, and none is refused."""
+
+    SHARE_WINDOW_S = 600.0  # the measured share forgets the lane's past at this time constant
+    SHARE_MIN_S = 30.0      # LONG_SHARE until the lane has been busy this long
 
     def __init__(self):
         self.jobs: list[Job] = []   # admitted long prefills not yet ended
         self.rate: float | None = None  # token-layers per worker ms
+        self._work_ms = 0.0   # decayed: the worker ms long units took
+        self._busy_ms = 0.0   # decayed: the wall ms during which a long prefill was admitted and not ended
+        self._tick = time.monotonic()
         self._lock = threading.Lock()
+
+    def _live(self) -> list[Job]:
+        return [j for j in self.jobs if not j.future.done() and not j.prefilled]
+
+    def tick(self, long_ms: float = 0.0) -> None:
+        """Account the wall clock since the last tick (busy if a long prefill was admitted) and `long_ms` of long
+        units; the worker calls it after every unit and step."""
+        with self._lock:
+            now = time.monotonic()
+            dt, self._tick = now - self._tick, now
+            decay = math.exp(-dt / self.SHARE_WINDOW_S)
+            self._work_ms = self._work_ms * decay + long_ms
+            self._busy_ms = self._busy_ms * decay + (dt * 1000 if self._live() else 0.0)
+
+    def share(self) -> float:
+        """The share of the wall clock long units have had while the lane was busy."""
+        if self._busy_ms < self.SHARE_MIN_S * 1000:
+            return LONG_SHARE
+        return min(1.0, max(0.05, self._work_ms / self._busy_ms))
+
+    def _ends_s(self, jobs: list[Job]) -> list[float]:
+        """When each of `jobs` would end, in seconds from now, sharing the lane equally: with the work left sorted
+        w1 <= w2 <= ..., the k-th ends after w1 + ... + w(k-1) + (n - k + 1) wk at the lane's speed."""
+        speed = self.rate * self.share() * 1000  # token-layers per wall second
+        left = [max(0.0, j.cost - j.work_ms * self.rate) for j in jobs]
+        ends, t, prev = [0.0] * len(jobs), 0.0, 0.0
+        for k, i in enumerate(sorted(range(len(jobs)), key=left.__getitem__)):
+            t += (left[i] - prev) * (len(jobs) - k)
+            prev, ends[i] = left[i], t / speed
+        return ends
+
+    @staticmethod
+    def _allowed_s(job: Job, now: float) -> float:
+        """The seconds left before LONG_DEADLINE_SHARE of the job's deadline."""
+        return job.deadline - now - (1 - LONG_DEADLINE_SHARE) * job.timeout_s
 
     def admit(self, job: Job) -> None:
         with self._lock:
-            self.jobs = [j for j in self.jobs if not j.future.done() and not j.prefilled]
+            self.jobs = self._live()
             if self.jobs and self.rate:
-                left = sum(max(0.0, j.cost - j.work_ms * self.rate) for j in self.jobs)
-                expected_s = (left + job.cost) / self.rate / LONG_SHARE / 1000
-                allowed_s = LONG_DEADLINE_SHARE * job.timeout_s
-                if expected_s > allowed_s:
+                now = time.monotonic()
+                before = self._ends_s(self.jobs)
+                after = self._ends_s(self.jobs + [job])
+                late = [end - self._allowed_s(j, now) for end, j in zip(after, self.jobs + [job])
+                        if end > self._allowed_s(j, now)]
+                if late:
+                    log.info("long prefill refused: %d token-layers, would end in %.1f s beside %d in flight "
+                             "(rate %.1f token-layers/ms, lane share %.2f)", job.cost, after[-1], len(self.jobs),
+                             self.rate, self.share())
                     raise LongPrefillsBusy(
-                        f"{len(self.jobs)} long prefills are running (about {left / self.rate / LONG_SHARE / 1000:.0f}"
-                        f" s of work left); with this one's {job.cost} token-layers it would take about "
-                        f"{expected_s:.0f} s, beyond the server's {job.timeout_s:.0f} s deadline (--timeout); retry "
-                        "later, or send fewer or shorter documents", max(1, math.ceil(expected_s - allowed_s)))
+                        f"{len(self.jobs)} long prefills are running (about {max(before):.0f} s of work left); with "
+                        f"this one's {job.cost} token-layers they would take about {max(after):.0f} s, and one would "
+                        f"end beyond {LONG_DEADLINE_SHARE:.0%} of the server's {job.timeout_s:.0f} s deadline "
+                        "(--timeout); retry later, or send fewer or shorter documents",
+                        max(1, math.ceil(max(late))))
+                job.expected_s = after[-1]
+            elif self.rate:
+                job.expected_s = self._ends_s([job])[0]
+            log.info("long prefill admitted: %d token-layers, expected to end in %s s beside %d in flight "
+                     "(rate %s token-layers/ms, lane share %.2f)", job.cost,
+                     "?" if job.expected_s is None else f"{job.expected_s:.1f}", len(self.jobs),
+                     "?" if self.rate is None else f"{self.rate:.1f}", self.share())
             self.jobs.append(job)
 
-    def ended(self, job: Job) -> None:
-        """A long prefill has ended: its rate is the lane's (an average over the last ones)."""
+    def ended(self, job: Job, outcome: str) -> None:
+        """A long prefill has ended (`outcome`: "prefilled", or why not): logged with where its time went; a
+        prefilled one's rate is the lane's (an average over the last ones)."""
         with self._lock:
-            if job.cost and job.work_ms > 0:
+            if outcome == "prefilled" and job.cost and job.work_ms > 0:
                 rate = job.cost / job.work_ms
                 self.rate = rate if self.rate is None else 0.5 * (self.rate + rate)
+            now = time.monotonic()
+            started = job.started if job.started is not None else now
+            log.log(logging.INFO if outcome == "prefilled" else logging.WARNING,
+                    "long prefill %s: %d token-layers in %.1f s (queued %.1f s, %.1f s of it waiting for KV; "
+                    "%d units, %.1f s of worker time; expected %s s at admission; lane share %.2f)", outcome, job.cost,
+                    now - job.submitted, started - job.submitted, job.kv_wait_s, job.units, job.work_ms / 1000,
+                    "?" if job.expected_s is None else f"{job.expected_s:.1f}", self.share())
 
 
 class TenantQueues:
@@ -189,6 +255,11 @@ class Job:
         self.long = long  # a prefill of many units: it does not keep its tenant's other requests waiting
         self.cost = cost  # its prefill's token-layers at most (0: not known)
         self.work_ms = 0.0  # the worker's time its prefill units have taken so far
+        self.units = 0  # prefill units run so far
+        self.submitted = time.monotonic()
+        self.started: float | None = None  # its first prefill unit
+        self.kv_wait_s = 0.0  # time spent first in line waiting for KV memory
+        self.expected_s: float | None = None  # when LongLane expected it to end, at admission
         self.prefilled = False
         self.kv_bytes = kv_bytes  # the most KV its sequences can hold (reserved while admitted)
         # (sequences) -> the most KV they can hold now that the prefill is done (what it kept is known), or None
@@ -196,7 +267,7 @@ class Job:
         self.reserved = 0
         self.future: Future = Future()
         self.cancelled = threading.Event()
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = self.submitted + timeout_s
         self.timeout_s = timeout_s
         self.seqs: list = []
         self.info = self.steps = None
@@ -246,9 +317,11 @@ class Scheduler:
         self._inner: dict[str, int] = {}
         self._long_credit_ms = 0.0  # earned by decode steps and short units, spent by long units (LONG_SHARE)
         self.long_lane = LongLane()
+        self._long_ms = 0.0  # long units' worker ms since the lane's last tick
         self._units_since_background = 0  # prefill units since a background job last had one
         self.kv = kv_budget if kv_budget is not None else KVBudget()
         self.waiting: Job | None = None  # the queue's head, taken out, waiting for KV memory to be released
+        self._waiting_since = 0.0
         self.jobs = TenantQueues(max_queue)
         self.background: deque[Job] = deque()  # ingestion jobs, one unit at a time when nothing else waits
         self.max_background = max(1, max_queue // 4)
@@ -335,6 +408,8 @@ class Scheduler:
                     self._step()
                 elif self.waiting is not None and not self.prefilling:
                     time.sleep(0.01)  # a guard: with nothing running every reservation is back, so it fits
+                self.long_lane.tick(self._long_ms)
+                self._long_ms = 0.0
                 idle = not self.running and not self.prefilling and self.waiting is None and not self.depth
                 self.kv.maybe_give_back(idle)
             except BaseException:  # the worker must survive anything
@@ -416,9 +491,13 @@ class Scheduler:
                 self._release(job, "cancelled")
                 job.future.set_exception(JobTimeout("request timed out before its first token")
                                          if not job.cancelled.is_set() else RuntimeError("cancelled"))
+                if job.long:
+                    self.long_lane.ended(job, "cancelled" if job.cancelled.is_set() else "timed out")
             else:
                 if job.steps is None:
+                    job.started = time.monotonic()
                     job.steps = job.start()
+                job.units += 1
                 with self.lock:
                     next(job.steps)
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
@@ -439,10 +518,14 @@ class Scheduler:
             self._release(job, "error")
             if not job.future.done():
                 job.future.set_exception(e)
+            if job.long:
+                self.long_lane.ended(job, f"failed ({type(e).__name__})")
         ms = (time.perf_counter() - t0) * 1000
         job.work_ms += ms
-        if job.long and job.prefilled:  # its last unit: the long lane learns its rate (a prefilled job runs no more)
-            self.long_lane.ended(job)
+        if job.long:
+            self._long_ms += ms
+            if job.prefilled:  # its last unit: the long lane learns its rate (a prefilled job runs no more)
+                self.long_lane.ended(job, "prefilled")
         if stalled or not job.long:
             self._credit(ms, job.long)
         if stalled:
@@ -498,6 +581,7 @@ class Scheduler:
             self.waiting = head = None
         if head is not None:
             if self._reserve(head):
+                head.kv_wait_s += time.monotonic() - self._waiting_since
                 self.waiting = None
                 return head
             skip = busy | self._over_share(head.tenant) | (frozenset() if head.long else {head.tenant})
@@ -520,7 +604,7 @@ class Scheduler:
         if self._gone(job):
             return None
         if not self._reserve(job):
-            self.waiting = job  # first in line until the running generations release enough
+            self.waiting, self._waiting_since = job, time.monotonic()  # first in line until enough is released
             return None
         return job
 
@@ -543,6 +627,10 @@ class Scheduler:
             return True
         if job.expired():
             job.future.set_exception(JobTimeout(f"request waited longer than {job.timeout_s:.0f} s in the queue"))
+            if job.long:
+                if job is self.waiting:
+                    job.kv_wait_s += time.monotonic() - self._waiting_since
+                self.long_lane.ended(job, "timed out in the queue")
             return True
         return False
 

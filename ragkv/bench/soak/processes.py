@@ -122,8 +122,9 @@ class ServerSupervisor(_Restartable):
 
     def start(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        # at info the server logs each long prefill's admission and end: where a long request's time went
         s = ServerProcess(self.cfg.model, self.cfg.dtype, self.cfg.device, self.store, self.cfg.startup_s,
-                          self.cache_dir, self.extra)
+                          self.cache_dir, self.extra, log_level="info")
         s.__enter__()
         with self.lock:
             if not self.closed:

@@ -70,6 +70,11 @@ def render_markdown(out: dict) -> str:
         lines.append(f"- long `ape` requests ({cfg.get('long_ape_documents')} documents x "
                      f"{cfg.get('long_ape_words')} words, one per {cfg.get('long_ape_every_s')} s): {la['sent']} sent, "
                      f"answers {la['statuses']}, seconds {la['seconds']}")
+        lane = la.get("lane_log", [])
+        if lane:  # every tenant's long prefills, as the server logged them; the ones that did not end well in full
+            counts = {w: sum(f"long prefill {w}" in line for line in lane) for w in ("admitted", "refused", "prefilled")}
+            lines.append(f"- the server's long prefills (all tenants): {counts}; not prefilled:")
+            lines += [f"  - `{line}`" for line in lane if "WARNING" in line][:20]
     abuse = out.get("abuse")
     if abuse:
         v = abuse["rss"]

@@ -4,6 +4,7 @@ the server and writes soak.json, soak_requests.jsonl and soak.md."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -227,18 +228,25 @@ class SoakRun(SoakClients, FaultInjector, AbuseClients, HostileClients):
         return {"figures": figures, "all_zero": zero,
                 "fault_free_differences": noise, "probes": probes, "requests": requests,
                 "faults_injected": faults, "fault_events": self.faults, "crash_reports": self.crashes,
-                "fuzz": self.fuzzed, "long_ape": _long_ape(self.records),
+                "fuzz": self.fuzzed, "long_ape": _long_ape(self.records, self.sup.logs if self.sup else []),
                 "cross_tenant_samples": self.leaks[:10], "own_marker_responses": self.own_marker, "document_notes": self.ledger.notes[:20],
                 "server_logs": self.sup.logs if self.sup else []}
 
 
-def _long_ape(records: list[dict]) -> dict:
-    """The long `ape` requests: answers by status, and the seconds each took."""
+def _long_ape(records: list[dict], logs: list[str]) -> dict:
+    """The long `ape` requests: answers by status, and the seconds each took; the servers' log lines on long
+    prefills (every tenant's: admitted, refused, ended and where its time went), kept here because the work folder
+    with the logs is removed by the next soak."""
     mine = [r for r in records if r["kind"] == "abuse_long_ape"]
     statuses: dict[str, int] = {}
     for r in mine:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    return {"sent": len(mine), "statuses": statuses, "seconds": [round(r["latency_s"], 1) for r in mine]}
+    lane: list[str] = []
+    for path in logs:
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            lane += [line.rstrip() for line in f if "long prefill" in line]
+    return {"sent": len(mine), "statuses": statuses, "seconds": [round(r["latency_s"], 1) for r in mine],
+            "lane_log": lane[-2000:]}
 
 
 def _work_dir(cfg: SoakConfig, out_dir: Path) -> Path:
