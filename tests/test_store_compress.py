@@ -266,10 +266,8 @@ def test_corrupt_compressed_entry_is_recomputed(tiny_engine, tmp_path, where):
     _flip(path, os.path.getsize(path) - 7 if where == "payload" else 40)
     state, stats = engine.prefill(segs, fusion)  # never fails: the block is computed again
     assert disk.counters["corrupt"] == 1
-    exact, _ = tiny_engine().prefill(segs, fusion)
-    if where == "payload":  # found mid-read: this request runs on fresh exact KV, the next reads a new entry
-        assert "store_fault" in stats.extra and torch.allclose(state.logits, exact.logits, atol=1e-5)
-        state, stats = engine.prefill(segs, fusion)
+    if where == "payload":  # found mid-read: the request starts over, the dropped entry a miss, the others hits
+        assert "store_fault" in stats.extra
     assert stats.cache_misses == 1 and torch.equal(state.logits, good.logits)
     assert engine.prefill(segs, fusion)[1].cache_hits == len(segs.blocks) + 1
 

@@ -182,3 +182,36 @@ def test_failed_reads_and_writes_are_tier_faults(tmp_path, monkeypatch):
         m.setattr("ragkv.store.disk.open", eio, raising=False)
         assert store.get(make_key(2)) is None
     assert store.counters["faults"][disk] == 3
+
+
+@pytest.mark.parametrize("keep_stored", [True, False])
+def test_a_request_whose_store_fails_starts_over_without_encoding_its_blocks_again(tiny_engine, tmp_path,
+                                                                                 monkeypatch, keep_stored):
+    """48-minute soak: a 27K-token `ape` request read a block the fault injector had just truncated, started over
+    without the cache, encoded its 8 blocks a second time and passed its 300 s deadline. Now it starts over with
+    the blocks it encoded still in hand (those no tier kept always; those a tier kept up to KEEP_STORED_BYTES, else
+    read from the store again): nothing is encoded twice, and the answer is the healthy store's."""
+    import ragkv.engine.blocks.encode as encode
+
+    if not keep_stored:
+        monkeypatch.setattr(encode, "KEEP_STORED_BYTES", 0)
+    encodes = []
+    real_encode = encode.encode_block_steps
+    monkeypatch.setattr(encode, "encode_block_steps", lambda *a, **k: (encodes.append(1), real_encode(*a, **k))[1])
+    store = open_store(f"disk:{tmp_path}:1GiB")
+    disk = store.tiers[0]
+    real_put, real_open = disk.put, disk.open_layers
+    # the 25-token block is kept by no tier (as the soak's 162 MB blocks were); the first read of a stored one fails
+    monkeypatch.setattr(disk, "put", lambda key, kv, **k: None if kv.num_tokens == 25 else real_put(key, kv, **k))
+    failed = []
+    monkeypatch.setattr(disk, "open_layers", lambda key: failed.append(key) if not failed else real_open(key))
+    segs = make_segs()  # a prefix and blocks of 20, 17 and 25 tokens
+    for mode in ("reuse", "ape"):
+        encodes.clear(), failed.clear()
+        for f in tmp_path.glob(f"*{SUFFIX}"):
+            f.unlink()
+        disk._rescan()
+        state, stats = tiny_engine(store=store).prefill(segs, FusionOptions(mode=mode))
+        assert failed and "MissingBlockError" in stats.extra["store_fault"]
+        assert len(encodes) == 1 + len(segs.blocks)  # each once: the prefix and the three blocks
+        torch.testing.assert_close(state.logits, reference(tiny_engine, segs, mode), rtol=0, atol=1e-5)

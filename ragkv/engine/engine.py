@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
-from ragkv.engine.blocks.encode import BlockCache, route_id
+from ragkv.engine.blocks.encode import BlockCache, KeptBlocks, route_id
 from ragkv.engine.blocks.history import settle_history
 from ragkv.engine.blocks.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.blocks.pool import BlockPool
@@ -370,16 +370,26 @@ class Engine:
         yielding between them so that a scheduler can decode other requests in between. The caller holds the
         model (Engine.lock) while it advances the generator.
 
-        A store that fails (a tier down, an entry that vanished or cannot be read) never fails the request: its
-        blocks are computed again into request-local memory and used from there (`store_fault` in the stats)."""
+        A store that fails (a tier down, an entry that vanished or cannot be read) never fails the request: it starts
+        over once with the store (the failed entry is gone now: a miss, encoded again; the other blocks hit), then,
+        if the store fails again, without it, its blocks computed into request-local memory (`store_fault` in the
+        stats). Blocks it encoded that no tier kept are not encoded again."""
+        kept = KeptBlocks()
         try:
-            return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, self.block_cache))
+            return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk,
+                                                   self.block_cache.for_request(kept)))
         except (MissingBlockError, StoreUnavailableError) as e:
-            log.warning("store failed during a request (%s); computing its blocks without the cache", e)
-            local = BlockCache(self.forward_model, self.fingerprint, MemoryStore(), self.namespace)
+            first = e
+        log.warning("store failed during a request (%s); starting it over", first)
+        try:
+            state, stats = yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk,
+                                                          self.block_cache.for_request(kept))
+        except (MissingBlockError, StoreUnavailableError) as e:
+            log.warning("store failed again during a request (%s); computing its blocks without the cache", e)
+            local = self.block_cache.for_request(kept, store=MemoryStore())
             state, stats = yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk, local)
-            stats.extra["store_fault"] = f"{type(e).__name__}: {e}"
-            return state, stats
+        stats.extra["store_fault"] = f"{type(first).__name__}: {first}"
+        return state, stats
 
     def _prefill_steps(self, segs: Segments, fusion: FusionOptions, max_new_tokens: int, namespace: str | None,
                        chunk, blocks: BlockCache) -> Steps:

@@ -114,12 +114,46 @@ class EnsureResult:
     hit_tokens: int = 0  # tokens of the blocks found in the store (not encoded by this request)
 
 
+KEEP_STORED_BYTES = 256 << 20  # of blocks a tier kept, what one request holds on to in case it starts over
+
+
+@dataclass
+class KeptBlocks:
+    """The blocks one request encoded, used from memory if a store fault makes it start over: every one no tier
+    kept (the request holds it anyway), and those a tier kept up to KEEP_STORED_BYTES (a store smaller than one
+    request evicts its first blocks before they are read: encoded again, they would be evicted again)."""
+
+    blocks: dict = field(default_factory=dict)  # CacheKey -> BlockKV
+    stored_bytes: int = 0
+
+    def keep(self, key: CacheKey, kv: BlockKV, stored: bool) -> None:
+        if stored:
+            if self.stored_bytes + kv.nbytes > KEEP_STORED_BYTES:
+                return
+            self.stored_bytes += kv.nbytes
+        self.blocks[key] = kv
+
+
 class BlockCache:
     """Names blocks by (model fingerprint, conditioning, token hash, namespace) and encodes them on a miss."""
 
-    def __init__(self, model, fingerprint: str, store: KVStore, namespace: str = "default", place=None):
+    def __init__(self, model, fingerprint: str, store: KVStore, namespace: str = "default", place=None,
+                 kept: KeptBlocks | None = None):
         self.model, self.fingerprint, self.store, self.namespace = model, fingerprint, store, namespace
         self.place = place  # tokens -> tier indices a new block goes to (the loading controller), or None: all
+        self.kept = kept  # one request's blocks it encoded, used from memory if it starts over
+
+    def _keep(self, key: CacheKey, kv: BlockKV, stored: bool) -> None:
+        if self.kept is not None:
+            self.kept.keep(key, kv, stored)
+
+    def for_request(self, kept: KeptBlocks, store: KVStore | None = None) -> "BlockCache":
+        """This cache for one request that may start over after a store fault: the blocks it encodes that no tier
+        keeps are remembered in `kept` and not encoded again (a 27K-token `ape` request whose store failed near its
+        end encoded its 8 blocks twice, and passed its deadline: the 48-minute soak). `store`: another store."""
+        if store is None:
+            return BlockCache(self.model, self.fingerprint, self.store, self.namespace, self.place, kept)
+        return BlockCache(self.model, self.fingerprint, store, self.namespace, None, kept)  # place: self.store's tiers
 
     def key(self, ids: list[int], conditioning: str = NO_CONDITIONING, namespace: str | None = None) -> CacheKey:
         return CacheKey(self.fingerprint, conditioning, hash_tokens(ids), len(ids), namespace or self.namespace)
@@ -138,7 +172,10 @@ class BlockCache:
         prefix_kv = None
         for ids in blocks:
             key = self.key(ids, conditioning, namespace)
-            if self.store.contains(key):
+            if self.kept is not None and key in self.kept.blocks:  # this request encoded it before it started over
+                misses += 1
+                uncached[key] = self.kept.blocks[key]
+            elif self.store.contains(key):
                 hits, hit_tokens = hits + 1, hit_tokens + len(ids)
             else:
                 misses += 1
@@ -150,6 +187,7 @@ class BlockCache:
                 self.store.put(key, kv) if tiers is None else self.store.put(key, kv, tiers=tiers)
                 if not self.store.contains(key):  # refused (too big, tier down, read-only): still used
                     uncached[key] = kv
+                self._keep(key, kv, stored=key not in uncached)
                 encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units
                 yield
             keys.append(key)

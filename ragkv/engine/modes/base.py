@@ -162,7 +162,7 @@ class BlockMode(FusionMode):
                 return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
         # a plan names the engine store's tiers: none for a request's own memory (the store failed mid-request and
         # its blocks were computed again: the soak's one 500 read them with the plan's tiers)
-        fusion, tiers = self.load_schedule(engine, res, fusion, stats) if blocks is engine.block_cache \
+        fusion, tiers = self.load_schedule(engine, res, fusion, stats) if blocks.store is engine.block_cache.store \
             else (fusion, None)
         layer_iter = engine.layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
