@@ -373,7 +373,7 @@ class Engine:
         A store that fails (a tier down, an entry that vanished or cannot be read) never fails the request: it starts
         over once with the store (the failed entry is gone now: a miss, encoded again; the other blocks hit), then,
         if the store fails again, without it, its blocks computed into request-local memory (`store_fault` in the
-        stats). Blocks it encoded that no tier kept are not encoded again."""
+        stats). The blocks it had encoded are not encoded again (encode.KeptBlocks)."""
         kept = KeptBlocks()
         try:
             return (yield from self._prefill_steps(segs, fusion, max_new_tokens, namespace, chunk,

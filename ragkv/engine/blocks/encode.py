@@ -148,9 +148,9 @@ class BlockCache:
             self.kept.keep(key, kv, stored)
 
     def for_request(self, kept: KeptBlocks, store: KVStore | None = None) -> "BlockCache":
-        """This cache for one request that may start over after a store fault: the blocks it encodes that no tier
-        keeps are remembered in `kept` and not encoded again (a 27K-token `ape` request whose store failed near its
-        end encoded its 8 blocks twice, and passed its deadline: the 48-minute soak). `store`: another store."""
+        """This cache for one request that may start over after a store fault: the blocks it encodes are remembered
+        in `kept` (KeptBlocks says which) and not encoded again (a 27K-token `ape` request whose store failed near
+        its end encoded its 8 blocks twice, and passed its deadline: the 48-minute soak). `store`: another store."""
         if store is None:
             return BlockCache(self.model, self.fingerprint, self.store, self.namespace, self.place, kept)
         return BlockCache(self.model, self.fingerprint, store, self.namespace, None, kept)  # place: self.store's tiers
