@@ -118,13 +118,14 @@ class LongLane:
 
     def tick(self, long_ms: float = 0.0) -> None:
         """Account the wall clock since the last tick (busy if a long prefill was admitted) and `long_ms` of long
-        units; the worker calls it after every unit and step."""
+        units; the worker calls it once per pass of its loop."""
         with self._lock:
             now = time.monotonic()
             dt, self._tick = now - self._tick, now
             decay = math.exp(-dt / self.SHARE_WINDOW_S)
             self._work_ms = self._work_ms * decay + long_ms
-            self._busy_ms = self._busy_ms * decay + (dt * 1000 if self._live() else 0.0)
+            busy = any(not j.future.done() and not j.prefilled for j in self.jobs)
+            self._busy_ms = self._busy_ms * decay + (dt * 1000 if busy else 0.0)
 
     def share(self) -> float:
         """The share of the wall clock long units have had while the lane was busy."""
@@ -155,8 +156,8 @@ class LongLane:
                 now = time.monotonic()
                 before = self._ends_s(self.jobs)
                 after = self._ends_s(self.jobs + [job])
-                late = [end - self._allowed_s(j, now) for end, j in zip(after, self.jobs + [job])
-                        if end > self._allowed_s(j, now)]
+                late = [over for over in (end - self._allowed_s(j, now) for end, j in zip(after, self.jobs + [job]))
+                        if over > 0]
                 if late:
                     log.info("long prefill refused: %d token-layers, would end in %.1f s beside %d in flight "
                              "(rate %.1f token-layers/ms, lane share %.2f)", job.cost, after[-1], len(self.jobs),

@@ -143,17 +143,13 @@ class BlockCache:
         self.place = place  # tokens -> tier indices a new block goes to (the loading controller), or None: all
         self.kept = kept  # one request's blocks it encoded, used from memory if it starts over
 
-    def _keep(self, key: CacheKey, kv: BlockKV, stored: bool) -> None:
-        if self.kept is not None:
-            self.kept.keep(key, kv, stored)
-
     def for_request(self, kept: KeptBlocks, store: KVStore | None = None) -> "BlockCache":
         """This cache for one request that may start over after a store fault: the blocks it encodes are remembered
         in `kept` (KeptBlocks says which) and not encoded again (a 27K-token `ape` request whose store failed near
         its end encoded its 8 blocks twice, and passed its deadline: the 48-minute soak). `store`: another store."""
-        if store is None:
-            return BlockCache(self.model, self.fingerprint, self.store, self.namespace, self.place, kept)
-        return BlockCache(self.model, self.fingerprint, store, self.namespace, None, kept)  # place: self.store's tiers
+        own = store is None  # `place` names this store's tiers
+        return BlockCache(self.model, self.fingerprint, self.store if own else store, self.namespace,
+                          self.place if own else None, kept)
 
     def key(self, ids: list[int], conditioning: str = NO_CONDITIONING, namespace: str | None = None) -> CacheKey:
         return CacheKey(self.fingerprint, conditioning, hash_tokens(ids), len(ids), namespace or self.namespace)
@@ -187,7 +183,8 @@ class BlockCache:
                 self.store.put(key, kv) if tiers is None else self.store.put(key, kv, tiers=tiers)
                 if not self.store.contains(key):  # refused (too big, tier down, read-only): still used
                     uncached[key] = kv
-                self._keep(key, kv, stored=key not in uncached)
+                if self.kept is not None:
+                    self.kept.keep(key, kv, stored=key not in uncached)
                 encode_ms += (time.perf_counter() - t0) * 1000  # own work only, not what ran between units
                 yield
             keys.append(key)
