@@ -226,3 +226,69 @@ def test_a_quantized_decode_is_named_in_every_replys_fidelity(kind, tiny_engine)
         assert stats.fidelity["first_token_exact"] is (mode == "full"), (mode, stats.fidelity)
     _, stats = tiny_engine("qwen2").prefill(make_segs(), FusionOptions(mode="full"), 8)
     assert stats.fidelity == {"mode": "full", "exact": True}
+
+
+def test_int8_products_sum_the_integers_exactly_and_scale_once():
+    """w8a8's pieces: per-row activation quantization rounds each value to within half a step (the row's max to
+    127), and the int8 x int8 product (oneDNN's kernel) sums the integers exactly before both scales."""
+    from ragkv.models.quant import int8_product, quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in ((17, 64, 48), (40, 96, 130), (300, 256, 72)):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+        xq, xs = quantize_rows(x)
+        assert xq.dtype == torch.int8 and (xq.abs().amax(dim=1) == 127).all()
+        assert ((xq.float() * xs[:, None] - x).abs() <= xs[:, None] / 2 * (1 + 1e-5)).all()
+        wq = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        ws, bias = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
+        sums = xq.long() @ wq.long().t()  # exact
+        want = sums.double() * xs[:, None].double() * ws.double() + bias.double()
+        got = int8_product(xq, xs, wq, ws, bias)
+        assert got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5), (got.double() - want).abs().max()
+
+
+@cpu_only
+def test_w8a8_linear_is_int8s_product_at_few_rows_and_close_to_exact_at_many():
+    """Few rows: the same int8 weights times bf16 activations, as the int8 decode copy computes them. Many rows:
+    int8 activations too, within a few 1/127 steps of the exact product."""
+    from ragkv.models.quant import Int8ProductLinear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=True)
+    w8a8, int8 = Int8ProductLinear(lin), PackedLinear(lin, "int8")
+    few = torch.randn(3, 128)
+    assert torch.equal(w8a8(few), int8(few))
+    many = torch.randn(64, 128)
+    ref = lin(many)
+    got = w8a8(many)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 3e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "blend", "ape"])
+def test_w8a8_runs_every_prefill_on_int8_products_says_so_and_keeps_its_kv_apart(mode, tiny_engine, monkeypatch):
+    """`w8a8` is the one decode copy that prefill runs on too: its forwards of many rows take the int8 product, its
+    first token is close to the exact one but not it, every reply says so (first_token_exact false even for
+    `full`), and its KV is keyed under another fingerprint (a store shared with an exact engine never hands one's
+    blocks to the other)."""
+    import ragkv.models.quant as quant
+
+    exact = tiny_engine("qwen2")
+    fast = type(exact)(exact._loaded, exact.store, decode_weights="w8a8")  # the same model and store
+    assert fast.fingerprint != exact.fingerprint and fast.forward_model is fast.decode_model
+    products = []
+    real = quant.int8_product
+    monkeypatch.setattr(quant, "int8_product", lambda *a: products.append(a[0].shape[0]) or real(*a))
+    fusion = FusionOptions(mode=mode, prefix_chunk=8) if mode == "prefix" else FusionOptions(mode=mode)
+    segs = make_segs(seed=4)
+    want, _ = exact.prefill(segs, fusion, 8)
+    got, stats = fast.prefill(segs, fusion, 8)
+    assert products and min(products) > quant.gemv_kernel.MAX_ROWS
+    a, b = want.logits.float().log_softmax(-1), got.logits.float().log_softmax(-1)
+    assert 0 < (a.exp() * (a - b)).sum().item() < 0.05
+    assert stats.fidelity["exact"] is False and stats.fidelity["decode_weights"] == "w8a8"
+    assert stats.fidelity["first_token_exact"] is False
+    keys = set(exact.cache_keys(segs, fusion)), set(fast.cache_keys(segs, fusion))
+    assert (mode == "full") is (not keys[0]) and len(keys[0]) == len(keys[1]) and not keys[0] & keys[1]

@@ -2,7 +2,8 @@
 
 Two ragkv columns: the model's plain forward (torch's kernels: what every forward ran on before the exact copies),
 and the prefill as the engine runs it (`full`: the `auto` copy, models/quant.py, in forwards of its `forward_rows`
-rows into a KV cache)."""
+rows into a KV cache). `--weights auto,w8a8` times each kind of copy in the same run, against the same
+transformers time (w8a8's prefill is approximate: int8 products, models/quant.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class EngineBenchConfig:
     lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     repeats: int = 3
+    weights: tuple[str, ...] = ("auto",)  # decode copies whose prefill is timed (auto: the CLI's default)
 
 
 def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path = Path("bench_out"),
@@ -39,8 +41,10 @@ def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path
     for dt in dtypes:
         dtype = torch_dtype(dt)
         ours = load_model(model_name, dtype=dtype, device="cpu")
-        kind = resolve_decode_weights("auto", ours.model)[0]
-        served = decode_copy(ours.model, kind)
+        copies = {}
+        for w in cfg.weights:
+            kind = resolve_decode_weights(w, ours.model)[0]
+            copies.setdefault(kind, decode_copy(ours.model, kind))
         hf = AutoModelForCausalLM.from_pretrained(str(ours.path), dtype=dtype).eval()
         text = "\n".join(p.text for p in passages)
         all_ids = ours.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -50,13 +54,16 @@ def run_engine_bench(cfg: EngineBenchConfig = EngineBenchConfig(), out_dir: Path
             with torch.inference_mode():
                 hf_ms, _ = median_ms(lambda: hf(ids, use_cache=False, logits_to_keep=1), repeats)
                 plain_ms, _ = median_ms(lambda: ours.model(ids), repeats)
-                engine_ms, _ = median_ms(lambda: drain(prefill_chunks(served, KVCache.for_model(served, n), prompt,
-                                                                      None)), repeats)
-            rows.append({"dtype": dt, "tokens": n, "ragkv_ms": round(engine_ms, 1), "ragkv_plain_ms": round(plain_ms, 1),
-                         "weights": kind, "transformers_ms": round(hf_ms, 1), "ratio": round(engine_ms / hf_ms, 3),
-                         "plain_ratio": round(plain_ms / hf_ms, 3)})
-            progress(f"  {dt:9s} {n:>5} tokens  ragkv {engine_ms:8.1f} ms ({kind})  plain forward {plain_ms:8.1f} ms  "
-                     f"transformers {hf_ms:8.1f} ms  ratio {engine_ms / hf_ms:.3f} (plain {plain_ms / hf_ms:.3f})")
+                for kind, served in copies.items():
+                    engine_ms, _ = median_ms(lambda served=served: drain(prefill_chunks(served, KVCache.for_model(served, n),
+                                                                          prompt, None)), repeats)
+                    rows.append({"dtype": dt, "tokens": n, "ragkv_ms": round(engine_ms, 1),
+                                 "ragkv_plain_ms": round(plain_ms, 1), "weights": kind,
+                                 "transformers_ms": round(hf_ms, 1), "ratio": round(engine_ms / hf_ms, 3),
+                                 "plain_ratio": round(plain_ms / hf_ms, 3)})
+                    progress(f"  {dt:9s} {n:>5} tokens  ragkv {engine_ms:8.1f} ms ({kind})  plain forward "
+                             f"{plain_ms:8.1f} ms  transformers {hf_ms:8.1f} ms  ratio {engine_ms / hf_ms:.3f} "
+                             f"(plain {plain_ms / hf_ms:.3f})")
         hf = None  # frees the model before the next dtype loads (a `del` would leave the lambdas a free name)
     from ragkv.config import cpu_name
 

@@ -60,6 +60,8 @@ def register(sub) -> None:
     e.add_argument("--lengths", default="512,1024,2048,4096")
     e.add_argument("--dtypes", default="float32,bfloat16")
     e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--weights", default="auto",
+                   help="decode copies whose prefill is timed, comma-separated (as --decode-weights: e.g. auto,w8a8)")
     e.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     add_output_args(e)
     e.set_defaults(func=run_engine)
@@ -394,7 +396,14 @@ def run_invariance(args) -> int:
 def run_engine(args) -> int:
     from ragkv.bench.engine_vs_hf import EngineBenchConfig, run_engine_bench
 
-    cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats)
+    from ragkv.models.quant import WEIGHT_CHOICES
+
+    weights = tuple(w for w in args.weights.split(",") if w)
+    bad = [w for w in weights if w not in WEIGHT_CHOICES]
+    if bad or not weights:
+        raise InvalidRequestError(f"--weights: {bad or args.weights!r} not among {', '.join(WEIGHT_CHOICES)}")
+    cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats,
+                            weights)
     return finish_bench(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
 
 

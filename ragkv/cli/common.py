@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
         from ragkv.models.quant import WEIGHT_CHOICES
 
         g.add_argument("--decode-weights", default="auto", choices=WEIGHT_CHOICES,
-                       help="weights of the decode steps (prefill stays exact): auto (default) is onednn for an "
+                       help="weights of the decode steps (prefill stays exact but with w8a8): auto (default) is onednn for an "
                             "fp32 model on a CPU and for a bf16 model on an AVX-512 BF16 or AMX CPU, else exact; "
                             "transposed is an exact copy of "
                             "the wide linears in the layout a CPU's batch-1 matmul reads faster (same answers, "
@@ -37,7 +37,9 @@ def add_model_args(p: argparse.ArgumentParser, decode_weights: bool = True) -> N
                             "every prefill forward runs on that path too, each linear choosing its kernel by rows; "
                             "int4/int8 are "
                             "weight-only quantized copies, 2-4x faster decode on CPU, with the fidelity cost "
-                            "`ragkv bench decode` prints")
+                            "`ragkv bench decode` prints; w8a8 also runs prefill on int8 products (int8 weights "
+                            "and per-row int8 activations through oneDNN's VNNI / AMX-INT8 kernel; the MLP's "
+                            "down projection stays exact): faster prefill, approximate, said in every reply")
 
 
 def add_store_args(p: argparse.ArgumentParser, namespace: bool = True) -> None:

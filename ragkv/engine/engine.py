@@ -45,7 +45,7 @@ from ragkv.engine.request.segments import (
 )
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
-from ragkv.models.quant import EXACT_COPIES, decode_copy, resolve_decode_weights
+from ragkv.models.quant import EXACT_COPIES, PREFILL_COPIES, decode_copy, resolve_decode_weights
 from ragkv.ops import prefill_kernel
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
@@ -126,7 +126,7 @@ class Engine:
             if self.model.dtype == torch.bfloat16:
                 prefill_kernel.kernel()
         self._store = store if store is not None else MemoryStore()
-        self.block_cache = BlockCache(self.forward_model, loaded.fingerprint, self._store, namespace)
+        self.block_cache = BlockCache(self.forward_model, self.fingerprint, self._store, namespace)
         # blocks read in place (kv_layout=shared); its own, like its store
         self.block_pool = BlockPool(self.model, pool_bytes)
         self.namespace = namespace
@@ -177,8 +177,9 @@ class Engine:
 
     @property
     def fingerprint(self) -> str:
-        """Identifies the weights: part of every cache key, so that no two models share entries."""
-        return self._loaded.fingerprint
+        """Identifies the weights: part of every cache key, so that no two models share entries (w8a8's KV is
+        another model's: its prefill runs on int8 products)."""
+        return self._loaded.fingerprint + ("-w8a8" if self._decode_weights == "w8a8" else "")
 
     @property
     def device(self) -> torch.device:
@@ -203,8 +204,8 @@ class Engine:
         """The module prefill forwards run on (full, prefix, block encoding, a question over cached blocks, the rows
         a selection recomputes): the decode copy where its weights are the model's own (transposed, onednn: the
         same products in another order, each linear choosing its kernel by its rows, models/quant.py), else
-        `model` (int8/int4 copies stay decode-only)."""
-        return self._decode_model if self._decode_weights in EXACT_COPIES else self.model
+        `model` (int8/int4 copies stay decode-only); w8a8's copy runs prefill too, on int8 products (approximate)."""
+        return self._decode_model if self._decode_weights in PREFILL_COPIES else self.model
 
     @property
     def store(self) -> KVStore:
@@ -418,7 +419,8 @@ class Engine:
                               "history": history}
         if self._decode_weights not in EXACT_COPIES + ("exact",):  # int8 / int4: the answer after its first token
             stats.fidelity = {**stats.fidelity, "exact": False, "decode_weights": self._decode_weights,
-                              "first_token_exact": bool(stats.fidelity.get("exact"))}
+                              "first_token_exact": bool(stats.fidelity.get("exact"))
+                              and self._decode_weights not in PREFILL_COPIES}  # w8a8: the prefill too
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
 

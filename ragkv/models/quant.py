@@ -30,6 +30,15 @@ rows (oneDNN: each slice where its kernel is fastest) or on the model's own weig
 only at few rows); a long prompt runs in forwards of FEW_ROWS rows (`forward_rows`, read by prefill_chunks). On Zen 3
 a 1.5K-token `full` prefill took 0.86x MKL's time with sliced products, 0.73x in 512-row forwards
 (docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies (`resolve_decode_weights`).
+
+`w8a8` is the one copy that changes prefill too: every linear but the MLP's down projection holds int8 weights
+(int8's per-channel scales), and a product of many rows quantizes its activations to int8 per row (symmetric,
+dynamic) and multiplies in int32 through oneDNN's int8 kernel (`torch._int_mm`: VNNI / AMX-INT8), at ~2x the rate of
+the bf16 product on a 2-core Zen 4 (741 against 350 GOP/s on a [1329, 896] x [896, 4864] product). Few rows (decode)
+multiply the same int8 weights with bf16 activations, as `int8` does. down_proj stays exact: its input carries the
+few huge activations of Llama-family MLPs (Sun et al. 2024, "Massive Activations"), which per-row scales flatten
+(Qwen 0.5B, 12 NQ-10 prompts: first-token KL 0.008 with it quantized, 0.0035 without). An approximate path: replies
+say so (`fidelity.decode_weights: "w8a8"`, `first_token_exact: false`), and its KV is keyed apart from the exact one.
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ from torch import nn
 from ragkv.errors import InvalidRequestError
 from ragkv.ops import gemv_kernel
 
-DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4")
+DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4", "w8a8")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
 EXACT_COPIES = ("transposed", "onednn")  # paths whose weights are the model's own: the same products
+PREFILL_COPIES = EXACT_COPIES + ("w8a8",)  # copies every forward runs on, prefill included (Engine.forward_model)
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
 PACK_ROWS = 16  # the rows oneDNN's bf16 reorder is tuned for: as fast as 1 at decode, 1.7x faster than 1 at 512 rows
 INT4_GROUP = 32
@@ -104,6 +114,49 @@ class PackedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
+
+
+class Int8ProductLinear(nn.Module):
+    """W8A8 (see the module docstring): y = x W^T (+ b) with W as int8 per output channel; many rows in int8 x int8
+    (activations quantized per row), few rows as `PackedLinear("int8")` on the same int8 weights."""
+
+    def __init__(self, linear: nn.Linear | list[nn.Linear]):
+        super().__init__()
+        parts = linear if isinstance(linear, list) else [linear]
+        w = torch.cat([m.weight.detach() for m in parts]).float()
+        self.out_features, self.in_features = w.shape
+        self.bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts]).float()
+        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # int8's: the gemv kernel packs the same
+        self.weight = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.gemv = gemv_kernel.pack(w, self.bias, int8=True) \
+            if gemv_kernel.kernel() is not None and self.in_features % 2 == 0 and w.is_cpu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= gemv_kernel.MAX_ROWS:  # decode: bandwidth-bound, int8 activations would buy nothing
+            if self.gemv is not None:
+                y = gemv_kernel.gemv(x2.to(torch.bfloat16), *self.gemv, self.out_features)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(x2.float(), self.weight, self.scales)
+                y = y + self.bias if self.bias is not None else y
+        else:
+            xq, xs = quantize_rows(x2)
+            y = int8_product(xq, xs, self.weight, self.scales, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], fp32 scales [M]): each row symmetric, max |x| -> 127."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return (xf / scales[:, None]).round_().to(torch.int8), scales
+
+
+def int8_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """(xq * xs) (wq * ws)^T (+ bias) in fp32: the int32 sums through oneDNN's int8 kernel, then both scales."""
+    y = torch._int_mm(xq, wq.t()).float().mul_(xs[:, None]).mul_(ws)
+    return y.add_(bias) if bias is not None else y
 
 
 def _joined(linear: nn.Linear | list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -242,6 +295,8 @@ def _decode_linear(parts: nn.Linear | list[nn.Linear], kind: str) -> nn.Module |
     wider than its input gains nothing)."""
     if kind == "onednn":
         return OneDnnLinear(parts)
+    if kind == "w8a8":
+        return Int8ProductLinear(parts)
     if kind != "transposed":
         return PackedLinear(parts, kind)
     linears = parts if isinstance(parts, list) else [parts]
@@ -265,11 +320,20 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     for name, child in module._modules.items():
         if name in inside_fused:  # computed inside qkv_proj / gate_up_proj; kept for CacheBlend's project_v
             new._modules[name] = child if kind in EXACT_COPIES else None
+            if kind == "w8a8" and name == "v_proj":  # the deviation check's values as qkv_proj computes them
+                new._modules[name] = Int8ProductLinear(child)
         elif isinstance(child, nn.Linear):
-            new._modules[name] = _decode_linear(child, kind) or child
+            if kind == "w8a8" and name == "down_proj":  # exact: its input's massive activations (docstring)
+                new._modules[name] = OneDnnLinear(child) if _onednn_takes(child.weight) else child
+            else:
+                new._modules[name] = _decode_linear(child, kind) or child
         else:
             new._modules[name] = _swap_linears(child, kind)
     return new
+
+
+def _onednn_takes(w: torch.Tensor) -> bool:
+    return onednn_refusal(w) is None
 
 
 def onednn_refusal(model) -> str | None:
