@@ -89,3 +89,18 @@ def test_weights_alternates_engines_that_compute_the_same(tiny_engine, tmp_path)
         assert rows[case]["max_logit_diff"]["transposed"] < 1e-3  # the same products in another order
     assert all(v > 0 for r in rows.values() for v in r["ms"].values())
     assert res["weights"] == {"exact": "exact", "transposed": "transposed"}
+    fid = res["fidelity"]["transposed"]  # the same products in another order: the same greedy tokens
+    assert fid["prompts"] == 2 and fid["first_token_kl_max"] < 1e-6
+    assert fid["top1_agreement"] == fid["greedy_agreement"] == 1.0 and fid["agreeing_tokens_mean"] == 17
+    assert "Fidelity against exact" in (tmp_path / "weights.md").read_text()
+
+
+def test_weights_measures_an_approximate_copys_fidelity(tiny_engine, tmp_path):
+    """w8a8 (int8 products in prefill) is not the exact path: the bench states how far its first token is."""
+    engines = {w: tiny_engine(decode_weights=w) for w in ("exact", "w8a8")}
+    segs = [make_segs(seed=s) for s in range(3)]
+    cfg = WeightsBenchConfig(weights=("exact", "w8a8"), modes=("full",), cold=False, batch_sizes=(1,), rounds=1,
+                             greedy_steps=4)
+    fid = run_weights_bench(engines, cfg, segs, tmp_path, quiet)["fidelity"]["w8a8"]
+    assert fid["prompts"] == 3 and 0 < fid["first_token_kl_mean"] <= fid["first_token_kl_max"] < 0.05
+    assert 0 <= fid["greedy_agreement"] <= fid["top1_agreement"] <= 1 and fid["greedy_tokens"] == 5

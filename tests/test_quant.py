@@ -231,7 +231,8 @@ def test_a_quantized_decode_is_named_in_every_replys_fidelity(kind, tiny_engine)
 def test_int8_products_sum_the_integers_exactly_and_scale_once():
     """w8a8's pieces: per-row activation quantization rounds each value to within half a step (the row's max to
     127), and the int8 x int8 product (oneDNN's kernel) sums the integers exactly before both scales."""
-    from ragkv.models.quant import int8_product, quantize_rows
+    from ragkv.models.quant import int8_product
+    from ragkv.ops.int8_kernel import quantize_rows
 
     g = torch.Generator().manual_seed(3)
     for m, k, n in ((17, 64, 48), (40, 96, 130), (300, 256, 72)):
@@ -292,3 +293,32 @@ def test_w8a8_runs_every_prefill_on_int8_products_says_so_and_keeps_its_kv_apart
     assert stats.fidelity["first_token_exact"] is False
     keys = set(exact.cache_keys(segs, fusion)), set(fast.cache_keys(segs, fusion))
     assert (mode == "full") is (not keys[0]) and len(keys[0]) == len(keys[1]) and not keys[0] & keys[1]
+
+
+@cpu_only
+def test_int8_passes_kernel_equals_the_torch_path(monkeypatch):
+    """The fused C++ passes around the int8 product (ragkv.ops.int8_kernel) compute what the torch path does:
+    the same int8 values and scales, the same scaled sums bit for bit, and silu(gate) * up to bf16 rounding."""
+    from ragkv.ops import int8_kernel
+
+    if int8_kernel.kernel() is None:
+        pytest.skip("the int8 passes kernel is not built here")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 96, generator=g) * 4
+    sums = torch.randint(-50000, 50000, (37, 64), dtype=torch.int32, generator=g)
+    xs, ws, bias = torch.rand(37, generator=g) * 0.01, torch.rand(64, generator=g) * 0.01, torch.randn(64, generator=g)
+    fast = {"q": [int8_kernel.quantize_rows(t) for t in (x, x.bfloat16(), x[:, :48])],
+            "d": [int8_kernel.dequantize(sums, xs, ws, b, dt, sw) for b in (bias, None)
+                  for dt in (torch.float32, torch.bfloat16) for sw in (False, True)]}
+    monkeypatch.setattr(int8_kernel, "kernel", lambda: None)
+    slow = {"q": [int8_kernel.quantize_rows(t) for t in (x, x.bfloat16(), x[:, :48])],
+            "d": [int8_kernel.dequantize(sums, xs, ws, b, dt, sw) for b in (bias, None)
+                  for dt in (torch.float32, torch.bfloat16) for sw in (False, True)]}
+    for (qa, sa), (qb, sb) in zip(fast["q"], slow["q"]):
+        assert torch.equal(qa, qb) and torch.equal(sa, sb)
+    for i, (a, b) in enumerate(zip(fast["d"], slow["d"])):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if i % 2 == 0:  # no silu: the same fp32 operations in the same order
+            assert torch.equal(a, b), i
+        else:
+            assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), i

@@ -55,6 +55,8 @@ def register(bsub) -> None:
     w.add_argument("--passages", type=int, default=4, help="blocks per prompt")
     w.add_argument("--batch-sizes", default="1,4,16")
     w.add_argument("--rounds", type=int, default=3)
+    w.add_argument("--greedy-steps", type=int, default=16,
+                   help="fidelity against the first weights: greedy tokens compared per prompt (`full`, every prompt)")
     add_output_args(w)
     add_model_args(w, decode_weights=False)
     w.set_defaults(func=run_weights)
@@ -124,7 +126,8 @@ def run_weights(args) -> int:
     for k in modes:
         parse_mode_key(k)
     cfg = WeightsBenchConfig(weights=weights, modes=modes, cold=not args.no_cold,
-                             batch_sizes=ints(args.batch_sizes, "--batch-sizes"), rounds=max(1, args.rounds))
+                             batch_sizes=ints(args.batch_sizes, "--batch-sizes"), rounds=max(1, args.rounds),
+                             greedy_steps=max(0, args.greedy_steps))
     # one model per weights: oneDNN joins q/k/v and gate/up of the weights it runs on
     engines = {w: Engine.load(args.model, dtype=args.dtype, device=args.device, decode_weights=w) for w in weights}
     segs = _musique(engines[weights[0]], args.passages, max(cfg.batch_sizes))

@@ -50,6 +50,7 @@ from torch import nn
 
 from ragkv.errors import InvalidRequestError
 from ragkv.ops import gemv_kernel
+from ragkv.ops.int8_kernel import dequantize, quantize_rows
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4", "w8a8")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
@@ -132,31 +133,34 @@ class Int8ProductLinear(nn.Module):
             if gemv_kernel.kernel() is not None and self.in_features % 2 == 0 and w.is_cpu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of joined gate/up linears: at many rows scaled back and combined in one pass."""
+        if x.numel() > gemv_kernel.MAX_ROWS * self.in_features:
+            return self._product(x, swiglu=True)
+        gate, up = self(x).chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+    def _product(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= gemv_kernel.MAX_ROWS:  # decode: bandwidth-bound, int8 activations would buy nothing
             if self.gemv is not None:
-                y = gemv_kernel.gemv(x2.to(torch.bfloat16), *self.gemv, self.out_features)
+                y = gemv_kernel.gemv(x2.to(torch.bfloat16), *self.gemv, self.out_features).to(x.dtype)
             else:
                 y = torch.ops.aten._weight_int8pack_mm(x2.float(), self.weight, self.scales)
-                y = y + self.bias if self.bias is not None else y
+                y = (y + self.bias if self.bias is not None else y).to(x.dtype)
         else:
             xq, xs = quantize_rows(x2)
-            y = int8_product(xq, xs, self.weight, self.scales, self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y = int8_product(xq, xs, self.weight, self.scales, self.bias, x.dtype, swiglu)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 [M, K], fp32 scales [M]): each row symmetric, max |x| -> 127."""
-    xf = x.float()
-    scales = (xf.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    return (xf / scales[:, None]).round_().to(torch.int8), scales
-
-
-def int8_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """(xq * xs) (wq * ws)^T (+ bias) in fp32: the int32 sums through oneDNN's int8 kernel, then both scales."""
-    y = torch._int_mm(xq, wq.t()).float().mul_(xs[:, None]).mul_(ws)
-    return y.add_(bias) if bias is not None else y
+def int8_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype = torch.float32, swiglu: bool = False) -> torch.Tensor:
+    """(xq * xs) (wq * ws)^T (+ bias) in `dtype` (fp32 arithmetic): the int32 sums through oneDNN's int8 kernel,
+    then both scales in one pass (ragkv.ops.int8_kernel; `swiglu`: silu(gate) * up of the output's halves)."""
+    return dequantize(torch._int_mm(xq, wq.t()), xs, ws, bias, dtype, swiglu)
 
 
 def _joined(linear: nn.Linear | list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
