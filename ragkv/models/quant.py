@@ -147,9 +147,10 @@ class Int8ProductLinear(nn.Module):
         if x2.shape[0] <= gemv_kernel.MAX_ROWS:  # decode: bandwidth-bound, int8 activations would buy nothing
             if self.gemv is not None:
                 y = gemv_kernel.gemv(x2.to(torch.bfloat16), *self.gemv, self.out_features).to(x.dtype)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(x2.float(), self.weight, self.scales)
-                y = (y + self.bias if self.bias is not None else y).to(x.dtype)
+            else:  # torch's weight-only kernel, as PackedLinear("int8") calls it (bf16 activations and scales)
+                y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight,
+                                                       self.scales.to(torch.bfloat16)).to(x.dtype)
+                y = y + self.bias.to(x.dtype) if self.bias is not None else y
         else:
             xq, xs = quantize_rows(x2)
             y = int8_product(xq, xs, self.weight, self.scales, self.bias, x.dtype, swiglu)
