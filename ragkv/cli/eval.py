@@ -167,6 +167,12 @@ def register(sub) -> None:
     r.add_argument("--modes", default=None, metavar="KEYS",
                    help="with --vs-work or --paired: only these mode keys (comma-separated, as in the records) "
                    "beside full")
+    r.add_argument("--replay-auto", metavar="RISK,BUDGET", default=None,
+                   help="only `auto:r=0.15,sig=expected_kl,risk=RISK,budget=BUDGET` replayed from the runs' `full` and "
+                   "`blend:sel=query,r=0.15` records under --fit (ragkv/eval/auto_replay.py): writes each file with "
+                   "the replayed records added into --output-dir, prints the quality-vs-work table")
+    r.add_argument("--fit", default=None, metavar="JSON",
+                   help="with --replay-auto: the fidelity fit (default: the one shipped for the runs' model)")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -437,6 +443,8 @@ def run_report_cmd(args) -> int:
         result = quality_vs_work(paths, Path(args.vs_work), modes=keys)
         print(result["markdown"])
         return 0
+    if args.replay_auto:
+        return _replay_auto(args, paths)
     if args.paired:
         from ragkv.bench.paired import paired_report
         from ragkv.eval.modes import split_mode_list
@@ -457,4 +465,43 @@ def run_report_cmd(args) -> int:
         return 0
     path = render_report(paths, Path(args.bench) if args.bench else None, Path(args.output_dir))
     print(path)
+    return 0
+
+
+def _replay_auto(args, paths: list[Path]) -> int:
+    """`ragkv report --replay-auto RISK,BUDGET`: auto's answers from each file's full and r = 0.15 records, written
+    beside the originals' copies, then the quality-vs-work table of the three."""
+    import json
+
+    from ragkv.bench.report import quality_vs_work
+    from ragkv.engine.measure.estimates import FidelityFits, load_fidelity_fits
+    from ragkv.eval.auto_replay import replay_auto, replay_key
+    from ragkv.eval.results import read_results
+
+    try:
+        risk, budget = (float(v) for v in args.replay_auto.split(","))
+    except ValueError:
+        raise RagkvError(f"--replay-auto wants RISK,BUDGET (e.g. 0.15,0.2), got {args.replay_auto!r}") from None
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in paths:
+        config, records = read_results(path)
+        fits = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(config["model"])
+        if fits is None:
+            raise RagkvError(f"no fidelity fit {'at ' + args.fit if args.fit else 'for ' + config['model']}: pass "
+                             "--fit, or run `ragkv calibrate --target fidelity`")
+        try:
+            replayed = replay_auto(records, fits, risk, budget)
+        except ValueError as e:
+            raise RagkvError(str(e)) from None
+        target = out_dir / f"replayed-{path.name}"
+        key = replay_key(0.15, risk, budget)  # auto's own records at these settings, if any, give way to the replay
+        lines = [{"ragkv_results": 1, "config": config}, *(r for r in records if r["mode_key"] != key), *replayed]
+        target.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+        written.append(target)
+        print(f"{path}: {sum(r['escalated'] for r in replayed)} of {len(replayed)} escalated -> {target}")
+    result = quality_vs_work(written, out_dir / "vs-work-replayed.png",
+                             modes=["blend:sel=query,r=0.15", key])
+    print(result["markdown"])
     return 0
