@@ -19,6 +19,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 static inline float to_f(const at::BFloat16 v) { return static_cast<float>(v); }
 static inline float to_f(const float v) { return v; }
@@ -31,17 +32,64 @@ static inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 values as fp32 from bf16 or fp32 memory; `k` masks a row's tail
+static inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
+  __m256i h = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+static inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
+// fp32 -> bf16 bits, rounding to nearest even, NaN -> 0x7fc0 (bf16_bits on 16 lanes)
+static inline __m256i bf16_16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+// e^x for x <= 0 (and -inf -> 0): 2^(x log2 e) = 2^n 2^f, 2^f by its Taylor polynomial (error < 2e-7)
+static inline __m512 exp_nonpositive16(__m512 x) {
+  __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f)), _mm512_set1_ps(-126.0f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 template <typename T>
 static void quantize_impl(const T* x, int64_t M, int64_t K, int64_t ld, int8_t* q, float* s) {
 #pragma omp parallel for schedule(static)
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * ld;
+    int8_t* out = q + m * K;
+#ifdef __AVX512F__
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(row + k, tail(K - k))));
+    float scale = std::fmax(_mm512_reduce_max_ps(mx) / 127.f, 1e-12f);
+    s[m] = scale;
+    __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t k = 0; k < K; k += 16) {  // x / scale, rounded half to even, saturated to int8
+      __mmask16 t = tail(K - k);
+      __m512i qi = _mm512_cvt_roundps_epi32(_mm512_div_ps(load16(row + k, t), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_mask_storeu_epi8(out + k, t, _mm512_cvtsepi32_epi8(qi));
+    }
+#else
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(to_f(row[k])));
     float scale = std::fmax(amax / 127.f, 1e-12f);
     s[m] = scale;
-    int8_t* out = q + m * K;
     for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(to_f(row[k]) / scale));
+#endif
   }
 }
 
@@ -60,8 +108,28 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   return {q, s};
 }
 
+// e^x for x <= 0 in plain arithmetic the compiler vectorizes (std::exp stays scalar without -ffast-math):
+// 2^(x log2 e) = 2^n 2^f, n the nearest integer, 2^f by its Taylor polynomial on [-0.5, 0.5] (error < 2e-7)
+static inline float exp_nonpositive(float x) {
+  float t = std::fmax(x * 1.4426950409f, -126.f);
+  float n = std::floor(t + 0.5f);
+  float f = t - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 // y int32 [M, N] -> y * xs[m] * ws[n] (+ bias[n]) as bf16 or fp32 [M, N]; `swiglu`: N = 2I, the output [M, I] is
-// silu(gate) * up with gate the first I columns and up the last I (both scaled first)
+// silu(gate) * up with gate the first I columns and up the last I (both scaled first). Each row in a few simple
+// loops over a buffer: branch-free inner loops, which the compiler vectorizes.
 torch::Tensor dequantize(torch::Tensor y, torch::Tensor xs, torch::Tensor ws, torch::Tensor bias, bool to_bf16,
                          bool swiglu) {
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kInt, "y must be contiguous int32 [M, N]");
@@ -76,20 +144,56 @@ torch::Tensor dequantize(torch::Tensor y, torch::Tensor xs, torch::Tensor ws, to
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   uint16_t* ob = to_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   float* of = to_bf16 ? nullptr : out.data_ptr<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    const int32_t* row = yp + m * N;
-    const float xsm = xp[m];
-    for (int64_t n = 0; n < O; ++n) {
-      float v = static_cast<float>(row[n]) * xsm * wp[n];
-      if (bp) v += bp[n];
-      if (swiglu) {
-        float u = static_cast<float>(row[n + O]) * xsm * wp[n + O];
-        if (bp) u += bp[n + O];
-        v = v / (1.f + std::exp(-v)) * u;
+#pragma omp parallel
+  {
+#ifndef __AVX512F__
+    std::vector<float> gbuf(O), ubuf(swiglu ? O : 0);
+    float* __restrict g = gbuf.data();
+    float* __restrict u = ubuf.data();
+#endif
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t* __restrict row = yp + m * N;
+      const float xsm = xp[m];
+#ifdef __AVX512F__
+      const __m512 xv = _mm512_set1_ps(xsm);
+      for (int64_t n = 0; n < O; n += 16) {
+        __mmask16 t = tail(O - n);
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(t, row + n)), xv),
+                                 _mm512_maskz_loadu_ps(t, wp + n));
+        if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(t, bp + n));
+        if (swiglu) {  // silu(v) * u, sigmoid from e^-|v| (no overflow)
+          __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(t, row + O + n)), xv),
+                                   _mm512_maskz_loadu_ps(t, wp + O + n));
+          if (bp) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(t, bp + O + n));
+          __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
+          __mmask16 pos = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+          __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.f));
+          __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+          v = _mm512_mul_ps(_mm512_mul_ps(v, sig), u);
+        }
+        if (to_bf16) _mm256_mask_storeu_epi16(ob + m * O + n, t, bf16_16(v));
+        else _mm512_mask_storeu_ps(of + m * O + n, t, v);
       }
-      if (to_bf16) ob[m * O + n] = bf16_bits(v);
-      else of[m * O + n] = v;
+#else
+      for (int64_t n = 0; n < O; ++n) g[n] = static_cast<float>(row[n]) * xsm * wp[n];
+      if (bp) for (int64_t n = 0; n < O; ++n) g[n] += bp[n];
+      if (swiglu) {
+        for (int64_t n = 0; n < O; ++n) u[n] = static_cast<float>(row[O + n]) * xsm * wp[O + n];
+        if (bp) for (int64_t n = 0; n < O; ++n) u[n] += bp[O + n];
+        for (int64_t n = 0; n < O; ++n) {  // silu(v) = v sigmoid(v), sigmoid from e^-|v| (no overflow)
+          float v = g[n], e = exp_nonpositive(-std::fabs(v));
+          float sig = (v >= 0.f ? 1.f : e) / (1.f + e);
+          g[n] = v * sig * u[n];
+        }
+      }
+      if (to_bf16) {
+        uint16_t* __restrict dst = ob + m * O;
+        for (int64_t n = 0; n < O; ++n) dst[n] = bf16_bits(g[n]);
+      } else {
+        std::memcpy(of + m * O, g, O * sizeof(float));
+      }
+#endif
     }
   }
   return out;
@@ -102,7 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_int8_passes_v1"
+_NAME = "ragkv_int8_passes_v3"
 kernel = LazyExtension(_NAME, _SOURCE, "int8 quantize/dequantize passes",
                        needs=lambda: torch.backends.mkldnn.is_available())
 
