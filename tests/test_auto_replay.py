@@ -67,3 +67,10 @@ def test_report_replays_auto_beside_full_and_its_base(tmp_path, capsys):
     autos = [r for r in written if r["mode_key"].startswith("auto")]
     assert len(autos) == 10 and all(r.get("replayed") for r in autos)
     assert main(["report", "--replay-auto", "high", "--output-dir", str(tmp_path), *files]) != 0
+
+
+def test_the_replay_refuses_records_without_the_fits_features():
+    recs = [{"example_id": "0", "mode_key": "full", "token_ids": [1], "recompute_vs_full": 1.0},
+            {"example_id": "0", "mode_key": "blend:sel=query,r=0.15", "token_ids": [2], "recompute_vs_full": 0.2}]
+    with pytest.raises(ValueError, match="answer_confidence"):
+        replay_auto(recs, FidelityFits.load(FIT), 0.1, 0.2)

@@ -482,6 +482,9 @@ def _replay_auto(args, paths: list[Path]) -> int:
         risk, budget = (float(v) for v in args.replay_auto.split(","))
     except ValueError:
         raise RagkvError(f"--replay-auto wants RISK,BUDGET (e.g. 0.15,0.2), got {args.replay_auto!r}") from None
+    if not paths:
+        raise RagkvError("--replay-auto wants the results files of a run with full and blend:sel=query,r=0.15")
+    key = replay_key(0.15, risk, budget)  # auto's own records at these settings, if any, give way to the replay
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -496,7 +499,6 @@ def _replay_auto(args, paths: list[Path]) -> int:
         except ValueError as e:
             raise RagkvError(str(e)) from None
         target = out_dir / f"replayed-{path.name}"
-        key = replay_key(0.15, risk, budget)  # auto's own records at these settings, if any, give way to the replay
         lines = [{"ragkv_results": 1, "config": config}, *(r for r in records if r["mode_key"] != key), *replayed]
         target.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
         written.append(target)

@@ -40,6 +40,9 @@ def replay_auto(records: list[dict], fits: FidelityFits, max_risk: float, budget
         base, full = recs.get(base_key), recs.get("full")
         if base is None or full is None:
             continue
+        if not base.get("answer_confidence"):
+            raise ValueError(f"the {base_key} record of example {ex} has no answer_confidence (an older eval's): "
+                             "run the eval again with this version")
         fitted = fits.predict("blend", "query", features(base)[1:])
         if fitted is None:
             raise ValueError(f"the fit {fits.source} has no key for query-aware blend")
