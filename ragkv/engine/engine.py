@@ -46,7 +46,7 @@ from ragkv.engine.request.segments import (
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
 from ragkv.models.quant import EXACT_COPIES, PREFILL_COPIES, decode_copy, resolve_decode_weights
-from ragkv.ops import prefill_kernel
+from ragkv.ops import int8_kernel, prefill_kernel
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
 from ragkv.store.base import CacheKey, KVStore
@@ -125,6 +125,8 @@ class Engine:
             decode_kernel()
             if self.model.dtype == torch.bfloat16:
                 prefill_kernel.kernel()
+            if decode_weights == "w8a8":
+                int8_kernel.kernel()
         self._store = store if store is not None else MemoryStore()
         self.block_cache = BlockCache(self.forward_model, self.fingerprint, self._store, namespace)
         # blocks read in place (kv_layout=shared); its own, like its store

@@ -76,3 +76,23 @@ class LazyExtension:
                     log.warning("the C++ %s could not be built (%s); using the torch path", self.what, e)
                     self._failed = True
         return self._module
+
+
+# 2^x for x <= 0 on 16 fp32 lanes (AVX-512F), shared by the C++ kernels that need an exponential (prefill attention's
+# softmax, w8a8's SwiGLU): spliced into their sources, inside their own AVX-512 guard.
+EXP2_NEG_AVX512 = r"""// 2^x for x <= 0 (and -inf -> 0): x = n + f, f in [-0.5, 0.5], 2^f by its Taylor polynomial (error < 2e-7)
+static inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+"""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -51,20 +51,8 @@ static inline __m256i bf16_16(__m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
 }
-// e^x for x <= 0 (and -inf -> 0): 2^(x log2 e) = 2^n 2^f, 2^f by its Taylor polynomial (error < 2e-7)
-static inline __m512 exp_nonpositive16(__m512 x) {
-  __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f)), _mm512_set1_ps(-126.0f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+""" + EXP2_NEG_AVX512 + r"""// e^x for x <= 0 (and -inf -> 0), as 2^(x log2 e)
+static inline __m512 exp_nonpositive16(__m512 x) { return exp2_neg(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f))); }
 #endif
 
 template <typename T>
@@ -208,7 +196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_int8_passes_v3"
+_NAME = "ragkv_int8_passes_v4"
 kernel = LazyExtension(_NAME, _SOURCE, "int8 quantize/dequantize passes",
                        needs=lambda: torch.backends.mkldnn.is_available())
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -40,22 +40,7 @@ bool available() {
 #ifdef __AVX512BF16__
 static constexpr int KB = 64;  // keys per block: four vectors of 16 scores per row
 
-// 2^x for x <= 0 (and -inf -> 0): x = n + f, f in [-0.5, 0.5], 2^f by its Taylor polynomial (error < 2e-7)
-static inline __m512 exp2_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// R query rows (one head) against every visible key block; D = 32 * DP.
+""" + EXP2_NEG_AVX512 + r"""// R query rows (one head) against every visible key block; D = 32 * DP.
 template <int R, int DP>
 static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
                         float scale2, uint16_t* const* out, float* lse) {
