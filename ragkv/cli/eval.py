@@ -487,10 +487,12 @@ def _replay_auto(args, paths: list[Path]) -> int:
     key = replay_key(0.15, risk, budget)  # auto's own records at these settings, if any, give way to the replay
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, fits_of = [], {}
     for path in paths:
         config, records = read_results(path)
-        fits = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(config["model"])
+        if config["model"] not in fits_of:  # read once per model, not per shard file
+            fits_of[config["model"]] = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(config["model"])
+        fits = fits_of[config["model"]]
         if fits is None:
             raise RagkvError(f"no fidelity fit {'at ' + args.fit if args.fit else 'for ' + config['model']}: pass "
                              "--fit, or run `ragkv calibrate --target fidelity`")

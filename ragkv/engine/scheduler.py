@@ -113,8 +113,12 @@ class LongLane:
         self._tick = time.monotonic()
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _is_live(job: Job) -> bool:
+        return not job.future.done() and not job.prefilled
+
     def _live(self) -> list[Job]:
-        return [j for j in self.jobs if not j.future.done() and not j.prefilled]
+        return [j for j in self.jobs if self._is_live(j)]
 
     def tick(self, long_ms: float = 0.0) -> None:
         """Account the wall clock since the last tick (busy if a long prefill was admitted) and `long_ms` of long
@@ -124,7 +128,7 @@ class LongLane:
             dt, self._tick = now - self._tick, now
             decay = math.exp(-dt / self.SHARE_WINDOW_S)
             self._work_ms = self._work_ms * decay + long_ms
-            busy = any(not j.future.done() and not j.prefilled for j in self.jobs)
+            busy = any(map(self._is_live, self.jobs))
             self._busy_ms = self._busy_ms * decay + (dt * 1000 if busy else 0.0)
 
     def share(self) -> float:

@@ -61,9 +61,16 @@ PACK_ROWS = 16  # the rows oneDNN's bf16 reorder is tuned for: as fast as 1 at d
 INT4_GROUP = 32
 
 
-def _int8_pack(w: torch.Tensor):
+def _int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (round(w / scale) as int8, fp32 scale = max |w| / 127) for fp32 w [N, K];
+    ragkv's product kernel packs the same (gemv_kernel.pack)."""
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(torch.bfloat16)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _int8_pack(w: torch.Tensor):
+    q, scale = _int8_quantize(w)
+    return q, scale.to(torch.bfloat16)
 
 
 def _int4_pack(w: torch.Tensor, group: int):
@@ -119,18 +126,16 @@ class PackedLinear(nn.Module):
 
 class Int8ProductLinear(nn.Module):
     """W8A8 (see the module docstring): y = x W^T (+ b) with W as int8 per output channel; many rows in int8 x int8
-    (activations quantized per row), few rows as `PackedLinear("int8")` on the same int8 weights."""
+    (activations quantized per row), few rows through `PackedLinear("int8")`, on the same int8 weights."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__()
-        parts = linear if isinstance(linear, list) else [linear]
-        w = torch.cat([m.weight.detach() for m in parts]).float()
+        self.few = PackedLinear(linear, "int8")  # decode rows: bandwidth-bound, int8 activations would buy nothing
+        w, bias = _joined(linear)
         self.out_features, self.in_features = w.shape
-        self.bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in parts]).float()
-        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # int8's: the gemv kernel packs the same
-        self.weight = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
-        self.gemv = gemv_kernel.pack(w, self.bias, int8=True) \
-            if gemv_kernel.kernel() is not None and self.in_features % 2 == 0 and w.is_cpu else None
+        q, self.scales = _int8_quantize(w.float())
+        self.weight = getattr(self.few, "packed", q)  # [N, K] for oneDNN's int8 product (torch's int8 copy, if any)
+        self.bias = None if bias is None else bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x)
@@ -144,16 +149,10 @@ class Int8ProductLinear(nn.Module):
 
     def _product(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= gemv_kernel.MAX_ROWS:  # decode: bandwidth-bound, int8 activations would buy nothing
-            if self.gemv is not None:
-                y = gemv_kernel.gemv(x2.to(torch.bfloat16), *self.gemv, self.out_features).to(x.dtype)
-            else:  # torch's weight-only kernel, as PackedLinear("int8") calls it (bf16 activations and scales)
-                y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight,
-                                                       self.scales.to(torch.bfloat16)).to(x.dtype)
-                y = y + self.bias.to(x.dtype) if self.bias is not None else y
-        else:
-            xq, xs = quantize_rows(x2)
-            y = int8_product(xq, xs, self.weight, self.scales, self.bias, x.dtype, swiglu)
+        if x2.shape[0] <= gemv_kernel.MAX_ROWS:
+            return self.few(x)
+        xq, xs = quantize_rows(x2)
+        y = int8_product(xq, xs, self.weight, self.scales, self.bias, x.dtype, swiglu)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -324,12 +323,13 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
                 inside_fused.update(names)
     for name, child in module._modules.items():
         if name in inside_fused:  # computed inside qkv_proj / gate_up_proj; kept for CacheBlend's project_v
-            new._modules[name] = child if kind in EXACT_COPIES else None
             if kind == "w8a8" and name == "v_proj":  # the deviation check's values as qkv_proj computes them
                 new._modules[name] = Int8ProductLinear(child)
+            else:
+                new._modules[name] = child if kind in EXACT_COPIES else None
         elif isinstance(child, nn.Linear):
             if kind == "w8a8" and name == "down_proj":  # exact: its input's massive activations (docstring)
-                new._modules[name] = OneDnnLinear(child) if _onednn_takes(child.weight) else child
+                new._modules[name] = OneDnnLinear(child) if onednn_refusal(child.weight) is None else child
             else:
                 new._modules[name] = _decode_linear(child, kind) or child
         else:
@@ -337,13 +337,9 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     return new
 
 
-def _onednn_takes(w: torch.Tensor) -> bool:
-    return onednn_refusal(w) is None
-
-
 def onednn_refusal(model) -> str | None:
-    """Why `onednn` cannot serve this model here, or None: fp32 on a CPU with oneDNN, or bf16 on one that multiplies
-    bf16 natively."""
+    """Why `onednn` cannot serve this model (or weight: anything with a device and a dtype) here, or None: fp32 on a
+    CPU with oneDNN, or bf16 on one that multiplies bf16 natively."""
     if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return f"oneDNN's kernels are for the CPU (the model is on {model.device.type})"
     if model.dtype == torch.bfloat16 and not bf16_matrix_units():
