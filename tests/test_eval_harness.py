@@ -384,6 +384,42 @@ def test_cli_shards_merge_into_the_unsharded_run(default_engine, tmp_path, capsy
     assert "1 <= K <= N" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_a_w8a8_run_is_judged_against_the_exact_weights_full(default_engine, tmp_path, capsys, monkeypatch):
+    """`eval --decode-weights w8a8 --reference-from EXACT_RUN`: every mode, `full` included, runs on the int8
+    products and is judged against the exact run's stored `full` answers; its records say which weights made them
+    and the estimate they stated. A reference of other prompts, of fewer examples, or of approximate weights is a
+    clear error."""
+    from ragkv.engine.engine import Engine
+
+    fast = Engine(default_engine._loaded, default_engine.store, decode_weights="w8a8")
+    monkeypatch.setattr(Engine, "load", classmethod(
+        lambda cls, *a, **k: fast if k.get("decode_weights") == "w8a8" else default_engine))
+    data = _hotpot_file(tmp_path / "h.json", n=3)
+    argv = ["eval", "--data-file", str(data), "--format", "hotpotqa", "--modes", "full,reuse", "--max-new-tokens",
+            "2", "--device", "cpu", "--no-progress"]
+    exact, approx = tmp_path / "exact.jsonl", tmp_path / "w8a8.jsonl"
+    assert main(argv + ["--limit", "2", "--output", str(exact)]) == 0
+    w8a8 = argv + ["--decode-weights", "w8a8", "--reference-from", str(exact)]
+    assert main(w8a8 + ["--limit", "2", "--output", str(approx)]) == 0
+    config, recs = read_results(approx)
+    assert config["decode_weights"] == "w8a8" and config["reference_from"] == ["exact.jsonl"]
+    full = [r for r in recs if r["mode_key"] == "full"]
+    assert len(full) == 2 and all(r["fidelity"]["first_token_kl"] > 0 for r in full)  # not its own reference
+    for r in recs:
+        mf = r["mode_fidelity"]
+        assert mf["exact"] is False and mf["decode_weights"] == "w8a8" and mf["estimate"]["expected_kl"] > 0
+    capsys.readouterr()
+    assert main(w8a8 + ["--limit", "3", "--output", str(tmp_path / "more.jsonl")]) == 2
+    assert "no stored `full` answer for 1 of the 3 examples" in capsys.readouterr().err
+    other = _hotpot_file(tmp_path / "other.json", n=2)
+    assert main([*w8a8[:2], str(other), *w8a8[3:], "--limit", "2", "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "data_file differ" in capsys.readouterr().err
+    assert main(argv + ["--decode-weights", "w8a8", "--reference-from", str(approx), "--limit", "2", "--output",
+                        str(tmp_path / "x.jsonl")]) == 2
+    assert "not run on this model's exact weights" in capsys.readouterr().err
+
+
 def test_cli_gold_position_names_the_run():
     import argparse
 

@@ -86,3 +86,72 @@ def test_the_fitted_probability_follows_the_entropy(h, expect_high):
     fits = FidelityFits(fidelity_fit.fit(synthetic(600, 5)), "synthetic")
     est = fits.predict("reuse", None, [0.03, h, 0.5])
     assert (est["expected_top1"] > 0.8) == expect_high
+
+
+def _on_w8a8(records: list[dict], shift: float) -> list[dict]:
+    """The same records as replies on w8a8 weights, judged against the exact weights' `full`: a larger KL."""
+    return [{**r, "fidelity": {**r["fidelity"], "first_token_kl": r["fidelity"]["first_token_kl"] + shift},
+             "mode_fidelity": {**r["mode_fidelity"], "decode_weights": "w8a8"}} for r in records]
+
+
+def test_w8a8_replies_are_fitted_apart_and_state_the_weights_error_without_a_fit(tiny_engine, tmp_path):
+    """A reply on w8a8 weights is judged against the exact weights' `full`: its fit is keyed apart (`reuse||w8a8`)
+    from the exact weights' (`reuse|`), and where no fit covers it the population figures of the mode and of the
+    weights are composed and labelled so; w8a8's `full` states the weights' own figure."""
+    from tiny import rand_ids
+
+    from ragkv.engine.measure.estimates import WEIGHTS_POPULATION, with_weights
+    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request.segments import Segments
+
+    fits = fidelity_fit.fit(synthetic(300, 4) + _on_w8a8(synthetic(300, 5), 0.5))
+    assert set(fits) == {"reuse|", "reuse||w8a8"}
+    exact = tiny_engine("qwen2")
+    path = fidelity_fit_path(exact.model_name.replace("/", "_"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fidelity_fit.document("tiny", "synthetic", fits)))
+    try:
+        exact = tiny_engine("qwen2")
+        fast = type(exact)(exact._loaded, exact.store, decode_weights="w8a8")
+        segs = Segments(rand_ids(4, 1), [rand_ids(12, 2), rand_ids(12, 3)], rand_ids(5, 4))
+        for engine, weights in ((fast, "w8a8"), (exact, None)):
+            state, stats = engine.prefill(segs, FusionOptions(mode="reuse"))
+            share = stats.recomputed_token_layers / stats.full_token_layers
+            want = FidelityFits(fits, "synthetic").from_logits("reuse", None, share, state.logits, weights)
+            assert stats.fidelity["estimate"]["basis"] == "per-reply"
+            assert stats.fidelity["estimate"]["expected_kl"] == want["expected_kl"]
+        assert fits["reuse||w8a8"]["log_kl"] != fits["reuse|"]["log_kl"]
+        kl_w, top1_w, _ = WEIGHTS_POPULATION["w8a8"]
+        full = fast.prefill(segs, FusionOptions(mode="full"))[1].fidelity
+        assert full["exact"] is False and full["estimate"]["basis"] == "population"
+        assert (full["estimate"]["expected_kl"], full["estimate"]["expected_top1"]) == (kl_w, top1_w)
+        ape = fast.prefill(segs, FusionOptions(mode="ape"))[1].fidelity["estimate"]
+        pop = population_estimate("ape")
+        assert ape["basis"] == "population, composed"
+        assert ape["expected_kl"] == pytest.approx(pop["expected_kl"] + kl_w, abs=1e-4)
+        assert ape["expected_top1"] == pytest.approx(pop["expected_top1"] * top1_w, abs=1e-4)
+        assert with_weights(pop, "int9")["basis"] == "unmeasured"  # weights never measured are not guessed
+    finally:
+        path.unlink()
+
+
+def test_a_fit_of_some_keys_keeps_the_others_of_the_fit_it_replaces(tmp_path, capsys):
+    """`calibrate --target fidelity` on w8a8 records saved over a fit of the exact weights keeps the exact keys (and
+    says so): a user's w8a8 fit must not drop the shipped ones."""
+    from ragkv.cli import main
+    from ragkv.eval.results import ResultsFile
+
+    save_to = tmp_path / "fit.json"
+    save_to.write_text(json.dumps(fidelity_fit.document("m", "the exact weights' fit", fidelity_fit.fit(
+        synthetic(100, 6)))))
+    records = tmp_path / "w8a8.jsonl"
+    rf = ResultsFile(records, {"model": "m", "dtype": "bfloat16", "decode_weights": "w8a8"})
+    for r in _on_w8a8(synthetic(100, 7), 0.2):
+        rf.append(r)
+    assert main(["calibrate", "--target", "fidelity", "--records", str(records), "--save-to", str(save_to),
+                 "--output-dir", str(tmp_path / "out")]) == 0
+    assert "kept the earlier fits of reuse|" in capsys.readouterr().err
+    doc = json.loads(save_to.read_text())
+    assert set(doc["fits"]) == {"reuse|", "reuse||w8a8"}
+    assert doc["fits"]["reuse|"]["source"] == "the exact weights' fit"
+    assert "w8a8.jsonl" in doc["fits"]["reuse||w8a8"]["source"]

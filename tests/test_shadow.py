@@ -91,3 +91,26 @@ def test_the_budget_skips_what_it_cannot_hold_and_zero_checks_nothing(default_en
         assert server.shadow.means() == {} and server.shadow.pending == 0
     finally:
         server.scheduler.stop()
+
+
+def test_a_w8a8_server_checks_its_answers_full_included_against_the_exact_weights(default_engine):
+    """On w8a8 weights every answer is approximate, `full`'s too, and states its distance to the exact weights'
+    `full`: the shadow check measures that distance (the exact twin's `full`), not w8a8's own `full` (zero)."""
+    from ragkv.engine.engine import Engine
+    from ragkv.engine.options import FusionOptions
+    from ragkv.ops.divergence import first_token_kl
+
+    fast = Engine(default_engine._loaded, default_engine.store, decode_weights="w8a8")
+    assert fast.exact_twin().decode_weights == "exact" and default_engine.exact_twin() is default_engine
+    server = make_server(fast, shadow_fraction=1.0)
+    try:
+        p = prepared(server, "full")
+        _, seq, _ = server.start(p).future.result(timeout=120)
+        assert seq.stats.fidelity["exact"] is False and seq.stats.fidelity["estimate"]["expected_kl"] > 0
+        assert wait_for(lambda: server.shadow.means().get("full", {}).get("checks") == 1)
+        exact = default_engine.generate(p.segs, FusionOptions(mode="full"), p.gen, p.namespace)
+        kl = first_token_kl(exact.first_logits, seq.first_logits)
+        assert kl > 1e-5
+        assert server.shadow.means()["full"]["first_token_kl"] == pytest.approx(kl, rel=1e-3, abs=1e-6)
+    finally:
+        server.scheduler.stop()

@@ -46,14 +46,18 @@ def run_fidelity_calibration(args) -> int:
         raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
                          "with a fidelity to full and answer_confidence: records written by this version's eval)")
     judged = fidelity_fit.held_out(rows, test or None)
-    doc = fidelity_fit.document(model, f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} "
-                                       "replies (ragkv calibrate --target fidelity)", fits)
+    desc = (f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} replies (ragkv calibrate "
+            "--target fidelity)")
     save_to = Path(args.save_to) if args.save_to else fidelity_fit_path(model)
+    earlier = _earlier_fits(save_to, model)  # keys these records do not fit (e.g. the exact weights' beside w8a8's)
+    kept = {k: {"source": earlier[0], **v} for k, v in earlier[1].items() if k not in fits} if earlier else {}
+    doc = fidelity_fit.document(model, desc, {**kept, **{k: {**v, "source": desc} for k, v in fits.items()}})
     save_to.parent.mkdir(parents=True, exist_ok=True)
     save_to.write_text(json.dumps(doc, indent=1) + "\n")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": model, "saved_to": str(save_to), "fits": {k: v["n"] for k, v in fits.items()},
+              "kept": sorted(kept),
               "judged_on": ", ".join(test_names) if test else "two folds by question of --records",
               "held_out": judged}
     (out / "fidelity_calibration.json").write_text(json.dumps(result, indent=1))
@@ -62,8 +66,25 @@ def run_fidelity_calibration(args) -> int:
         print_json(result)
         return 0
     print(render(result))
+    if result["kept"]:
+        say(f"kept the earlier fits of {', '.join(result['kept'])} (not in these records)")
     say(f"saved to {save_to}; {model}'s approximate replies now state this per-reply estimate")
     return 0
+
+
+def _earlier_fits(save_to: Path, model: str) -> tuple[str, dict] | None:
+    """(source, fits) of the fit this one is saved over (the file at --save-to, else the one shipped for the model),
+    so that a fit of some keys keeps the others: one of w8a8's replies does not drop the exact weights' fits."""
+    from ragkv.engine.measure.estimates import FEATURES, shipped_fit_path
+
+    for path in (save_to, shipped_fit_path(model)):
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if doc.get("kind") == "fidelity-fit" and doc.get("model") == model and doc.get("features") == list(FEATURES):
+            return str(doc.get("source") or path), dict(doc.get("fits") or {})
+    return None
 
 
 def render(result: dict) -> str:

@@ -90,6 +90,13 @@ def register(sub) -> None:
     e.add_argument("--truncate", action="store_true",
                    help="drop each example's passages farthest from the question until the prompt and the answer "
                         "fit the model's window: the baseline for sets longer than the window (nq-long)")
+    e.add_argument("--decode-weights", default="exact", choices=("exact", "w8a8"),
+                   help="the weights every mode runs on (default exact); w8a8: int8 products in prefill too, an "
+                        "approximate path whose `full` is itself judged against --reference-from")
+    e.add_argument("--reference-from", default=None, metavar="FILES",
+                   help="results files (comma-separated; shards of one run) of the same data and model on the exact "
+                        "weights: their stored `full` answers are the fidelity reference of every mode here, `full` "
+                        "included (with --decode-weights w8a8: how far its replies are from the exact weights')")
     e.set_defaults(func=run_eval_cmd)
 
     s = sub.add_parser("sweep", help="blend ratio, APE T x S grid or passage-count sweep: JSON + PNG")
@@ -201,7 +208,9 @@ def run_eval_cmd(args) -> int:
         desc["shard"] = f"{k}/{n}"  # only when set: unsharded files resume as before
         label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
-    engine = load_engine(args)
+    engine = load_engine(args, args.decode_weights)
+    if args.decode_weights != "exact":
+        desc["decode_weights"] = args.decode_weights  # only when set: files written before the flag still resume
     from ragkv.eval.datasets import DATASETS, dataset_prompt, dataset_stop
 
     prompt = dataset_prompt(kw["name"])  # e.g. the in-context-learning sets' own prompt
@@ -223,12 +232,24 @@ def run_eval_cmd(args) -> int:
     if any(":" not in m.key and "ape_temperature" in get_mode(m.mode).option_fields for m in modes):
         say(f"ape: T={T:g}, S={S:g} ({source})")
     output = Path(args.output or f"runs/eval-{label}-{model_label(args)}.jsonl")
-    results = ResultsFile(output, results_config(engine, desc, max_new, prompt, stop), args.overwrite)
+    config = results_config(engine, desc, max_new, prompt, stop)
+    reference = None
+    if args.reference_from:
+        from ragkv.eval.references import ExternalReferences
+
+        reference = ExternalReferences.open(args.reference_from.split(","), config)
+        missing = reference.missing([ex.id for ex in examples])
+        if missing:
+            raise RagkvError(f"--reference-from has no stored `full` answer for {len(missing)} of the "
+                             f"{len(examples)} examples (e.g. {missing[0]}): run the exact eval on them first, with "
+                             "the same data flags and a --limit that covers these")
+        config["reference_from"] = reference.names  # only when set: files written before the flag still resume
+    results = ResultsFile(output, config, args.overwrite)
     done = len(results.done_keys())
     if done:
         say(f"resuming {output}: {done} records already there")
     run = run_eval(engine, examples, modes, results, max_new_tokens=max_new, progress=not args.no_progress,
-                   desc=label, prompt_format=prompt, stop=stop,
+                   desc=label, prompt_format=prompt, stop=stop, reference=reference,
                    # in-context examples are the same blocks for every question: encoded once, kept
                    keep_cache=bool(DATASETS[kw["name"]].shots) if kw["name"] in DATASETS else False)
     summary = summarize(run["records"], keys)

@@ -74,10 +74,10 @@ def load_examples(kw: dict, limit):
                         num_passages=kw["num_passages"], gold_position=kw.get("gold_position"))
 
 
-def load_engine(args):
+def load_engine(args, decode_weights: str = "exact"):
     from ragkv.engine.engine import Engine
 
-    return Engine.load(args.model, dtype=args.dtype, device=args.device)
+    return Engine.load(args.model, dtype=args.dtype, device=args.device, decode_weights=decode_weights)
 
 
 def model_label(args) -> str:

@@ -28,7 +28,7 @@ from ragkv.engine.fusion.calibration import DEFAULT_MAX_RISK, load_ape_params, l
 from ragkv.engine.kv.kvcache import DECODE_HEADROOM
 from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.kv.stepwise import Steps, drain
-from ragkv.engine.measure.estimates import expected_kl, load_fidelity_fits
+from ragkv.engine.measure.estimates import expected_kl, load_fidelity_fits, with_weights
 from ragkv.engine.measure.risk import DEFAULT_SIGNAL, RecentShare
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
@@ -45,7 +45,7 @@ from ragkv.engine.request.segments import (
 )
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
-from ragkv.models.quant import EXACT_COPIES, PREFILL_COPIES, decode_copy, resolve_decode_weights
+from ragkv.models.quant import EXACT_COPIES, INEXACT_PREFILL, PREFILL_COPIES, decode_copy, resolve_decode_weights
 from ragkv.ops import int8_kernel, prefill_kernel
 from ragkv.ops.decode_kernel import kernel as decode_kernel
 from ragkv.settings import DEFAULT_BLOCK_POOL_BYTES, DEFAULT_MODEL
@@ -161,6 +161,17 @@ class Engine:
         return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
                       (self.ape_temperature, self.ape_scale, self.ape_source), self.loading_planner.profiles,
                       _decode_model=self._decode_model,
+                      auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
+                      pool_bytes=self.block_pool.max_bytes)
+
+    def exact_twin(self) -> "Engine":
+        """This engine where its weights are exact; else one over the model's own (exact) weights, which a w8a8
+        engine keeps: what its replies' fidelity is judged against (shadow checks). It shares the store but keys
+        its blocks under the exact fingerprint."""
+        if self._decode_weights not in INEXACT_PREFILL:
+            return self
+        return Engine(self._loaded, self._store, self.namespace, self.prompt_format, "exact",
+                      (self.ape_temperature, self.ape_scale, self.ape_source), self.loading_planner.profiles,
                       auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
                       pool_bytes=self.block_pool.max_bytes)
 
@@ -410,9 +421,13 @@ class Engine:
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
         stats.fidelity = mode.fidelity(fusion, stats)
+        weights = self._decode_weights if self._decode_weights in INEXACT_PREFILL else None
+        if weights:  # w8a8: every mode's first token too is off the exact weights' `full` (its estimate says by how much)
+            stats.fidelity = {**stats.fidelity, "exact": False,
+                              "estimate": with_weights(stats.fidelity.get("estimate"), weights)}
         if self.fidelity_fits is not None and not stats.fidelity.get("exact"):
             share = stats.recomputed_token_layers / max(1, stats.full_token_layers)
-            fitted = self.fidelity_fits.estimate(stats.fidelity, share, state.logits)
+            fitted = self.fidelity_fits.estimate(stats.fidelity, share, state.logits, weights)
             if fitted is not None:
                 stats.fidelity = {**stats.fidelity, "estimate": fitted}
         history = stats.extra.get("history")

@@ -19,8 +19,9 @@ import math
 
 import numpy as np
 
-from ragkv.engine.measure.estimates import FEATURES, FidelityFits, fit_key, population_estimate
+from ragkv.engine.measure.estimates import FEATURES, FidelityFits, fit_key, population_estimate, with_weights
 from ragkv.eval.risk import spearman
+from ragkv.models.quant import INEXACT_PREFILL
 
 KL_FLOOR = 1e-4
 MIN_RECORDS = 20  # per key: fewer leaves the key to the population estimate
@@ -35,6 +36,16 @@ def usable(records: list[dict]) -> list[dict]:
 def features(r: dict) -> list[float]:
     conf = r["answer_confidence"]
     return [1.0, float(r.get("recompute_vs_full") or 0.0), conf["entropy"], conf["margin"]]
+
+
+def weights_of(r: dict) -> str | None:
+    """The record's weights where they change its first token (w8a8; an eval run with --decode-weights w8a8)."""
+    w = (r.get("mode_fidelity") or {}).get("decode_weights")
+    return w if w in INEXACT_PREFILL else None
+
+
+def record_key(r: dict) -> str:
+    return fit_key(r["mode"], (r.get("mode_fidelity") or {}).get("select"), weights_of(r))
 
 
 def _logistic(X: np.ndarray, y: np.ndarray, lam: float = 1e-2, steps: int = 50) -> np.ndarray:
@@ -58,7 +69,7 @@ def fit(records: list[dict]) -> dict:
     """{key: {top1, log_kl, smear, n}} for every (mode, selection) with enough records."""
     groups: dict[str, list[dict]] = {}
     for r in usable(records):
-        groups.setdefault(fit_key(r["mode"], (r.get("mode_fidelity") or {}).get("select")), []).append(r)
+        groups.setdefault(record_key(r), []).append(r)
     out = {}
     for key, rows in sorted(groups.items()):
         if len(rows) < MIN_RECORDS:
@@ -89,11 +100,13 @@ def held_out(records: list[dict], test: list[dict] | None = None, bins: int = 5)
     for fits, part in pairs:
         for r in part:
             mf = r.get("mode_fidelity") or {}
-            est = fits.predict(r["mode"], mf.get("select"), features(r)[1:])
+            est = fits.predict(r["mode"], mf.get("select"), features(r)[1:], weights_of(r))
             if est is None:
                 continue
             pop = population_estimate(r["mode"], mf.get("select"), mf.get("ratio") or 0.0 if mf.get("select") else 0.0)
-            judged.append((fit_key(r["mode"], mf.get("select")), est["expected_top1"], est["expected_kl"],
+            if weights_of(r):
+                pop = with_weights(None if r["mode"] in ("full", "prefix") else pop, weights_of(r))
+            judged.append((record_key(r), est["expected_top1"], est["expected_kl"],
                            pop["expected_top1"], pop["expected_kl"], r["fidelity"]["top1_agreement"],
                            r["fidelity"]["first_token_kl"]))
     return summarize(judged, bins)

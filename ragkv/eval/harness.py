@@ -158,11 +158,12 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
 
 def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: ResultsFile | None = None, *,
              max_new_tokens: int = 32, progress: bool = True, desc: str = "eval", keep_cache: bool = False,
-             prompt_format=None, stop=()) -> dict:
+             prompt_format=None, stop=(), reference=None) -> dict:
     """Evaluate `modes` on `examples`, skipping (example, mode) pairs already in `results`.
 
     `prompt_format`: the data set's own prompt (datasets.dataset_prompt), else the engine's; `stop`: strings that
-    end an answer (datasets.dataset_stop).
+    end an answer (datasets.dataset_stop); `reference`: another run's `full` answers (references.ExternalReferences)
+    to judge every mode against, `full` included, instead of this engine's own.
     Returns {"records": this run's records of these examples and modes, old and new, "skipped": ids of examples
     too long for the model, "recomputed_references": examples whose `full` reference was re-run on resume (its
     stored copy missing or not trusted)}.
@@ -198,8 +199,11 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
         bar.set_postfix_str(f"{ex.id[:12]} full")
         # the reference where `full` fits; beyond the window, the other modes run without one (no fidelity)
         fits_full = segs.num_tokens + max_new_tokens <= engine.max_positions
-        ref = _reference(engine, ex.id, segs, pending, old_full.get(ex.id), refs, max_new_tokens, stop) \
-            if fits_full else None
+        if reference is not None:
+            ref = reference.get(ex.id) if fits_full else None
+        else:
+            ref = _reference(engine, ex.id, segs, pending, old_full.get(ex.id), refs, max_new_tokens, stop) \
+                if fits_full else None
         rerun += ex.id in old_full and ref is not None and not isinstance(ref, Reference)
         encode: dict[tuple, float] = {}  # blocks read (cache keys) -> their encoding time
         for spec in pending:
@@ -209,7 +213,7 @@ def run_eval(engine, examples: list[Example], modes: list[ModeSpec], results: Re
             bar.set_postfix_str(f"{ex.id[:12]} {spec.key}")
             mode_segs = laid[spec.key]
             group = _warm_group(engine, mode_segs, spec.fusion)
-            if get_mode(spec.mode).is_reference:
+            if get_mode(spec.mode).is_reference and reference is None:
                 ans = ref  # the reference run is the `full` row: fidelity exactly zero by construction
             else:
                 if group and group not in encode:

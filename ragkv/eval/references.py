@@ -62,3 +62,47 @@ class ReferenceStore:
             os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
+
+
+# what a run and the exact run it is judged against must share: the same prompts of the same model in the same dtype
+SAME_PROMPTS = ("harness", "dataset", "data_file", "format", "gold_position", "num_passages", "split",
+                "passage_order", "truncate", "model", "dtype", "prompt_format", "stop")
+
+
+class ExternalReferences:
+    """`full`'s stored answers in other results files (`ragkv eval --reference-from`): the exact weights' run of
+    the same prompts, against which every mode of an approximate-weights run (w8a8), `full` included, is judged."""
+
+    def __init__(self, parts: list[tuple[ReferenceStore, dict]], names: list[str], max_new_tokens: int):
+        self.parts, self.names, self.max_new_tokens = parts, names, max_new_tokens
+
+    @classmethod
+    def open(cls, paths: list[str], config: dict) -> "ExternalReferences":
+        from ragkv.errors import RagkvError
+        from ragkv.eval.results import read_results
+
+        parts, names = [], []
+        for name in [p.strip() for p in paths if p.strip()]:
+            ref_config, records = read_results(name)
+            differ = [k for k in SAME_PROMPTS if ref_config.get(k) != config.get(k)]
+            if differ:
+                raise RagkvError(f"--reference-from {name} is not a run of the same prompts: its {', '.join(differ)} "
+                                 "differ from this run's")
+            if ref_config.get("decode_weights") or str(config["fingerprint"]).split("-")[0] != ref_config["fingerprint"]:
+                raise RagkvError(f"--reference-from {name} was not run on this model's exact weights")
+            fulls = {r["example_id"]: r for r in records if r["mode_key"] == "full"}
+            parts.append((ReferenceStore(name, ref_config), fulls))
+            names.append(Path(name).name)
+        return cls(parts, names, int(config["max_new_tokens"]))
+
+    def get(self, example_id: str) -> Reference | None:
+        """The exact `full` answer of the example (its greedy tokens cut to this run's length), or None."""
+        for store, fulls in self.parts:
+            if example_id in fulls:
+                ref = store.load(example_id, fulls[example_id])
+                if ref is not None:
+                    return Reference(ref.first_logits, ref.token_ids[:self.max_new_tokens])
+        return None
+
+    def missing(self, example_ids: list[str]) -> list[str]:
+        return [i for i in example_ids if self.get(i) is None]

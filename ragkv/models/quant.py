@@ -55,7 +55,8 @@ from ragkv.ops.int8_kernel import dequantize, quantize_rows
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4", "w8a8")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
 EXACT_COPIES = ("transposed", "onednn")  # paths whose weights are the model's own: the same products
-PREFILL_COPIES = EXACT_COPIES + ("w8a8",)  # copies every forward runs on, prefill included (Engine.forward_model)
+INEXACT_PREFILL = ("w8a8",)  # copies whose prefill, so the first token too, is not the exact weights'
+PREFILL_COPIES = EXACT_COPIES + INEXACT_PREFILL  # copies every forward runs on, prefill included (Engine.forward_model)
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
 PACK_ROWS = 16  # the rows oneDNN's bf16 reorder is tuned for: as fast as 1 at decode, 1.7x faster than 1 at 512 rows
 INT4_GROUP = 32

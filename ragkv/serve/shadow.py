@@ -1,6 +1,6 @@
 """Shadow verification (issue 49): a sampled share of the approximate answers is re-run with `full` while the
-server is idle, and how close the answer was is measured, per mode: the first-token KL(full || answer), whether
-the first tokens agree, and (for greedy answers) how many of the answer's tokens `full` reproduces. /metrics
+server is idle (on the exact weights, for a w8a8 server), and how close the answer was is measured, per mode: the
+first-token KL(full || answer), whether the first tokens agree, and (for greedy answers) how many of the answer's tokens `full` reproduces. /metrics
 exports the running means beside the means of the estimates the answers stated (`usage.fidelity.estimate`), so the
 estimates' calibration can be watched on the live workload.
 
@@ -44,6 +44,9 @@ class ShadowChecks:
         if not 0 <= fraction <= 1:
             raise ValueError(f"the shadow fraction must be in [0, 1], got {fraction}")
         self.engine, self.scheduler, self.fraction = engine, scheduler, fraction
+        # `full` on the exact weights: a w8a8 server's replies, `full`'s too, are judged against them (their estimate
+        # states the distance to them)
+        self.reference = engine.exact_twin() if fraction > 0 else engine
         self.prefill_chunk, self.max_pending, self.max_tokens = prefill_chunk, max_pending, max_tokens
         self.timeout_s = timeout_s
         self.rng = random.Random(seed)
@@ -84,15 +87,15 @@ class ShadowChecks:
     def run(self, check: Check):
         """The check's units: `full`'s prefill of the same prompt, then greedy steps as long as the answer's."""
         gen = GenerationOptions(max_new_tokens=max(1, len(check.tokens)), temperature=0.0)
-        seq = yield from self.engine.start_steps(check.segs, FusionOptions(mode="full"), gen, check.namespace,
-                                                 self.prefill_chunk)
+        seq = yield from self.reference.start_steps(check.segs, FusionOptions(mode="full"), gen, check.namespace,
+                                                    self.prefill_chunk)
         first = seq.first_logits.detach().float().cpu()
         if check.tokens:
             while True:
                 seq.advance()
                 if seq.finished:
                     break
-                self.engine.step([seq])
+                self.reference.step([seq])
                 yield
         agree = prefix_agreement(seq.out.token_ids, check.tokens) / len(check.tokens) if check.tokens else None
         self.record(check, first_token_kl(first, check.first_logits), top1_agreement(first, check.first_logits),

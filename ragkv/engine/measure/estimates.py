@@ -24,6 +24,12 @@ POPULATION: dict[tuple[str, str | None], list[tuple[float, float, float]]] = {
     ("auto", "query"): [(0.0, 0.399, 0.559), (0.15, 0.077, 0.871)],
 }
 EXACT = (1.0, 0.0, 1.0)
+# weights that change the first token too (w8a8: int8 products in prefill) -> (first-token KL of their `full` to the
+# exact weights' `full`, top-1 agreement, where measured): `ragkv bench weights --weights onednn,w8a8` (session 37)
+WEIGHTS_POPULATION: dict[str, tuple[float, float, str]] = {
+    "w8a8": (0.0039, 0.875, "Qwen2.5-Coder-0.5B bf16, 16 MuSiQue prompts, `full` on w8a8 against the exact weights "
+                            "(docs/results/cpu_bf16.md, session 37)"),
+}
 EXACT_ESTIMATE = {"expected_kl": 0.0, "expected_top1": 1.0, "calibration": "exact", "basis": "exact", "source": None}
 
 
@@ -49,13 +55,32 @@ def population_estimate(mode: str, select: str | None = None, ratio: float = 0.0
             "basis": "population", "source": SOURCE}
 
 
+def with_weights(estimate: dict | None, weights: str) -> dict:
+    """A reply's population estimate when its weights are approximate too: the weights' own figures composed with
+    the mode's (KL added, top-1 multiplied: the two errors taken as independent, a rough rule, so basis says
+    "population, composed"); the mode's alone is exact for `full` and `prefix`."""
+    kl_w, top1_w, source = WEIGHTS_POPULATION.get(weights, (None, None, None))
+    if kl_w is None:
+        return {"expected_kl": None, "expected_top1": None, "calibration": "none", "basis": "unmeasured",
+                "source": None}
+    est = estimate or EXACT_ESTIMATE
+    if est.get("expected_kl") is None:
+        return {**est, "calibration": "none"}
+    return {"expected_kl": round(est["expected_kl"] + kl_w, 4),
+            "expected_top1": round(est["expected_top1"] * top1_w, 4), "calibration": "none",
+            "basis": "population" if est.get("basis") == "exact" else "population, composed",
+            "source": source if est.get("basis") == "exact" else f"{est.get('source')}; {source}"}
+
+
 # --- a per-reply estimate, fitted on held-out records by `ragkv calibrate --target fidelity` (eval/fidelity_fit) ---
 
 FEATURES = ("1", "recompute_share", "entropy", "margin")  # the reply's, when its prefill ends
 
 
-def fit_key(mode: str, select: str | None) -> str:
-    return f"{mode}|{select or ''}"
+def fit_key(mode: str, select: str | None, weights: str | None = None) -> str:
+    """`mode|select`, and `|weights` for a reply on weights that change its first token (w8a8): its distance to the
+    exact weights' `full` is fitted apart."""
+    return f"{mode}|{select or ''}" + (f"|{weights}" if weights else "")
 
 
 class FidelityFits:
@@ -78,9 +103,9 @@ class FidelityFits:
             return None
         return cls(doc.get("fits") or {}, str(doc.get("source") or path))
 
-    def predict(self, mode: str, select: str | None, x: list[float]) -> dict | None:
+    def predict(self, mode: str, select: str | None, x: list[float], weights: str | None = None) -> dict | None:
         """{expected_kl, expected_top1, calibration, basis, source} from the features after the constant, or None."""
-        f = self.fits.get(fit_key(mode, select))
+        f = self.fits.get(fit_key(mode, select, weights))
         if f is None:
             return None
         z = [1.0, *x]
@@ -89,20 +114,20 @@ class FidelityFits:
         log_kl = sum(w * v for w, v in zip(f["log_kl"], z))
         kl = max(0.0, math.exp(min(log_kl, 10.0)) * f["smear"] - f["kl_floor"])
         return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": self.calibration,
-                "basis": "per-reply", "source": self.source}
+                "basis": "per-reply", "source": f.get("source") or self.source}
 
-    def estimate(self, fidelity: dict, share: float, logits) -> dict | None:
+    def estimate(self, fidelity: dict, share: float, logits, weights: str | None = None) -> dict | None:
         """The reply's estimate from its fidelity statement (mode, select), recomputed share and first-token logits."""
-        return self.from_logits(fidelity.get("mode", ""), fidelity.get("select"), share, logits)
+        return self.from_logits(fidelity.get("mode", ""), fidelity.get("select"), share, logits, weights)
 
-    def from_logits(self, mode: str, select: str | None, share: float, logits) -> dict | None:
+    def from_logits(self, mode: str, select: str | None, share: float, logits, weights: str | None = None) -> dict | None:
         """`predict` on a reply's features: its recomputed share and its first-token entropy and margin."""
-        if fit_key(mode, select) not in self.fits:
+        if fit_key(mode, select, weights) not in self.fits:
             return None
         from ragkv.ops.divergence import confidence
 
         conf = confidence(logits)
-        return self.predict(mode, select, [share, conf["entropy"], conf["margin"]])
+        return self.predict(mode, select, [share, conf["entropy"], conf["margin"]], weights)
 
 
 def expected_kl(fits: FidelityFits | None, logits, share: float, mode: str = "blend", select: str = "query") -> float:
@@ -112,6 +137,17 @@ def expected_kl(fits: FidelityFits | None, logits, share: float, mode: str = "bl
     if fitted is not None:
         return fitted["expected_kl"]
     return population_estimate(mode, select, share)["expected_kl"] or 0.0
+
+
+def _safe(model_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in str(model_name))
+
+
+def shipped_fit_path(model_name: str):
+    """The fit shipped for a registered model (ragkv/engine/measure/fidelity_fits/)."""
+    from pathlib import Path
+
+    return Path(__file__).parent / "fidelity_fits" / f"{_safe(model_name)}.json"
 
 
 def fidelity_fit_path(model_name: str):
@@ -124,10 +160,8 @@ def fidelity_fit_path(model_name: str):
 def load_fidelity_fits(model_name: str) -> FidelityFits | None:
     """The user's fit for this model, else the one shipped for a registered model (ragkv/engine/measure/fidelity_fits/),
     else None (replies state the population estimate)."""
-    from pathlib import Path
 
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(model_name))
-    for path in (fidelity_fit_path(safe), Path(__file__).parent / "fidelity_fits" / f"{safe}.json"):
+    for path in (fidelity_fit_path(_safe(model_name)), shipped_fit_path(model_name)):
         if path.exists():
             fits = FidelityFits.load(path)
             if fits is not None:
