@@ -418,6 +418,8 @@ def test_a_w8a8_run_is_judged_against_the_exact_weights_full(default_engine, tmp
     assert main(argv + ["--decode-weights", "w8a8", "--reference-from", str(approx), "--limit", "2", "--output",
                         str(tmp_path / "x.jsonl")]) == 2
     assert "not run on this model's exact weights" in capsys.readouterr().err
+    assert main(argv + ["--decode-weights", "w8a8", "--output", str(tmp_path / "y.jsonl")]) == 2
+    assert "pass that results file as --reference-from" in capsys.readouterr().err
 
 
 def test_cli_gold_position_names_the_run():

@@ -208,6 +208,9 @@ def run_eval_cmd(args) -> int:
         desc["shard"] = f"{k}/{n}"  # only when set: unsharded files resume as before
         label += f"-shard{k}of{n}"
     max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
+    if args.decode_weights != "exact" and not args.reference_from:
+        raise RagkvError(f"--decode-weights {args.decode_weights} is judged against the exact weights: run the same "
+                         "command without it first, then pass that results file as --reference-from")
     engine = load_engine(args, args.decode_weights)
     if args.decode_weights != "exact":
         desc["decode_weights"] = args.decode_weights  # only when set: files written before the flag still resume
