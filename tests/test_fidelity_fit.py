@@ -131,6 +131,17 @@ def test_w8a8_replies_are_fitted_apart_and_state_the_weights_error_without_a_fit
         assert ape["expected_kl"] == pytest.approx(pop["expected_kl"] + kl_w, abs=1e-4)
         assert ape["expected_top1"] == pytest.approx(pop["expected_top1"] * top1_w, abs=1e-4)
         assert with_weights(pop, "int9")["basis"] == "unmeasured"  # weights never measured are not guessed
+        # a fit of the exact weights only: w8a8's reply composes that per-reply estimate with the weights' figures
+        path.write_text(json.dumps(fidelity_fit.document("tiny", "synthetic", {"reuse|": fits["reuse|"]})))
+        exact = tiny_engine("qwen2")
+        fast = type(exact)(exact._loaded, exact.store, decode_weights="w8a8")
+        state, stats = fast.prefill(segs, FusionOptions(mode="reuse"))
+        mine = stats.fidelity["estimate"]
+        share = stats.recomputed_token_layers / stats.full_token_layers
+        theirs = FidelityFits(fits, "synthetic").from_logits("reuse", None, share, state.logits)  # its own features
+        assert mine["basis"] == "per-reply, composed" and mine["calibration"] == "none"
+        assert mine["expected_kl"] == pytest.approx(theirs["expected_kl"] + kl_w, abs=2e-4)
+        assert mine["expected_top1"] == pytest.approx(theirs["expected_top1"] * top1_w, abs=2e-4)
     finally:
         path.unlink()
 

@@ -421,15 +421,7 @@ class Engine:
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)
         stats.fidelity = mode.fidelity(fusion, stats)
-        weights = self._decode_weights if self._decode_weights in INEXACT_PREFILL else None
-        if weights:  # w8a8: every mode's first token too is off the exact weights' `full` (its estimate says by how much)
-            stats.fidelity = {**stats.fidelity, "exact": False,
-                              "estimate": with_weights(stats.fidelity.get("estimate"), weights)}
-        if self.fidelity_fits is not None and not stats.fidelity.get("exact"):
-            share = stats.recomputed_token_layers / max(1, stats.full_token_layers)
-            fitted = self.fidelity_fits.estimate(stats.fidelity, share, state.logits, weights)
-            if fitted is not None:
-                stats.fidelity = {**stats.fidelity, "estimate": fitted}
+        stats.fidelity = self._estimate(stats, state.logits)
         history = stats.extra.get("history")
         if history is not None:  # chat turns: exact when nothing was fused (engine/blocks/history.py)
             stats.fidelity = {**stats.fidelity, "exact": bool(history["exact"] or stats.fidelity.get("exact")),
@@ -440,6 +432,22 @@ class Engine:
                               and self._decode_weights not in PREFILL_COPIES}  # w8a8: the prefill too
         stats.ttft_ms = (time.perf_counter() - t_start) * 1000
         return state, stats
+
+    def _estimate(self, stats: RequestStats, logits) -> dict:
+        """The mode's fidelity statement with the model's fitted estimate where it has one. On w8a8 every reply,
+        `full`'s too, is off the exact weights' `full`: a fit of w8a8's replies, else the exact weights' estimate
+        composed with w8a8's own figures (estimates.with_weights)."""
+        fidelity = stats.fidelity
+        weights = self._decode_weights if self._decode_weights in INEXACT_PREFILL else None
+        fits, share = self.fidelity_fits, stats.recomputed_token_layers / max(1, stats.full_token_layers)
+        if not fidelity.get("exact") and fits is not None:
+            fitted = fits.estimate(fidelity, share, logits)  # the exact weights' fit
+            fidelity = {**fidelity, "estimate": fitted or fidelity.get("estimate")}
+        if weights:
+            fitted = fits.estimate(fidelity, share, logits, weights) if fits is not None else None
+            fidelity = {**fidelity, "exact": False,
+                        "estimate": fitted or with_weights(fidelity.get("estimate"), weights)}
+        return fidelity
 
     def expected_kl(self, logits, share: float, select: str = "query") -> float:
         """A blend reply's expected first-token KL to `full` at that recomputed share (the `expected_kl` signal)."""

@@ -56,9 +56,10 @@ def population_estimate(mode: str, select: str | None = None, ratio: float = 0.0
 
 
 def with_weights(estimate: dict | None, weights: str) -> dict:
-    """A reply's population estimate when its weights are approximate too: the weights' own figures composed with
-    the mode's (KL added, top-1 multiplied: the two errors taken as independent, a rough rule, so basis says
-    "population, composed"); the mode's alone is exact for `full` and `prefix`."""
+    """A reply's estimate when its weights are approximate too and no fit covers both: the weights' own population
+    figures composed with the mode's estimate (the exact weights' fit, else its population figure; exact for `full`
+    and `prefix`): KL added, top-1 multiplied, the two errors taken as independent, a rough rule, so basis says
+    "..., composed" and calibration "none"."""
     kl_w, top1_w, source = WEIGHTS_POPULATION.get(weights, (None, None, None))
     if kl_w is None:
         return {"expected_kl": None, "expected_top1": None, "calibration": "none", "basis": "unmeasured",
@@ -68,7 +69,7 @@ def with_weights(estimate: dict | None, weights: str) -> dict:
         return {**est, "calibration": "none"}
     return {"expected_kl": round(est["expected_kl"] + kl_w, 4),
             "expected_top1": round(est["expected_top1"] * top1_w, 4), "calibration": "none",
-            "basis": "population" if est.get("basis") == "exact" else "population, composed",
+            "basis": "population" if est.get("basis") == "exact" else f"{est.get('basis')}, composed",
             "source": source if est.get("basis") == "exact" else f"{est.get('source')}; {source}"}
 
 
