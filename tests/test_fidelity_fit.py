@@ -166,3 +166,10 @@ def test_a_fit_of_some_keys_keeps_the_others_of_the_fit_it_replaces(tmp_path, ca
     assert set(doc["fits"]) == {"reuse|", "reuse||w8a8"}
     assert doc["fits"]["reuse|"]["source"] == "the exact weights' fit"
     assert "w8a8.jsonl" in doc["fits"]["reuse||w8a8"]["source"]
+    # --keys saves only the named fits, and names what the records fit when a key is not among them
+    args = ["calibrate", "--target", "fidelity", "--records", str(records), "--save-to", str(tmp_path / "only.json"),
+            "--output-dir", str(tmp_path / "out")]
+    assert main(args + ["--keys", "full||w8a8"]) == 2
+    assert "not fitted from these records (fitted: reuse||w8a8)" in capsys.readouterr().err
+    assert main(args + ["--keys", "reuse||w8a8"]) == 0
+    assert set(json.loads((tmp_path / "only.json").read_text())["fits"]) == {"reuse||w8a8"}

@@ -42,6 +42,13 @@ def run_fidelity_calibration(args) -> int:
     if test and test_models != {model}:
         raise RagkvError(f"--test-records are of {', '.join(sorted(test_models))}, not {model}")
     fits = fidelity_fit.fit(rows)
+    if args.keys:  # only these keys are saved (the others keep what replies state without them)
+        wanted = [k.strip() for k in args.keys.split(",") if k.strip()]
+        unknown = [k for k in wanted if k not in fits]
+        if unknown:
+            raise RagkvError(f"--keys {', '.join(unknown)}: not fitted from these records (fitted: "
+                             f"{', '.join(sorted(fits)) or 'none'})")
+        fits = {k: fits[k] for k in wanted}
     if not fits:
         raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
                          "with a fidelity to full and answer_confidence: records written by this version's eval)")

@@ -132,6 +132,9 @@ def register(sub) -> None:
     c.add_argument("--test-records", default=None, help="fidelity: eval records to judge the fit on (default: two "
                    "folds by question of --records)")
     c.add_argument("--save-to", default=None, help="fidelity: where the fit goes (default: the model's in the cache)")
+    c.add_argument("--keys", default=None, metavar="KEYS",
+                   help="fidelity: save only these fit keys (comma-separated, e.g. 'full||w8a8'; default: every key "
+                        "the records fit); the held-out table still judges them all")
     c.add_argument("--temperatures", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of T")
     c.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0", help="ape: values of S")
     c.add_argument("--objective", choices=("score", "kl"), default="score",
