@@ -350,6 +350,9 @@ def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monke
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert set(summary) == {"full", "reuse"} and summary["full"]["first_token_kl"] == 0.0
     assert {"accuracy", "f1", "top1_agreement", "greedy_agreement", "ttft_ms"} <= set(summary["reuse"])
+    for r in read_results(out)[1]:  # each record keeps the top two log-probabilities of its first tokens
+        steps = r["answer_steps"]
+        assert len(steps) == len(r["token_ids"]) <= 3 and all(len(s) == 2 and s[0] >= s[1] for s in steps)
     # a results file of another configuration is never overwritten without --overwrite
     assert main(argv[:-6] + ["--max-new-tokens", "2", "--output", str(out), "--no-progress"]) == 2
     assert "--overwrite" in capsys.readouterr().err

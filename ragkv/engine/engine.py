@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -64,6 +64,7 @@ class Answer:
     finish_reason: str
     stats: RequestStats
     first_logits: torch.Tensor  # [V] fp32, the first generated token's distribution
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when GenerationOptions.logprobs asked
 
 
 class Run:
@@ -84,7 +85,7 @@ class Run:
         for _ in self._deltas:
             pass
         g = self.generation
-        return Answer(g.text, g.token_ids, g.finish_reason, self.stats, self.first_logits)
+        return Answer(g.text, g.token_ids, g.finish_reason, self.stats, self.first_logits, list(g.logprobs))
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

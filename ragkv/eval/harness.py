@@ -31,6 +31,7 @@ from ragkv.eval.results import ResultsFile
 
 HARNESS_VERSION = 1
 FIDELITY_TOKENS = 32  # greedy agreement is judged on the first 32 generated tokens (issue 5)
+STEP_TOKENS = 8  # answer_steps: the top-2 log-probabilities of an answer's first 8 tokens
 FULL = FusionOptions(mode="full")
 
 # metrics reported per task on top of the example's own metric; F1 and EM score the first line only
@@ -83,7 +84,8 @@ def check_mode_params(records: Iterable[dict], modes: list[ModeSpec]) -> None:
 
 def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int, stop=()):
     if max_new_tokens:
-        return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens, stop=tuple(stop)))
+        return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens, stop=tuple(stop),
+                                                               logprobs=2))  # the top 2 at each step: answer_steps
     from ragkv.engine.engine import Answer  # first-token fidelity only: no decoding
 
     state, stats = engine.prefill(segs, fusion)
@@ -147,6 +149,9 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "mode_fidelity": s.fidelity,  # how the mode says it computed the answer (exact or not, signal)
            # the answer's own first-token entropy and margin: features a per-reply estimate reads (engine/estimates)
            "answer_confidence": {k: round(v, 6) for k, v in confidence(ans.first_logits).items()},
+           # and at each of its first STEP_TOKENS tokens, the top two log-probabilities: what a signal read a few
+           # decoded tokens in (rather than at the first) would see
+           "answer_steps": [[round(lp, 5) for _, lp in t.top[:2]] for t in ans.logprobs[:STEP_TOKENS]],
            "cpu": cpu_name()}  # per record: a resumed run may go on on another machine
     for k in ("gold_index", "retrieved_gold_rank", "truncated_passages"):  # where the gold passage sat, and the retriever's rank of it
         if k in ex.meta:
