@@ -31,7 +31,7 @@ def synthetic(n: int, seed: int) -> list[dict]:
 def test_a_fit_states_calibrated_top1_and_ranks_the_kl_out_of_sample():
     train, test = synthetic(600, 1), synthetic(400, 2)
     judged = fidelity_fit.held_out(train, test)
-    fitted, population = judged["pooled"]["fitted"], judged["pooled"]["population"]
+    fitted, population = judged["pooled"]["fitted"], judged["pooled"]["without"]
     assert judged["pooled"]["n"] == 400
     assert fitted["calibration_error"] < 0.06, fitted  # stated probabilities match the measured agreement
     assert fitted["spearman_kl"] > 0.8  # the entropy carries the KL's order
@@ -173,3 +173,19 @@ def test_a_fit_of_some_keys_keeps_the_others_of_the_fit_it_replaces(tmp_path, ca
     assert "not fitted from these records (fitted: reuse||w8a8)" in capsys.readouterr().err
     assert main(args + ["--keys", "reuse||w8a8"]) == 0
     assert set(json.loads((tmp_path / "only.json").read_text())["fits"]) == {"reuse||w8a8"}
+
+
+def test_a_w8a8_fit_is_judged_against_what_its_replies_state_without_it():
+    """The held-out table's comparison for w8a8's replies is what they state without their own fit: the exact
+    weights' fit (the one saved before) composed with w8a8's figures; `full`'s is w8a8's own figure."""
+    from ragkv.engine.measure.estimates import with_weights
+
+    base = FidelityFits(fidelity_fit.fit(synthetic(200, 8)), "exact weights")
+    r = _on_w8a8(synthetic(1, 9), 0.1)[0]
+    x = fidelity_fit.features(r)[1:]
+    assert fidelity_fit.without_fit(r, base) == with_weights(base.predict("reuse", None, x), "w8a8")
+    assert fidelity_fit.without_fit(r, None) == with_weights(population_estimate("reuse"), "w8a8")
+    full = {**r, "mode": "full", "mode_fidelity": {"mode": "full", "exact": False, "decode_weights": "w8a8"}}
+    assert fidelity_fit.without_fit(full, base) == with_weights(None, "w8a8")
+    exact = synthetic(1, 9)[0]
+    assert fidelity_fit.without_fit(exact, base) == population_estimate("reuse")

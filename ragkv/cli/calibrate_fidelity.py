@@ -28,7 +28,7 @@ def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[st
 
 
 def run_fidelity_calibration(args) -> int:
-    from ragkv.engine.measure.estimates import fidelity_fit_path
+    from ragkv.engine.measure.estimates import FidelityFits, fidelity_fit_path
     from ragkv.eval import fidelity_fit
 
     rows, names, models = _records(args.records, "--records")
@@ -52,11 +52,12 @@ def run_fidelity_calibration(args) -> int:
     if not fits:
         raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
                          "with a fidelity to full and answer_confidence: records written by this version's eval)")
-    judged = fidelity_fit.held_out(rows, test or None)
-    desc = (f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} replies (ragkv calibrate "
-            "--target fidelity)")
     save_to = Path(args.save_to) if args.save_to else fidelity_fit_path(model)
     earlier = _earlier_fits(save_to, model)  # keys these records do not fit (e.g. the exact weights' beside w8a8's)
+    base = FidelityFits(earlier[1], earlier[0]) if earlier else None
+    judged = fidelity_fit.held_out(rows, test or None, base=base)
+    desc = (f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} replies (ragkv calibrate "
+            "--target fidelity)")
     kept = {k: {"source": earlier[0], **v} for k, v in earlier[1].items() if k not in fits} if earlier else {}
     doc = fidelity_fit.document(model, desc, {**kept, **{k: {**v, "source": desc} for k, v in fits.items()}})
     save_to.parent.mkdir(parents=True, exist_ok=True)
@@ -96,18 +97,18 @@ def _earlier_fits(save_to: Path, model: str) -> tuple[str, dict] | None:
 
 def render(result: dict) -> str:
     lines = [f"per-reply fidelity estimate for {result['model']}, judged on {result['judged_on']}", "",
-             "| key | n | calibration error (fitted / population) | max bin error | Spearman KL (fitted / population) |",
+             "| key | n | calibration error (fitted / without) | max bin error | Spearman KL (fitted / without) |",
              "|---|---|---|---|---|"]
     rows = [("pooled", result["held_out"]["pooled"])] + list(result["held_out"]["per_key"].items())
     for key, j in rows:
-        f, p = j["fitted"], j["population"]
+        f, p = j["fitted"], j["without"]
         lines.append(f"| {key} | {j['n']} | {f['calibration_error']} / {p['calibration_error']} | "
                      f"{f['max_bin_error']} / {p['max_bin_error']} | {f['spearman_kl']} / {p['spearman_kl']} |")
     return "\n".join(lines)
 
 
 def plot_reliability(judged: dict, path: Path) -> None:
-    """Stated expected_top1 against measured agreement per bin, fitted and population, pooled."""
+    """Stated expected_top1 against measured agreement per bin, fitted and without the fit, pooled."""
     try:
         from ragkv.figures import pyplot, save_figure
         plt = pyplot()
@@ -115,7 +116,7 @@ def plot_reliability(judged: dict, path: Path) -> None:
         return  # no matplotlib: the JSON has the bins
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
-    for name, style in (("fitted", "o-"), ("population", "s--")):
+    for name, style in (("fitted", "o-"), ("without", "s--")):
         bins = judged["pooled"][name]["calibration_bins"]
         ax.plot([b["stated"] for b in bins], [b["measured"] for b in bins], style, label=name)
     ax.set_xlabel("stated expected_top1")

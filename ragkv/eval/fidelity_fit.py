@@ -9,8 +9,9 @@ against a full prefill), the answer's first-token entropy H and margin m (engine
 
 Held-out figures come from two folds split by question (every record of a question on one side): the binned
 calibration error of expected_top1 (equal-width bins of the stated probability; per bin |mean stated - mean
-measured|), Spearman(expected_kl, measured KL) pooled and per key, and the same for the population estimate
-(engine/measure/estimates.py) the replies stated before, for comparison."""
+measured|), Spearman(expected_kl, measured KL) pooled and per key, and the same for what the replies state without
+the fit (`without`: the population estimate of engine/measure/estimates.py; for w8a8's replies, the exact weights'
+estimate composed with w8a8's figures), for comparison."""
 
 from __future__ import annotations
 
@@ -88,24 +89,38 @@ def _fold(r: dict) -> int:
     return int(hashlib.sha256(str(r["example_id"]).encode()).hexdigest(), 16) % 2
 
 
-def held_out(records: list[dict], test: list[dict] | None = None, bins: int = 5) -> dict:
-    """Out-of-sample figures: fitted on `records` and judged on `test` when given, else two folds by question."""
+def without_fit(r: dict, base: FidelityFits | None) -> dict:
+    """What the record's reply states where no fit covers its key: the population figure; on w8a8 weights, the exact
+    weights' estimate (`base`'s fit where it has one, else the population's) composed with w8a8's figures."""
+    mf = r.get("mode_fidelity") or {}
+    pop = population_estimate(r["mode"], mf.get("select"), mf.get("ratio") or 0.0 if mf.get("select") else 0.0)
+    if not weights_of(r):
+        return pop
+    if r["mode"] in ("full", "prefix"):
+        return with_weights(None, weights_of(r))
+    exact = base.predict(r["mode"], mf.get("select"), features(r)[1:]) if base is not None else None
+    return with_weights(exact or pop, weights_of(r))
+
+
+def held_out(records: list[dict], test: list[dict] | None = None, bins: int = 5,
+             base: FidelityFits | None = None) -> dict:
+    """Out-of-sample figures: fitted on `records` and judged on `test` when given, else two folds by question;
+    beside them, the same figures of what the replies state without the fit (`without_fit`, `base`: the fit this
+    one is saved beside)."""
     rows = usable(records)
     if test is not None:
         pairs = [(FidelityFits(fit(rows), "held-out"), usable(test))]
     else:
         pairs = [(FidelityFits(fit([r for r in rows if _fold(r) != k]), "fold"), [r for r in rows if _fold(r) == k])
                  for k in (0, 1)]
-    judged = []  # (key, stated top1, stated kl, population top1, population kl, measured top1, measured kl)
+    judged = []  # (key, stated top1, stated kl, top1 and kl stated without the fit, measured top1, measured kl)
     for fits, part in pairs:
         for r in part:
             mf = r.get("mode_fidelity") or {}
             est = fits.predict(r["mode"], mf.get("select"), features(r)[1:], weights_of(r))
             if est is None:
                 continue
-            pop = population_estimate(r["mode"], mf.get("select"), mf.get("ratio") or 0.0 if mf.get("select") else 0.0)
-            if weights_of(r):
-                pop = with_weights(None if r["mode"] in ("full", "prefix") else pop, weights_of(r))
+            pop = without_fit(r, base)
             judged.append((record_key(r), est["expected_top1"], est["expected_kl"],
                            pop["expected_top1"], pop["expected_kl"], r["fidelity"]["top1_agreement"],
                            r["fidelity"]["first_token_kl"]))
@@ -136,7 +151,7 @@ def _judge(rows: list[tuple], bins: int) -> dict:
                 "max_bin_error": round(max((abs(c["stated"] - c["measured"]) for c in cal if c["n"] >= 5),
                                            default=math.nan), 4),
                 "spearman_kl": None if rho is None else round(rho, 4)}
-    return {"n": len(rows), "fitted": block(1, 2), "population": block(3, 4)}
+    return {"n": len(rows), "fitted": block(1, 2), "without": block(3, 4)}
 
 
 def summarize(judged: list[tuple], bins: int = 5) -> dict:
