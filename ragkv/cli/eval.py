@@ -182,7 +182,13 @@ def register(sub) -> None:
                    "`blend:sel=query,r=0.15` records under --fit (ragkv/eval/auto_replay.py): writes each file with "
                    "the replayed records added into --output-dir, prints the quality-vs-work table")
     r.add_argument("--fit", default=None, metavar="JSON",
-                   help="with --replay-auto: the fidelity fit (default: the one shipped for the runs' model)")
+                   help="with --replay-auto or --step-signals: the fidelity fit (default: the one shipped for the runs' "
+                        "model)")
+    r.add_argument("--step-signals", metavar="KEY", default=None,
+                   help="only how well each risk signal, at the first token and a few decoded tokens in (the records' "
+                        "answer_steps), singles out KEY's answers that differ from full's, and the accuracy after "
+                        "escalating its riskiest 10/20/30%% (ragkv/eval/step_signals.py)")
+    r.add_argument("--json", action="store_true", help="with --step-signals: print the result as JSON")
     r.set_defaults(func=run_report_cmd)
 
 
@@ -472,6 +478,8 @@ def run_report_cmd(args) -> int:
         return 0
     if args.replay_auto:
         return _replay_auto(args, paths)
+    if args.step_signals:
+        return _step_signals(args, paths)
     if args.paired:
         from ragkv.bench.paired import paired_report
         from ragkv.eval.modes import split_mode_list
@@ -492,6 +500,36 @@ def run_report_cmd(args) -> int:
         return 0
     path = render_report(paths, Path(args.bench) if args.bench else None, Path(args.output_dir))
     print(path)
+    return 0
+
+
+def _step_signals(args, paths: list[Path]) -> int:
+    """`ragkv report --step-signals KEY`: first-token and few-tokens-in risk signals judged on KEY's records."""
+    from ragkv.engine.measure.estimates import FidelityFits, load_fidelity_fits
+    from ragkv.eval.results import read_results
+    from ragkv.eval.step_signals import judge, markdown, pairs_of
+
+    if not paths:
+        raise RagkvError("--step-signals wants results files with full and the key's records")
+    pairs, missing, models = [], 0, set()
+    for path in paths:
+        config, records = read_results(path)
+        models.add(config["model"])
+        got, lacking = pairs_of(records, args.step_signals)
+        pairs += got
+        missing += lacking
+    if len(models) != 1:
+        raise RagkvError(f"--step-signals judges one model's records at a time, got {', '.join(sorted(models))}")
+    if missing:
+        say(f"{missing} {args.step_signals} records have no answer_steps (written before eval kept them): left out")
+    if not pairs:
+        raise RagkvError(f"no {args.step_signals} record with answer_steps and a full record beside it")
+    fit = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(models.pop())
+    result = judge(pairs, fit)
+    if args.json:
+        print_json(result)
+    else:
+        print(markdown(result, args.step_signals))
     return 0
 
 
