@@ -49,6 +49,9 @@ def test_two_runs_the_same_key_and_the_gaps_compared(tmp_path):
     assert reuse["minus_full_b"]["mean"] == pytest.approx(0.0)
     assert reuse["gap_b_minus_gap_a"]["mean"] == pytest.approx(2 / 3)
     assert (reuse["kl_a"], reuse["kl_b"]) == (pytest.approx(0.4), pytest.approx(0.2))
+    # `full` alone (e.g. an exact run against a w8a8 one): its row once, the second run's minus the first's
+    out = paired_report([a, b], ["full"])
+    assert [r["key"] for r in out["rows"]] == ["full"]
 
 
 def test_paired_refuses_what_it_cannot_pair(tmp_path, capsys):

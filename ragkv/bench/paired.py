@@ -28,7 +28,7 @@ def paired_report(paths: list[Path], modes: list[str] | None = None, metric: str
         raise ValueError(f"--paired compares one run or two (got {len(runs)} runs in {len(paths)} files: files of "
                          "one run are its shards)")
     tables = [_by_question(records, metric) for _, _, records in runs]
-    keys = modes or [k for k in dict.fromkeys(k for _, k in tables[0]) if not is_reference(k.partition(":")[0])]
+    keys = [k for k in modes or dict.fromkeys(k for _, k in tables[0]) if not is_reference(k.partition(":")[0])]
     missing = [k for k in keys + [REFERENCE] if not all(any(m == k for _, m in t) for t in tables)]
     if missing:
         raise ValueError(f"no records of {', '.join(missing)} in every run")
