@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from ragkv.engine.modes import get_mode
 from ragkv.engine.measure.estimates import FEATURES, FidelityFits, fit_key, population_estimate, with_weights
 from ragkv.eval.risk import spearman
 from ragkv.models.quant import INEXACT_PREFILL
@@ -96,7 +97,7 @@ def without_fit(r: dict, base: FidelityFits | None) -> dict:
     pop = population_estimate(r["mode"], mf.get("select"), mf.get("ratio") or 0.0 if mf.get("select") else 0.0)
     if not weights_of(r):
         return pop
-    if r["mode"] in ("full", "prefix"):
+    if get_mode(r["mode"]).always_exact:  # `full`, `prefix`: the weights' error alone
         return with_weights(None, weights_of(r))
     exact = base.predict(r["mode"], mf.get("select"), features(r)[1:]) if base is not None else None
     return with_weights(exact or pop, weights_of(r))

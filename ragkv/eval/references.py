@@ -78,6 +78,7 @@ class ExternalReferences:
 
     @classmethod
     def open(cls, paths: list[str], config: dict) -> "ExternalReferences":
+        from ragkv.engine.modes import is_reference
         from ragkv.errors import RagkvError
         from ragkv.eval.results import read_results
 
@@ -90,7 +91,7 @@ class ExternalReferences:
                                  "differ from this run's")
             if ref_config.get("decode_weights") or str(config["fingerprint"]).split("-")[0] != ref_config["fingerprint"]:
                 raise RagkvError(f"--reference-from {name} was not run on this model's exact weights")
-            fulls = {r["example_id"]: r for r in records if r["mode_key"] == "full"}
+            fulls = {r["example_id"]: r for r in records if is_reference(r["mode_key"])}
             parts.append((ReferenceStore(name, ref_config), fulls))
             names.append(Path(name).name)
         return cls(parts, names, int(config["max_new_tokens"]))

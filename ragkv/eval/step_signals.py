@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from ragkv.engine.modes import is_reference
+
 STEPS = (2, 4, 8)
 
 
@@ -84,7 +86,7 @@ def judge(pairs: list[tuple[dict, dict]], fit=None, shares=(0.1, 0.2, 0.3)) -> d
 def pairs_of(records: list[dict], key: str) -> tuple[list[tuple[dict, dict]], int]:
     """(key's record, full's record) per (example, gold position), for the records with answer_steps; and how many
     of the key's records lack them (written before the field existed)."""
-    full = {(r["example_id"], r.get("gold_index")): r for r in records if r["mode_key"] == "full"}
+    full = {(r["example_id"], r.get("gold_index")): r for r in records if is_reference(r["mode_key"])}
     out, missing = [], 0
     for r in records:
         if r["mode_key"] != key or (r["example_id"], r.get("gold_index")) not in full:

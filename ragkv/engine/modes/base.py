@@ -38,6 +38,7 @@ class FusionMode:
     option_fields: ClassVar[tuple[str, ...]] = ()  # FusionOptions fields it reads: stored in eval records
     reads_blocks: ClassVar[bool] = False     # whether it reads content-keyed blocks (what `store warm` fills)
     is_reference: ClassVar[bool] = False     # the exact answer others are compared with (accuracy_vs_full)
+    always_exact: ClassVar[bool] = False     # its answer is `full`'s on the same weights, whatever the options
     shares_positions: ClassVar[bool] = False  # blocks side by side on one position range (longer than the window)
 
     def check(self, engine: "Engine", fusion: "FusionOptions") -> None:

@@ -13,6 +13,7 @@ class Full(FusionMode):
     name = "full"
     summary = "a normal prefill of the whole prompt (the reference)"
     is_reference = True
+    always_exact = True
 
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": True}

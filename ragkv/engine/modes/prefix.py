@@ -17,6 +17,7 @@ class Prefix(FusionMode):
     name = "prefix"
     summary = "the longest cached exact token prefix (hash-chained chunks), the rest prefilled; equals full"
     option_fields = ("prefix_chunk",)
+    always_exact = True
 
     def cache_keys(self, engine, segs, fusion, ns):
         return chunk_keys(segs.all_ids(), fusion.prefix_chunk, engine.fingerprint, ns)
