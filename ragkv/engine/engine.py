@@ -157,13 +157,17 @@ class Engine:
                    ape_params=load_ape_params(loaded.fingerprint), profiles=StoreProfiles.load(),
                    auto_params=load_auto_params(loaded.fingerprint), pool_bytes=pool_bytes)
 
-    def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
-        """An engine over the same model (weights shared) reading and writing another store."""
-        return Engine(self._loaded, store, namespace or self.namespace, self.prompt_format, self._decode_weights,
+    def _sibling(self, store: KVStore, namespace: str, decode_weights: str, decode_model) -> "Engine":
+        """An engine over the same model (weights shared) and this one's calibrations."""
+        return Engine(self._loaded, store, namespace, self.prompt_format, decode_weights,
                       (self.ape_temperature, self.ape_scale, self.ape_source), self.loading_planner.profiles,
-                      _decode_model=self._decode_model,
+                      _decode_model=decode_model,
                       auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
                       pool_bytes=self.block_pool.max_bytes)
+
+    def with_store(self, store: KVStore, namespace: str | None = None) -> "Engine":
+        """An engine over the same model (weights shared) reading and writing another store."""
+        return self._sibling(store, namespace or self.namespace, self._decode_weights, self._decode_model)
 
     def exact_twin(self) -> "Engine":
         """This engine where its weights are exact; else one over the model's own (exact) weights, which a w8a8
@@ -171,10 +175,7 @@ class Engine:
         its blocks under the exact fingerprint."""
         if self._decode_weights not in INEXACT_PREFILL:
             return self
-        return Engine(self._loaded, self._store, self.namespace, self.prompt_format, "exact",
-                      (self.ape_temperature, self.ape_scale, self.ape_source), self.loading_planner.profiles,
-                      auto_params=(self.auto_signal, self.auto_max_risk, self.auto_source),
-                      pool_bytes=self.block_pool.max_bytes)
+        return self._sibling(self._store, self.namespace, "exact", None)
 
     # -- model facts ------------------------------------------------------------------------------------
     @property
@@ -441,14 +442,16 @@ class Engine:
         fidelity = stats.fidelity
         weights = self._decode_weights if self._decode_weights in INEXACT_PREFILL else None
         fits, share = self.fidelity_fits, stats.recomputed_token_layers / max(1, stats.full_token_layers)
-        if not fidelity.get("exact") and fits is not None:
+        # the fit of these weights' replies first: only without one is the exact weights' estimate read and composed
+        fitted = fits.estimate(fidelity, share, logits, weights) if fits is not None and weights else None
+        if fitted is None and fits is not None and not fidelity.get("exact"):
             fitted = fits.estimate(fidelity, share, logits)  # the exact weights' fit
-            fidelity = {**fidelity, "estimate": fitted or fidelity.get("estimate")}
+            fitted = with_weights(fitted or fidelity.get("estimate"), weights) if weights else fitted
+        elif fitted is None and weights:
+            fitted = with_weights(fidelity.get("estimate"), weights)
         if weights:
-            fitted = fits.estimate(fidelity, share, logits, weights) if fits is not None else None
-            fidelity = {**fidelity, "exact": False,
-                        "estimate": fitted or with_weights(fidelity.get("estimate"), weights)}
-        return fidelity
+            return {**fidelity, "exact": False, "estimate": fitted}
+        return {**fidelity, "estimate": fitted} if fitted is not None else fidelity
 
     def expected_kl(self, logits, share: float, select: str = "query") -> float:
         """A blend reply's expected first-token KL to `full` at that recomputed share (the `expected_kl` signal)."""
