@@ -44,6 +44,9 @@ class ServeDefaults:
     # more newcomers join each batched step, raising output tokens/s under load, at the running answers'
     # inter-token time (0: one unit per step, the lowest stall)
     prefill_stall_ms: float = 0.0
+    # --max-num-batched-tokens (vLLM's name and meaning): rows of one forward, decode rows and prefill chunks
+    # together; prefill units of several requests join the decode step while they fit (at least one always does)
+    max_num_batched_tokens: int = 2048
     # --batch-invariant: an answer never depends on what runs beside it (every decode step at max_batch rows,
     # prefills always chunked): costs the small batches their speed (docs/results/batch_invariance.md)
     batch_invariant: bool = False

@@ -10,6 +10,7 @@ from ragkv.engine.fusion.context import prefill_over_context
 from ragkv.engine.fusion.layout import make_layout
 from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.state import decode_step
+from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
@@ -438,8 +439,8 @@ def test_ape_with_unit_t_s_and_sequential_layout_equals_reuse(tiny_engine):
     layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], "sequential")
     keys = eng.warm(segs).keys
     ape = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), 1.0, 1.0)
-    state = prefill_over_context(eng.model, eng.store.iter_layers(keys, eng.model.args.num_layers), layout,
-                                 segs.query, 64, RequestStats("ape"), ape)
+    state = drain(prefill_over_context(eng.model, eng.store.iter_layers(keys, eng.model.args.num_layers), layout,
+                                       segs.query, 64, RequestStats("ape"), ape))
     assert maxdiff(state.logits, reuse.logits) <= TOL
     assert maxdiff(decode_step(eng.model, state, 3), decode_step(eng.model, reuse, 3)) <= TOL
 
@@ -592,14 +593,15 @@ def test_a_block_encoded_in_units_equals_it_encoded_at_once(tiny_engine, family,
     ids, prefix = rand_ids(70, 5), encode_block(eng.model, rand_ids(9, 6)) if with_prefix else None
     whole = encode_block(eng.model, ids, prefix)
     units = encode_block_steps(eng.model, ids, prefix, chunk=16)
-    yields = 0
-    try:
+    yields = forwards = 0
+    try:  # plain next(): each forward runs where its generator resumes (models.loop.computed)
         while True:
-            next(units)
-            yields += 1
+            item = next(units)
+            forwards += item is not None
+            yields += item is None
     except StopIteration as done:
         parts = done.value
-    assert yields == 4  # 16 + 16 + 16 + 16 + 6
+    assert yields == 4 and forwards == 5  # 16 + 16 + 16 + 16 + 6: a unit boundary after each but the last
     assert parts.keys.shape == whole.keys.shape
     assert maxdiff(parts.keys, whole.keys) <= TOL and maxdiff(parts.values, whole.values) <= TOL
     sized = drain(encode_block_steps(eng.model, ids, prefix, chunk=lambda: 32))  # a function giving each size

@@ -42,6 +42,10 @@ def register(sub) -> None:
                    help="newcomers' prefill units may run this long between two decode steps (at least one "
                         "unit): under a burst of requests more of them join each batched step (more output "
                         "tokens/s) while the running answers wait longer between tokens; 0: one unit per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SERVE.max_num_batched_tokens, metavar="N",
+                   help="rows of one forward: every running answer's next token and prefill units of waiting "
+                        "requests (each at most --prefill-chunk tokens) run in one pass over the layers while they "
+                        "fit in N (one unit always runs); larger N: more prefill per step, longer steps")
     p.add_argument("--batch-invariant", action="store_true", default=SERVE.batch_invariant,
                    help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
                         "under load): every decode step runs at --max-batch rows and every prefill in "
@@ -140,6 +144,8 @@ def check_flags(args) -> None:
         raise InvalidRequestError(f"--shadow-fraction must be in [0, 1], got {args.shadow_fraction}")
     if args.shadow_max_pending < 1:
         raise InvalidRequestError(f"--shadow-max-pending must be >= 1, got {args.shadow_max_pending}")
+    if args.max_num_batched_tokens < 1:
+        raise InvalidRequestError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
         raise InvalidRequestError(f"--prefill-stall-ms must be a number of milliseconds >= 0, got "
                                   f"{args.prefill_stall_ms}")
@@ -183,7 +189,7 @@ def build_server(args, worker_thread: bool = False, keys=None):
                   args.max_batch, args.prefill_chunk, worker_thread=worker_thread, keys=keys, limits=limits,
                   served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
                   batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms,
-                  shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
+                  max_num_batched_tokens=args.max_num_batched_tokens, shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
 
 
 def run_serve(args) -> int:

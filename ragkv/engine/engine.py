@@ -494,11 +494,15 @@ class Engine:
                                                   s.state.cache, fusion.prefix_chunk)
         return seq
 
-    def step(self, seqs: list[Sequence], rows: int | None = None) -> None:
-        """Advance every unfinished sequence by one token in one batched forward (call `advance()` first);
+    def step(self, seqs: list[Sequence], rows: int | None = None, forwards=()) -> list:
+        """Advance every unfinished sequence by one token in one batched forward (call `advance()` first), with
+        `forwards` (prefill units yielded by `start_steps`) in the same pass over the layers; returns their outputs.
+        A forward of another model (the prefill's weights where the decode copy's differ: int8, int4) runs alone.
         rows: every forward at this row count, so that an answer does not depend on its neighbours (state.py)."""
         with self.lock:
-            step_sequences(self._decode_model, seqs, rows)
+            together = [f for f in forwards if f.model is self._decode_model]
+            outs = dict(zip(map(id, together), step_sequences(self._decode_model, seqs, rows, together)))
+            return [outs[id(f)] if id(f) in outs else f.run() for f in forwards]
 
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:

@@ -48,6 +48,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from ragkv.engine.kv.kvbudget import KVBudget
+from ragkv.models.loop import Forward
 from ragkv.errors import RagkvError
 from ragkv.settings import SERVE
 
@@ -277,6 +278,7 @@ class Job:
         self.seqs: list = []
         self.info = self.steps = None
         self.idle_only = False  # a background job that runs only while no generation decodes
+        self.pending: Forward | None = None  # its prefill's next forward, waiting to run with the next decode step
 
     @property
     def seq(self):
@@ -305,15 +307,23 @@ class Scheduler:
     def __init__(self, step: Callable[[list], None], max_queue: int = SERVE.max_queue,
                  timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch,
                  on_finish: Callable | None = None, lock=None, thread: bool = True,
-                 kv_budget: KVBudget | None = None, prefill_stall_ms: float = SERVE.prefill_stall_ms):
+                 kv_budget: KVBudget | None = None, prefill_stall_ms: float = SERVE.prefill_stall_ms,
+                 mixed: bool = False, max_num_batched_tokens: int = SERVE.max_num_batched_tokens):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
         OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step).
         `kv_budget`: the KV memory generations reserve (default: no limit). `prefill_stall_ms`: newcomers'
-        prefill units run between two decode steps until this much time is spent (at least one unit)."""
+        prefill units run between two decode steps until this much time is spent (at least one unit).
+        `mixed`: `step(seqs, forwards)` also runs prefill forwards (a prefill's units yield them) in the decode
+        step's pass over the layers and returns their outputs; each step's rows, decode and prefill, stay within
+        `max_num_batched_tokens` (vLLM's knob: one forward per step) except that one forward always goes."""
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if prefill_stall_ms < 0:
             raise ValueError("prefill_stall_ms must be >= 0")
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.mixed, self.max_num_batched_tokens = mixed, max_num_batched_tokens
+        self._staged = False  # the last unit left its forward for the next step (it took the model no time)
         self.prefill_stall_ms = prefill_stall_ms
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
@@ -334,6 +344,7 @@ class Scheduler:
         self.running: list[Job] = []
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
+        self.mixed_steps = self.mixed_rows = 0  # steps that ran prefill rows beside the decode rows; those rows
         self.stopping = threading.Event()
         self._thread = None
         if thread:
@@ -406,10 +417,10 @@ class Scheduler:
                 t0 = time.perf_counter()
                 self._unit()
                 while self.running and self._more_prefill() and \
-                        (time.perf_counter() - t0) * 1000 < self.prefill_stall_ms:
+                        ((time.perf_counter() - t0) * 1000 < self.prefill_stall_ms or self._room_to_stage()):
                     if not self._unit():
                         break
-                if self.running:
+                if self.running or any(j.pending is not None for j in self.prefilling):
                     self._step()
                 elif self.waiting is not None and not self.prefilling:
                     time.sleep(0.01)  # a guard: with nothing running every reservation is back, so it fits
@@ -441,7 +452,7 @@ class Scheduler:
 
     def _more_prefill(self) -> bool:
         """Whether a newcomer's prefill unit could run now (not a background job's: those wait for a step)."""
-        if self.prefilling:
+        if any(j.pending is None for j in self.prefilling):
             return True
         return self.waiting is None and not self.jobs.empty() and self.batch_size < self.max_batch
 
@@ -452,9 +463,9 @@ class Scheduler:
         job = self._admit()
         if job is not None:
             self.prefilling.append(job)
-        ready = self.prefilling
+        ready = [j for j in self.prefilling if j.pending is None]  # the others wait for the next step
         if self.running and self._long_credit_ms < 0:  # long units have had their share for now
-            ready = [j for j in self.prefilling if not j.long]
+            ready = [j for j in ready if not j.long]
         if not ready:
             return None
         tenants = list(dict.fromkeys(j.tenant for j in ready))
@@ -479,6 +490,7 @@ class Scheduler:
     def _unit(self) -> bool:
         """One unit of work besides decoding: a unit of a prefill in flight (or of a newly admitted one), else of a
         background job. False: there was none to do."""
+        self._staged = False
         if self.prefilling and self._units_since_background >= len({j.tenant for j in self.prefilling}) \
                 and self._background_unit(turn=True):  # background work takes a turn as one more tenant
             self._units_since_background = 0
@@ -488,23 +500,32 @@ class Scheduler:
             return self._background_unit()
         self._units_since_background += 1
         t0, stalled = time.perf_counter(), bool(self.running)
+        if job.should_stop():
+            self._stop_prefill(job)
+        else:
+            if job.steps is None:
+                job.started = time.monotonic()
+                job.steps = job.start()
+            job.units += 1
+            self._resume(job, None)
+            self._staged = job.pending is not None
+        self._account(job, (time.perf_counter() - t0) * 1000, stalled)
+        return True
+
+    def _resume(self, job: Job, value) -> None:
+        """Advance a prefill from `value` (its pending forward's output, or None) to its next unit boundary. A forward
+        it yields waits for the next step while answers decode (steps `mixed`), else runs here alone. Its end is
+        handled here: prefilled (its first token, then it decodes with the batch) or failed (it ends alone)."""
         try:
-            if job.should_stop():
-                self.prefilling.remove(job)
-                if job.steps is not None:
-                    job.steps.close()
-                self._release(job, "cancelled")
-                job.future.set_exception(JobTimeout("request timed out before its first token")
-                                         if not job.cancelled.is_set() else RuntimeError("cancelled"))
-                if job.long:
-                    self.long_lane.ended(job, "cancelled" if job.cancelled.is_set() else "timed out")
-            else:
-                if job.steps is None:
-                    job.started = time.monotonic()
-                    job.steps = job.start()
-                job.units += 1
-                with self.lock:
-                    next(job.steps)
+            with self.lock:
+                while True:
+                    item = job.steps.send(value)
+                    if not isinstance(item, Forward):
+                        return
+                    if self.mixed and self.running:
+                        job.pending = item
+                        return
+                    value = item.run()
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
             self.prefilling.remove(job)
             job.prefilled = True
@@ -518,14 +539,33 @@ class Scheduler:
                 else:
                     self.running.append(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not take the worker down
-            if job in self.prefilling:
-                self.prefilling.remove(job)
-            self._release(job, "error")
-            if not job.future.done():
-                job.future.set_exception(e)
-            if job.long:
-                self.long_lane.ended(job, f"failed ({type(e).__name__})")
-        ms = (time.perf_counter() - t0) * 1000
+            self._fail_prefill(job, e)
+
+    def _fail_prefill(self, job: Job, e: BaseException) -> None:
+        job.pending = None
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+        self._release(job, "error")
+        if not job.future.done():
+            job.future.set_exception(e)
+        if job.long:
+            self.long_lane.ended(job, f"failed ({type(e).__name__})")
+
+    def _stop_prefill(self, job: Job) -> None:
+        """A prefill whose client left or whose deadline passed ends now, its KV given back."""
+        self.prefilling.remove(job)
+        job.pending = None
+        if job.steps is not None:
+            job.steps.close()
+        self._release(job, "cancelled")
+        job.future.set_exception(JobTimeout("request timed out before its first token")
+                                 if not job.cancelled.is_set() else RuntimeError("cancelled"))
+        if job.long:
+            self.long_lane.ended(job, "cancelled" if job.cancelled.is_set() else "timed out")
+
+    def _account(self, job: Job, ms: float, stalled: bool) -> None:
+        """The worker's `ms` spent on `job`'s prefill: its own time (the long lane's rate), the long prefills' share,
+        and the stall it imposed on answers decoding (`stalled`)."""
         job.work_ms += ms
         if job.long:
             self._long_ms += ms
@@ -536,7 +576,26 @@ class Scheduler:
         if stalled:
             self.stall_ms_max = max(self.stall_ms_max, ms)
             self.stall_ms_total += ms
-        return True
+
+    def _room_to_stage(self) -> bool:
+        """Whether another prefill may leave a forward for this step: the last unit did (it took no time), and the
+        step's rows are still within the token budget."""
+        return self._staged and self.batch_size + self._pending_rows() < self.max_num_batched_tokens
+
+    def _pending_rows(self) -> int:
+        return sum(j.pending.rows for j in self.prefilling if j.pending is not None)
+
+    def _take_forwards(self) -> list[Job]:
+        """The prefills whose pending forwards run in this step, first admitted first, within the token budget beside
+        the decode rows (at least one); those whose client left or whose deadline passed end here."""
+        taken, rows = [], self.batch_size
+        for job in [j for j in self.prefilling if j.pending is not None]:
+            if job.should_stop():
+                self._stop_prefill(job)
+            elif not taken or rows + job.pending.rows <= self.max_num_batched_tokens:
+                taken.append(job)
+                rows += job.pending.rows
+        return taken
 
     def _background_unit(self, turn: bool = False) -> bool:
         """One unit of the oldest background job that may run now (nothing else is waiting for the model, or
@@ -663,31 +722,46 @@ class Scheduler:
             job.reserved = 0
 
     def _step(self) -> None:
+        """One forward: a token for every running answer, and (mixed) the prefill forwards staged for it."""
         for job in list(self.running):
             if job.should_stop():
                 reason = "cancelled" if job.cancelled.is_set() else "timeout"
                 for seq in job.seqs:
                     seq.cancel(reason)
                 self._finish(job, reason)
-        if not self.running:
+        jobs = self._take_forwards()
+        if not self.running and not jobs:
             return
         seqs = [seq for job in self.running for seq in job.seqs if not seq.finished]
+        forwards = [job.pending for job in jobs]
         t0 = time.perf_counter()
         try:
-            self.step_fn(seqs)
+            outs = self.step_fn(seqs, forwards) if self.mixed else (self.step_fn(seqs), [])[1]
         except BaseException as e:  # noqa: BLE001
             log.exception("decode step failed")
             for job in self.running:
                 self._release(job, "error")
                 job.future.set_exception(e)
             self.running = []
+            for job in jobs:
+                self._fail_prefill(job, e)
             return
-        self._credit((time.perf_counter() - t0) * 1000, long=False)
-        self.steps += 1
-        self.batched_tokens += len(seqs)
+        ms = (time.perf_counter() - t0) * 1000
+        rows = len(seqs) + sum(f.rows for f in forwards)
+        if seqs:
+            self._credit(ms * len(seqs) / rows, long=False)
+            self.steps += 1
+            self.batched_tokens += len(seqs)
+            self.mixed_steps += bool(forwards)
+            self.mixed_rows += rows - len(seqs)
         for job in list(self.running):
             if self._advance(job) and job.finished:
                 self._finish(job, job.seq.out.finish_reason)
+        for job, fwd, out in zip(jobs, forwards, outs):  # after the answers advanced: a prefilled one joins them
+            job.pending = None
+            t1 = time.perf_counter()
+            self._resume(job, out)
+            self._account(job, ms * fwd.rows / rows + (time.perf_counter() - t1) * 1000, stalled=False)
 
     def _advance(self, job: Job) -> bool:
         """Each unfinished choice of `job` takes its next token and streams it. False: choosing one failed, and the
@@ -725,6 +799,7 @@ class Scheduler:
                 "prefilling": len(self.prefilling),
                 "max_batch": self.max_batch, **self.kv.stats(), "kv_waiting": int(self.waiting is not None),
                 "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
+                "mixed_steps": self.mixed_steps, "mixed_prefill_rows": self.mixed_rows,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
                 "prefill_stall_ms_max": round(self.stall_ms_max, 3),
                 "prefill_stall_ms_total": round(self.stall_ms_total, 3)}

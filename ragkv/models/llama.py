@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragkv.models.args import ModelArgs
-from ragkv.models.loop import CausalPlan, run_layers
+from ragkv.models.loop import CausalPlan, Forward
 from ragkv.ops.rope import RotaryTable, apply_rope
 
 
@@ -158,6 +158,15 @@ class Transformer(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x)).float()
 
+    def causal_forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                       mask: torch.Tensor | None = None) -> Forward:
+        """The plain causal forward of ids [B, T] over `cache` (a KVCache, or None), not yet run; the caller commits
+        the T new rows to the cache once it has (`forward` runs it alone; a server step runs it with others)."""
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+        return Forward(self, self.embed(ids), CausalPlan(positions, cache, mask, self.args.sliding_window))
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 mask: torch.Tensor | None = None, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Plain causal forward of ids [B, T], appending to `cache` (a KVCache) when given.
@@ -166,11 +175,7 @@ class Transformer(nn.Module):
         Returns logits [B, T, V] (all_logits) or [B, 1, V] for the last token; with `hidden`, the last layer's
         output [B, T, H] before the final norm (`logits(x)` turns any rows of it into logits).
         """
-        past = cache.length if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(past, past + ids.shape[1], device=ids.device)
-        plan = CausalPlan(positions, cache, mask, self.args.sliding_window)
-        x = run_layers(self, self.embed(ids), plan)
+        x = self.causal_forward(ids, positions, cache, mask).run()
         if cache is not None:
             cache.commit(ids.shape[1])
         if hidden:

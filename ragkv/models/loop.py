@@ -86,3 +86,115 @@ class CausalPlan:
         if self.causal_after is not None:
             return causal_attention(q, *kv, self.causal_after, self.mask)
         return sdpa(q, *kv, mask=self.mask, causal=self.causal)
+
+
+# -- one forward for several plans ------------------------------------------------------------------------
+# A server step runs the decode rows of every answer and prefill chunks of waiting requests in one pass over the
+# layers (vLLM v1's one forward per step): the products run over all rows at once, attention per plan. A prefill
+# hands its forward over as a `Forward` (yielded by its generator, `computed`) and gets the output back.
+
+
+class Forward:
+    """One forward to run: embedded rows `x` [B, T, H] of `model` under `plan`; `run()` alone, `run_together` with
+    others. `rows` is what the forward weighs against a step's token budget."""
+
+    def __init__(self, model, x: torch.Tensor, plan: LayerPlan):
+        self.model, self.x, self.plan = model, x, plan
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0] * self.x.shape[1]
+
+    def run(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return run_layers(self.model, self.x, self.plan)
+
+
+def computed(fwd: Forward):
+    """`out = yield from computed(fwd)` in a prefill generator: a driver that batches forwards sends back the
+    output of `fwd` run with others; one that does not (plain `next()`) gets it run here, alone."""
+    out = yield fwd
+    return fwd.run() if out is None else out
+
+
+def _flat_heads(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [1, H, B*T, D], rows in batch order (the inverse of _batched_heads)."""
+    B, H, T, D = t.shape
+    return t if B == 1 else t.transpose(0, 1).reshape(1, H, B * T, D)
+
+
+def _batched_heads(t: torch.Tensor, B: int) -> torch.Tensor:
+    """[1, H, B*T, D] -> [B, H, T, D]."""
+    if B == 1:
+        return t
+    _, H, N, D = t.shape
+    return t.reshape(H, B, N // B, D).transpose(0, 1)
+
+
+class MixedPlan:
+    """Several plans' rows as one [1, N, H] batch: the products run over every row; `begin`, `store` and `attend`
+    go to each plan over its own rows, in its own layout ([B, T] rows: a decode plan's B sequences of one row).
+    A plan may drop rows in `begin` (a recompute's selection) or stop after storing (block encoding: its rows
+    then ride along to the end of the layer, their output unused)."""
+
+    def __init__(self, plans: list, batches: list[int], rows: list[int]):
+        self.plans, self.batches, self.rows = plans, batches, rows
+        self.done = [False] * len(plans)
+        self._pos_of, self._pos = None, None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        now = tuple(p.positions for p in self.plans)
+        if self._pos_of is None or any(a is not b for a, b in zip(now, self._pos_of)):
+            self._pos_of = now
+            self._pos = torch.cat([p.reshape(-1) if p.dim() == 2 or B == 1 else p.expand(B, -1).reshape(-1)
+                                   for p, B in zip(now, self.batches)])  # [T] shared by B rows: repeated
+        return self._pos
+
+    def _pieces(self, t: torch.Tensor, dim: int):
+        return torch.split(t, self.rows, dim=dim)
+
+    def begin(self, layer, decoder_layer, x):
+        out = []
+        for i, (plan, B, piece) in enumerate(zip(self.plans, self.batches, self._pieces(x, 1))):
+            if not self.done[i]:
+                piece = plan.begin(layer, decoder_layer, piece.reshape(B, -1, piece.shape[-1]))
+                piece = piece.reshape(1, -1, piece.shape[-1])
+                self.rows[i] = piece.shape[1]
+            out.append(piece)
+        return torch.cat(out, dim=1)
+
+    def store(self, layer, raw_k, k, v):
+        kvs = []
+        for i, (plan, B, rk, kk, vv) in enumerate(zip(self.plans, self.batches, self._pieces(raw_k, 2),
+                                                      self._pieces(k, 2), self._pieces(v, 2))):
+            kv = None
+            if not self.done[i]:
+                kv = plan.store(layer, _batched_heads(rk, B), _batched_heads(kk, B), _batched_heads(vv, B))
+                self.done[i] = kv is None
+            kvs.append(kv)
+        return None if all(self.done) else kvs
+
+    def attend(self, layer, q, kvs):
+        out = []
+        for plan, B, qq, kv in zip(self.plans, self.batches, self._pieces(q, 2), kvs):
+            out.append(torch.zeros_like(qq) if kv is None else _flat_heads(plan.attend(layer, _batched_heads(qq, B),
+                                                                                        kv)))
+        return torch.cat(out, dim=2)
+
+
+def run_together(forwards: list[Forward]) -> list[torch.Tensor]:
+    """Run several forwards of one model as one pass over the layers; each gets the output rows its plan kept
+    ([B, T', H], as `run` gives). Every row's numbers are its own forward's up to the products' rounding (a GEMM's
+    blocking depends on its row count)."""
+    if len(forwards) == 1:
+        return [forwards[0].run()]
+    model = forwards[0].model
+    if any(f.model is not model for f in forwards):
+        raise ValueError("forwards run together must be of one model")
+    H = forwards[0].x.shape[-1]
+    plan = MixedPlan([f.plan for f in forwards], [f.x.shape[0] for f in forwards], [f.rows for f in forwards])
+    x = torch.cat([f.x.reshape(1, -1, H) for f in forwards], dim=1)
+    with torch.inference_mode():
+        x = run_layers(model, x, plan)
+    return [piece.reshape(B, -1, H) for piece, B in zip(torch.split(x, plan.rows, dim=1), plan.batches)]

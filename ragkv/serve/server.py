@@ -49,7 +49,8 @@ class Server:
                  worker_thread: bool = True, keys: ApiKeys = ApiKeys({}), limits: Limits = Limits(),
                  served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode,
                  batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms,
-                 shadow_fraction: float = SERVE.shadow_fraction, shadow_max_pending: int = SERVE.shadow_max_pending):
+                 shadow_fraction: float = SERVE.shadow_fraction, shadow_max_pending: int = SERVE.shadow_max_pending,
+                 max_num_batched_tokens: int = SERVE.max_num_batched_tokens):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -64,9 +65,13 @@ class Server:
         self.batch_invariant = batch_invariant  # every step at max_batch rows, every prefill chunked
         self.kv_bytes_per_token = bytes_per_token(engine.model)
         rows = max_batch if batch_invariant else None
-        self.scheduler = Scheduler(lambda seqs: engine.step(seqs, rows), max_queue, timeout_s, max_batch,
-                                   on_finish=self.metrics.observe_stats, lock=engine.lock, thread=worker_thread,
-                                   kv_budget=KVBudget(limits.kv_memory_bytes), prefill_stall_ms=prefill_stall_ms)
+        # one forward per step: the answers' next tokens and prefill units together (not at a fixed row count: a
+        # batch-invariant answer must not depend on what runs beside it)
+        self.scheduler = Scheduler(lambda seqs, forwards=(): engine.step(seqs, rows, forwards), max_queue,
+                                   timeout_s, max_batch, on_finish=self.metrics.observe_stats, lock=engine.lock,
+                                   thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes),
+                                   prefill_stall_ms=prefill_stall_ms, mixed=not batch_invariant,
+                                   max_num_batched_tokens=max_num_batched_tokens)
         self._library, self._library_lock = None, threading.Lock()
         # shadow verification: sampled approximate answers re-run with `full` while idle, measured in /metrics
         self.shadow = ShadowChecks(engine, self.scheduler, shadow_fraction, prefill_chunk, shadow_max_pending)

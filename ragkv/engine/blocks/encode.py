@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.engine.kv.stepwise import Steps, drain
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import causal_attention, prefill_mask, sdpa
 from ragkv.store.base import BlockKV, CacheKey, KVStore, hash_tokens
 
@@ -70,15 +70,25 @@ class EncodePlan:
         return sdpa(q, *kv, mask=self.mask, causal=self.mask is None)
 
 
-@torch.inference_mode()
+def encode_block_forward(model, ids: list[int], prefix: BlockKV | None = None) -> tuple[Forward, EncodePlan]:
+    """The forward that encodes a block (not yet run) and the plan that keeps its raw K and V."""
+    plan = EncodePlan(model, len(ids), prefix)
+    with torch.inference_mode():
+        return Forward(model, model.embed(torch.tensor([ids], device=model.device)), plan), plan
+
+
+def _block_kv(plan: EncodePlan) -> BlockKV:
+    return BlockKV(torch.stack(plan.keys), torch.stack(plan.values))
+
+
 def encode_block(model, ids: list[int], prefix: BlockKV | None = None) -> BlockKV:
     """Run the block alone (or after `prefix`, whose tokens sit at positions 0..P-1); return raw K and V.
 
     The block's tokens take positions P..P+T-1 (P = 0 without prefix); K is kept before RoPE.
     """
-    plan = EncodePlan(model, len(ids), prefix)
-    run_layers(model, model.embed(torch.tensor([ids], device=model.device)), plan)
-    return BlockKV(torch.stack(plan.keys), torch.stack(plan.values))
+    fwd, plan = encode_block_forward(model, ids, prefix)
+    fwd.run()
+    return _block_kv(plan)
 
 
 def _joined(a: BlockKV | None, b: BlockKV | None) -> BlockKV | None:
@@ -97,7 +107,9 @@ def encode_block_steps(model, ids: list[int], prefix: BlockKV | None = None, chu
     own, a = None, 0
     while a < len(ids):
         step = min((chunk() if callable(chunk) else chunk) or len(ids) - a, len(ids) - a)
-        own = _joined(own, encode_block(model, ids[a:a + step], _joined(prefix, own)))
+        fwd, plan = encode_block_forward(model, ids[a:a + step], _joined(prefix, own))
+        yield from computed(fwd)  # alone, or in one pass with a server step's decode rows
+        own = _joined(own, _block_kv(plan))
         a += step
         if a < len(ids):
             yield

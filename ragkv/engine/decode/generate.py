@@ -12,9 +12,10 @@ import torch
 
 from ragkv.engine.decode.constrained import Constraint
 from ragkv.engine.decode.sampling import TokenLogprob, apply_penalties, sample, token_logprob
-from ragkv.engine.kv.state import DecodeState, decode_batch
+from ragkv.engine.kv.state import DecodeState, decode_batch, decode_forward, finish_decode
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.request.generation import GenerationOptions
+from ragkv.models.loop import Forward, run_together
 
 log = logging.getLogger("ragkv.engine")
 
@@ -220,9 +221,19 @@ class Sequence:
             self._finish(reason, self.out.text)
 
 
-def step_sequences(model, seqs: list[Sequence], rows: int | None = None) -> None:
-    """One batched forward for every sequence that has a token to feed (at a fixed row count: decode_batch)."""
+def step_sequences(model, seqs: list[Sequence], rows: int | None = None, forwards: list[Forward] = ()) -> list:
+    """One batched forward for every sequence that has a token to feed (at a fixed row count: decode_batch), with
+    `forwards` (prefill chunks, blocks to encode, queries over cached blocks: of the same model) in the same pass
+    over the layers; returns their outputs, in order. At a fixed row count the forwards run alone: a row's numbers
+    must not depend on what runs beside it."""
     live = [s for s in seqs if s.feed is not None]
-    if live:
-        decode_batch(model, [s.state for s in live], [s.feed for s in live], rows)
+    forwards = list(forwards)
+    if rows is not None or not live:
+        if live:
+            decode_batch(model, [s.state for s in live], [s.feed for s in live], rows)
+        return [f.run() for f in forwards]
+    states = [s.state for s in live]
+    outs = run_together([decode_forward(model, states, [s.feed for s in live])] + forwards)
+    finish_decode(model, states, outs[0])
+    return outs[1:]
 

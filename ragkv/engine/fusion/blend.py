@@ -25,7 +25,7 @@ from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import sdpa
 
 if TYPE_CHECKING:  # annotations only: the options import the modes, which import this module
@@ -191,7 +191,8 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     cache = KVCache.for_model(model, max(capacity, total))
     t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
     plan = BlendPlan(model, cache, layer_iter, layout, total, opts, stats)
-    x = run_layers(model, model.embed(torch.tensor([context_ids + query_ids], device=model.device)), plan)
+    x = yield from computed(Forward(model, model.embed(torch.tensor([context_ids + query_ids], device=model.device)),
+                                    plan))
     cache.commit(total)
     logits = model.logits(x[:, -1:])[0, -1]
     stats.recompute_ms += (time.perf_counter() - t0) * 1000 - (stats.fetch_ms + stats.rerotate_ms - before)

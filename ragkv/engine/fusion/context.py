@@ -16,9 +16,10 @@ from ragkv.engine.fusion.layout import Layout
 from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.prefill import _ms
 from ragkv.engine.kv.state import AttentionPolicy, DecodeState
+from ragkv.engine.kv.stepwise import Steps
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import prefill_mask, sdpa
 from ragkv.ops.rope import half_tables, rope_into
 
@@ -92,14 +93,14 @@ def load_context_layer(plan, layer: int) -> None:
 
 @torch.inference_mode()
 def prefill_over_context(model, layer_iter, layout: Layout, query_ids: list[int], capacity: int,
-                         stats: RequestStats, attention: AttentionPolicy | None = None) -> DecodeState:
+                         stats: RequestStats, attention: AttentionPolicy | None = None) -> Steps[DecodeState]:
     """Query prefill over cached context fetched layer by layer from `layer_iter` (one list of (K, V) per layer,
     in cache order). Fetching layer i+1 can overlap computing layer i when the store pipelines."""
     N, Tq = layout.context_len, len(query_ids)
     cache = KVCache.for_model(model, max(capacity, N + Tq))
     t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
     plan = ContextPlan(model, cache, layer_iter, layout, Tq, stats, attention)
-    x = run_layers(model, model.embed(torch.tensor([query_ids], device=model.device)), plan)
+    x = yield from computed(Forward(model, model.embed(torch.tensor([query_ids], device=model.device)), plan))
     cache.commit(N + Tq)
     logits = model.logits(x[:, -1:])[0, -1]
     stats.query_prefill_ms += _ms(t0) - (stats.fetch_ms + stats.rerotate_ms - before)

@@ -48,7 +48,7 @@ from ragkv.engine.kv.state import DecodeState, decode_step
 from ragkv.engine.measure.risk import DEFAULT_SIGNAL, measure
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import prefill_mask, sdpa
 
 
@@ -175,7 +175,8 @@ def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, c
     cache = KVCache.for_model(model, max(capacity, total))
     t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
     plan = FetchedRowsPlan(model, cache, rows, total, layer_iter, layout, stats)
-    x = run_layers(model, model.embed(torch.tensor(ids, device=model.device)[rows].unsqueeze(0)), plan)
+    x = yield from computed(Forward(model, model.embed(torch.tensor(ids, device=model.device)[rows].unsqueeze(0)),
+                                    plan))
     cache.commit(total)
     logits = model.logits(x[:, -1:])[0, -1]
     stats.recompute_ms += (time.perf_counter() - t0) * 1000 - (stats.fetch_ms + stats.rerotate_ms - before)
@@ -202,7 +203,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
     check_selectable(model, layout, total)
     recorder = QueryAttentionRecorder(N)
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
-    stage1 = prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
+    stage1 = yield from prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
     draft = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and N else []
     score = fuse_layer_scores(recorder.layer_scores) if N else None
@@ -216,7 +217,8 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         # tokens without a forward (DecodeState.lookahead; each is the row a decode step would compute)
         rows = torch.cat([chosen, torch.arange(N, total + len(draft), device=chosen.device)])
         ids = torch.tensor(context_ids + query_ids + draft, device=model.device)[rows].unsqueeze(0)
-        x = run_layers(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows, total + len(draft)))
+        x = yield from computed(Forward(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows,
+                                                                                  total + len(draft))))
         out = model.logits(x[:, -1 - len(draft):])[0]
         new, ahead = out[0], list(zip(draft, out[1:]))
         stats.recomputed_token_layers += len(rows) * L

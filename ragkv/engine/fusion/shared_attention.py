@@ -23,7 +23,7 @@ from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import attention_with_lse, causal_mask, kernel_wins, merge_by_lse, unmasked_attention_with_lse
 from ragkv.ops.decode_kernel import parts_attention_cpu
 from ragkv.ops.rope import apply_rope
@@ -306,8 +306,8 @@ def prefill_shared(model, blocks: list[PooledBlock], layout: Layout, query_ids: 
     cache = KVCache.for_model(model, max(capacity - N, Tq))
     attention = SharedBlocksAttention.at(model, blocks, block_offsets(layout), **ape)
     positions = torch.arange(layout.query_start, layout.query_start + Tq, device=model.device)
-    x = run_layers(model, model.embed(torch.tensor([query_ids], device=model.device)),
-                   OwnRowsPlan(cache, positions, attention))
+    x = yield from computed(Forward(model, model.embed(torch.tensor([query_ids], device=model.device)),
+                                    OwnRowsPlan(cache, positions, attention)))
     cache.commit(Tq)
     logits = model.logits(x[:, -1:])[0, -1]
     stats.query_prefill_ms += (time.perf_counter() - t0) * 1000

@@ -12,6 +12,7 @@ from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.kv.stepwise import Steps
 from ragkv.engine.measure.stats import RequestStats
+from ragkv.models.loop import computed
 
 
 def _ms(t0: float) -> float:
@@ -27,11 +28,15 @@ def prefill_chunks(model, cache: KVCache, ids: list[int], chunk) -> Steps[torch.
     a, rows = 0, getattr(model, "forward_rows", None)
     while a < len(ids):
         step = min((chunk() if callable(chunk) else chunk) or len(ids) - a, len(ids) - a)
-        with torch.inference_mode():
-            unit = rows or step
-            for b in range(a, a + step, unit):
-                part = ids[b:min(a + step, b + unit)]
-                logits = model(torch.tensor([part], device=model.device), cache=cache)[0, -1]
+        unit = rows or step
+        for b in range(a, a + step, unit):
+            part = ids[b:min(a + step, b + unit)]
+            with torch.inference_mode():
+                fwd = model.causal_forward(torch.tensor([part], device=model.device), cache=cache)
+            x = yield from computed(fwd)  # run alone, or in one pass with the decode rows (a server's step)
+            cache.commit(len(part))
+            with torch.inference_mode():
+                logits = model.logits(x[:, -1:])[0, -1]
         a += step
         if a < len(ids):
             yield

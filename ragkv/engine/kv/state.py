@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ragkv.engine.kv.kvcache import KVCache
-from ragkv.models.loop import run_layers
+from ragkv.models.loop import Forward
 from ragkv.ops.attention import decode_attention, decode_attention_parts
 
 # (layer, q [1,Hq,T,D], all K, all V) -> attention output; None means plain attention over the whole cache.
@@ -131,6 +131,13 @@ def decode_batch(model, states: list[DecodeState], tokens: list[int], rows: int 
 
 
 def _forward(model, states: list[DecodeState], tokens: list[int], rows: int | None = None) -> torch.Tensor:
+    return finish_decode(model, states, decode_forward(model, states, tokens, rows).run())
+
+
+@torch.inference_mode()
+def decode_forward(model, states: list[DecodeState], tokens: list[int], rows: int | None = None) -> Forward:
+    """The decode step's forward, not yet run (a server step runs it with prefill chunks: models.loop.run_together);
+    `finish_decode` takes its output."""
     dev = model.device
     for s in states:  # a token fed to the model was not the precomputed one (Sequence takes those without a forward)
         s.drop_lookahead()
@@ -138,7 +145,12 @@ def _forward(model, states: list[DecodeState], tokens: list[int], rows: int | No
     plan = DecodePlan(states, dev, model.args.sliding_window, rows)
     if plan.pad:
         x = torch.cat([x, x.new_zeros((plan.pad,) + x.shape[1:])])  # zero rows stay zero through every layer
-    x = run_layers(model, x, plan)
+    return Forward(model, x, plan)
+
+
+@torch.inference_mode()
+def finish_decode(model, states: list[DecodeState], x: torch.Tensor) -> torch.Tensor:
+    """After the decode forward (output rows x [B, 1, H]): next-token logits [B, V] fp32; every state advanced."""
     logits = model.logits(x)[:len(states), -1]
     for b, s in enumerate(states):
         s.cache.commit(1)

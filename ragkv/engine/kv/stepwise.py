@@ -1,21 +1,27 @@
 """Work in units: a generator that yields between units (a block encoded, a prefill chunk) and returns a result.
 
 The server's scheduler advances a prefill one unit between two batched decode steps, which bounds the pause a
-newcomer imposes on running answers; everyone else drains the generator at once.
+newcomer imposes on running answers; everyone else drains the generator at once. A unit that needs the model
+yields its `Forward` (ragkv.models.loop.computed) so that a scheduler can run it in one pass with the decode
+rows; `drain` runs each alone.
 """
 
 from __future__ import annotations
 
 from typing import Generator, TypeVar
 
+from ragkv.models.loop import Forward
+
 T = TypeVar("T")
-Steps = Generator[None, None, T]
+Steps = Generator["Forward | None", "object", T]
 
 
 def drain(steps: Steps[T]) -> T:
-    """Run every unit; return the generator's result."""
+    """Run every unit (each forward alone); return the generator's result."""
+    out = None
     while True:
         try:
-            next(steps)
+            item = steps.send(out)
         except StopIteration as done:
             return done.value
+        out = item.run() if isinstance(item, Forward) else None

@@ -40,9 +40,10 @@ class Ape(BlockMode):
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
         T, S = self._params(engine, fusion, stats)
         attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
-        return prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats, attention)
+        return (yield from prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats,
+                                                attention))
 
     def fuse_in_place(self, engine, segs, fusion, layout, pooled, capacity, stats):
         T, S = self._params(engine, fusion, stats)
-        return prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats,
-                              context_from=1 if segs.prefix else 0, temperature=T, scale=S)
+        return (yield from prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats,
+                                          context_from=1 if segs.prefix else 0, temperature=T, scale=S))

@@ -42,7 +42,7 @@ class Auto(Blend):
                            escalation_budget=fusion.escalation_budget, budget_spent=spent)
         expect = partial(engine.expected_kl, select="query")
         # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
-        state = get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
+        state = yield from get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
                                                fusion, capacity, stats, signal,
                                                ratios=(fusion.ratio,) if spent else (fusion.ratio, 1.0),
                                                max_signal=limit, expect=expect)

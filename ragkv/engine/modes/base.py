@@ -160,14 +160,14 @@ class BlockMode(FusionMode):
                                                                                     blocks.store))
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
             if self.fuses_in_place:
-                return self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats)
+                return (yield from self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats))
         # a plan names the engine store's tiers: none for a request's own memory (the store failed mid-request and
         # its blocks were computed again: the soak's one 500 read them with the plan's tiers)
         fusion, tiers = self.load_schedule(engine, res, fusion, stats) if blocks.store is engine.block_cache.store \
             else (fusion, None)
         layer_iter = engine.layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
-        state = self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
+        state = yield from self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         if pooled is not None:  # fused as a copy (blend): from now on only its own rows, the blocks in place
@@ -186,7 +186,7 @@ class BlockMode(FusionMode):
     def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
                       stats: RequestStats) -> DecodeState:
         """`fuse` over pooled blocks read in place (when `reads_in_place`)."""
-        return prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats)
+        return (yield from prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats))
 
     def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""

@@ -53,8 +53,9 @@ class Blend(BlockMode):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
         # every risk signal is recorded, the reply's own estimate too (`ragkv calibrate --target auto` ranks them)
         expect = partial(engine.expected_kl, select=fusion.select)
-        return get_selection(fusion.select).prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
-                                                    fusion, capacity, stats, engine.auto_signal, expect=expect)
+        return (yield from get_selection(fusion.select).prefill(engine.forward_model, layer_iter, layout, context_ids,
+                                                                 segs.query, fusion, capacity, stats,
+                                                                 engine.auto_signal, expect=expect))
 
     def fidelity(self, fusion, stats):
         x = stats.extra

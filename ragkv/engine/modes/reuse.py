@@ -26,4 +26,4 @@ class Reuse(BlockMode):
                 "reused_tokens": stats.reused_tokens, "signal": None, "estimate": population_estimate("reuse")}
 
     def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
-        return prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats)
+        return (yield from prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats))

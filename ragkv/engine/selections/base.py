@@ -58,7 +58,7 @@ class StaticSelection(Selection):
                 expect=None):
         check_selectable(model, layout, len(context_ids) + len(query_ids))
         chosen = self.choose(layout, fusion)
-        state = prefill_static(model, layer_iter, layout, context_ids + query_ids, len(query_ids), chosen, capacity,
+        state = yield from prefill_static(model, layer_iter, layout, context_ids + query_ids, len(query_ids), chosen, capacity,
                                stats)
         # no stage 1 to compare with: the risk's `shift` is unknown
         full = (len(context_ids) + len(query_ids)) * model.args.num_layers

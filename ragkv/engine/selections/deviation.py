@@ -17,7 +17,7 @@ class Deviation(Selection):
 
     def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal, expect=None):
         # CacheBlend records no risk signals (its deviation check is not a stage-1 answer): `expect` goes unused
-        return prefill_blend(model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats)
+        return (yield from prefill_blend(model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         L, check = a.num_layers, fusion.check_layers[0]

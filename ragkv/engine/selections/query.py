@@ -20,9 +20,9 @@ class QueryAware(Selection):
                 ratios=None, max_signal=None, expect=None):
         """`ratios`, `max_signal`: `auto`'s escalation (stage 2 again at the next ratio while the risk exceeds);
         `expect`: the `expected_kl` signal's estimator."""
-        return prefill_query_aware(model, layer_iter, layout, context_ids, query_ids, ratios or (fusion.ratio,),
-                                   fusion.sink_tokens, fusion.select_per_block, capacity, stats, max_signal, signal,
-                                   fusion.draft_tokens, expect)
+        return (yield from prefill_query_aware(model, layer_iter, layout, context_ids, query_ids,
+                                               ratios or (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
+                                               capacity, stats, max_signal, signal, fusion.draft_tokens, expect))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         # stage 1 (reuse's query rows), then the chosen rows and the query at every layer
