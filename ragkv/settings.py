@@ -47,6 +47,8 @@ class ServeDefaults:
     # --max-num-batched-tokens (vLLM's name and meaning): rows of one forward, decode rows and prefill chunks
     # together; prefill units of several requests join the decode step while they fit (at least one always does)
     max_num_batched_tokens: int = 2048
+    # --no-mixed-steps: prefill units run alone between decode steps (the measurement's other side)
+    mixed_steps: bool = True
     # --batch-invariant: an answer never depends on what runs beside it (every decode step at max_batch rows,
     # prefills always chunked): costs the small batches their speed (docs/results/batch_invariance.md)
     batch_invariant: bool = False

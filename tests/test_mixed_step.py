@@ -6,7 +6,6 @@ import torch
 from tiny import IdText, make_segs
 
 from ragkv.engine.kv.state import decode_forward, decode_step, finish_decode
-from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.scheduler import Scheduler
 from ragkv.models.loop import Forward, run_together

@@ -11,7 +11,7 @@ from pathlib import Path
 from ragkv.cli.bench_replicas import (add_replica_args, add_replica_soak_args, run_replica_soak_bench,
                                      run_replicas_bench)
 from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
-                              finish_bench, fusion_from_args, ints, say)
+                              finish_bench, floats, fusion_from_args, ints, say)
 from ragkv.engine.modes import MODES
 from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.settings import DEFAULT_MODEL, SERVE
@@ -121,7 +121,16 @@ def register(sub) -> None:
                    help="ragkv modes or mode keys, comma-separated (reuse:kv=shared; empty with --peer: the "
                         "peer only)")
     v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
-    v.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency) cell")
+    v.add_argument("--requests", type=int, default=32,
+                   help="requests per cell; a closed-loop cell sends at least --min-waves per client")
+    v.add_argument("--min-waves", type=int, default=3,
+                   help="a closed-loop cell sends at least this many requests per client (steady state, not the "
+                        "transient of one wave)")
+    v.add_argument("--request-rates", default="", metavar="R,R",
+                   help="open-loop cells too: --requests arrivals as a Poisson process at each rate (requests/s), "
+                        "with goodput at --slo-ttft / --slo-tpot")
+    v.add_argument("--slo-ttft", type=float, default=2.0, help="goodput's TTFT limit, seconds")
+    v.add_argument("--slo-tpot", type=float, default=0.15, help="goodput's time-per-output-token limit, seconds")
     v.add_argument("--passages-per-request", type=int, default=4)
     v.add_argument("--pool-size", type=int, default=40, help="MuSiQue passages shared by all requests")
     v.add_argument("--passage-words", type=int, default=210, help="passages cut to this many words (~300 tokens)")
@@ -458,7 +467,9 @@ def run_serve(args) -> int:
                            concurrency=ints(args.concurrency, "--concurrency"),
                            requests=args.requests, passages_per_request=args.passages_per_request,
                            pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
-                           min_tokens=args.min_tokens, seed=args.seed, warmup=not args.no_warmup, peer=args.peer)
+                           min_tokens=args.min_tokens, seed=args.seed, warmup=not args.no_warmup, peer=args.peer,
+                           min_waves=args.min_waves, rates=floats(args.request_rates, "--request-rates"),
+                           slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     if args.servers < 1:
         raise InvalidRequestError(f"--servers {args.servers}: start at least 1 server")
     if args.url and (args.servers > 1 or args.shared_cluster):

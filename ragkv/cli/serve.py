@@ -46,6 +46,9 @@ def register(sub) -> None:
                    help="rows of one forward: every running answer's next token and prefill units of waiting "
                         "requests (each at most --prefill-chunk tokens) run in one pass over the layers while they "
                         "fit in N (one unit always runs); larger N: more prefill per step, longer steps")
+    p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false", default=SERVE.mixed_steps,
+                   help="run prefill units alone between decode steps, not in the decode step's forward (to "
+                        "measure what one forward per step gains)")
     p.add_argument("--batch-invariant", action="store_true", default=SERVE.batch_invariant,
                    help="an answer never depends on the requests decoded beside it (greedy answers repeat exactly "
                         "under load): every decode step runs at --max-batch rows and every prefill in "
@@ -189,7 +192,8 @@ def build_server(args, worker_thread: bool = False, keys=None):
                   args.max_batch, args.prefill_chunk, worker_thread=worker_thread, keys=keys, limits=limits,
                   served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
                   batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms,
-                  max_num_batched_tokens=args.max_num_batched_tokens, shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
+                  max_num_batched_tokens=args.max_num_batched_tokens, mixed_steps=args.mixed_steps,
+                  shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
 
 
 def run_serve(args) -> int:

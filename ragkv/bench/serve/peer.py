@@ -138,11 +138,13 @@ def run_peer(cfg: ServeBenchConfig, work: dict, url: str, progress, result: dict
              f"{result['peer']['prompt_tokens_reported']} (server) vs {result['peer']['prompt_tokens_counted']} "
              f"(tokenizer)")
 
-    def cells(level: int, c: int) -> list[str]:
+    def cells(level: int, c: int, rate: float | None = None) -> list[str]:
         payloads = [peer_payload(r, work["system"], peer) for r in work["plans"][level]]
-        cell = measure_cell(result["cells"], client, model, payloads, peer, peer, c, cfg, server_cpu, count)
-        progress(f"[serve bench] {peer} c={c}: {describe_cell(cell)}")
-        return [f"{peer} c={c}"]
+        name = f"c={c}" if rate is None else f"rate={rate}"
+        cell = measure_cell(result["cells" if rate is None else "rate_cells"], client, model, payloads, peer, peer,
+                            c, cfg, server_cpu, count, rate=rate)
+        progress(f"[serve bench] {peer} {name}: {describe_cell(cell)}")
+        return [f"{peer} {name}"]
     return cells
 
 

@@ -93,6 +93,20 @@ def render_markdown(result: dict) -> str:
                   "", "KV peak: the most KV the server held at once during the cell (/health sampled every 0.25 s): "
                       "the running answers' caches plus the pooled blocks `kv_layout=shared` reads in place (not "
                       "sampled in runs with a peer, whose cells have no such poller: `-`)."]
+    rate_cells = result.get("rate_cells") or []
+    if rate_cells:
+        cfg = result["config"]
+        lines += ["", f"Open loop (Poisson arrivals at each rate, as vLLM's serving benchmark): goodput = requests/s "
+                      f"whose TTFT <= {cfg['slo_ttft_s']} s and time per output token <= {cfg['slo_tpot_s']} s:", "",
+                  markdown_table(["system", "mode", "rate req/s", "ok", "goodput req/s", "in SLO", "req/s",
+                                  "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "e2e p95 ms", "mean batch"],
+                                 [[c.get("system", "ragkv"), c["mode"], c["rate"], f"{c['ok']}/{c['requests']}",
+                                   c["goodput_per_s"], c["goodput_share"], c["requests_per_s"], c["ttft_p50_ms"],
+                                   c["ttft_p95_ms"], c["tpot_p50_ms"], c.get("latency_p95_ms"),
+                                   c.get("mean_batch", "-")] for c in rate_cells])]
+        for mode, per in (result.get("goodput_vs_peer") or {}).items():
+            lines.append(f"- {mode}: goodput over {result['peer']['name']}'s: " + ", ".join(
+                f"{'-' if r is None else f'{r:.2f}x'} at {rate} req/s" for rate, r in per.items()))
     ratios = result.get("ratios_vs_peer") or {}
     if ratios:
         peer = result["peer"]["name"]

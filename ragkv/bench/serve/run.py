@@ -34,7 +34,7 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
 
     work = build_workload(cfg)
     result = {"benchmark": "serve", "config": asdict(cfg), "url": None, "server": {},
-              "machine": machine(), "warmup": {}, "cells": [],
+              "machine": machine(), "warmup": {}, "cells": [], "rate_cells": [],
               "order": []}
     with contextlib.ExitStack() as stack:
         ragkv_cells = None
@@ -60,12 +60,10 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
                 progress(f"[serve bench] {cfg.peer} at {peer_url} is not started here: its prefix cache may hold an "
                          f"earlier run's prompts (seed {cfg.seed}, level by level); give each run its own --seed")
                 peer_cells = run_peer(cfg, work, peer_url, progress, result, count)
-        for level, c in enumerate(cfg.concurrency):
-            turns = [t for t in (peer_cells, ragkv_cells) if t is not None]
-            for turn in (turns if level % 2 == 0 else turns[::-1]):
-                result["order"].extend(turn(level, c))
+        result["order"].extend(interleaved(cfg, [t for t in (peer_cells, ragkv_cells) if t is not None]))
     if cfg.peer:
         result["ratios_vs_peer"] = peer_ratios(result["cells"], cfg.peer)
+        result["goodput_vs_peer"] = goodput_ratios(result["rate_cells"], cfg.peer)
     ragkv_only = [c for c in result["cells"] if c["system"] == "ragkv"]
     result["ratios_vs_full"] = slo_ratios(ragkv_only) if any(map(is_reference, cfg.modes)) else {}
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -73,6 +71,30 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
     plot_serve_bench(result["cells"], out_dir / "serve_bench.png")
     (out_dir / "serve_bench.md").write_text(render_markdown(result) + "\n")
     return result
+
+
+def interleaved(cfg: ServeBenchConfig, turns: list) -> list[str]:
+    """Run every level's cells, the systems' turns alternating: at the first level the first turn (the peer's) goes
+    first, at the next the last, and so on, so that neither side always meets the machine's drift at one end.
+    Returns the cells' names in the order run."""
+    order = []
+    for level, (kind, value) in enumerate(cfg.levels()):
+        for turn in (turns if level % 2 == 0 else turns[::-1]):
+            order.extend(turn(level, int(value), None) if kind == "concurrency" else turn(level, None, value))
+    return order
+
+
+def goodput_ratios(cells: list[dict], peer: str) -> dict:
+    """Each ragkv mode's goodput over the peer's at the same request rate: {mode: {rate: ratio}} (None where the
+    peer's goodput is 0: no ratio to state; both goodputs are in the cells)."""
+    theirs = {c["rate"]: c for c in cells if c.get("system") == peer}
+    out = {}
+    for c in cells:
+        p = theirs.get(c["rate"])
+        if c.get("system") == "ragkv" and p is not None:
+            out.setdefault(c["mode"], {})[str(c["rate"])] = (round(c["goodput_per_s"] / p["goodput_per_s"], 3)
+                                                             if p["goodput_per_s"] else None)
+    return out
 
 
 def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress, result: dict,
@@ -106,16 +128,19 @@ def run_ragkv(cfg: ServeBenchConfig, work: dict, url: str | list[str], progress,
     for b, _, _ in servers:
         wait_idle(b)  # a server's start-up profile runs its forwards while idle: before the cells, not inside
 
-    def cells(level: int, c: int) -> list[str]:
-        """Every mode's cell at concurrency `c` (the `level`-th); returns the cells' names in the order run."""
+    def cells(level: int, c: int, rate: float | None = None) -> list[str]:
+        """Every mode's cell at concurrency `c` or Poisson `rate` (the `level`-th); returns the cells' names in the
+        order run."""
+        name = f"c={c}" if rate is None else f"rate={rate}"
         for mode in cfg.modes:
             payloads = [ragkv_payload(r, mode, work["system"]) for r in work["plans"][level]]
             h0 = httpx.get(base + "/health", timeout=10).json()
             with KVPeak(base, enabled=not cfg.peer) as kv:  # beside a peer, no poller ragkv's cells alone pay for
-                cell = measure_cell(result["cells"], clients, model, payloads, mode, "ragkv", c, cfg, server_cpu)
+                cell = measure_cell(result["cells" if rate is None else "rate_cells"], clients, model, payloads, mode,
+                                    "ragkv", c, cfg, server_cpu, rate=rate)
             if len(servers) == 1:  # one server's batching counters; with several, its share would mislead
                 cell.update(batching_stats(h0, httpx.get(base + "/health", timeout=10).json()), kv_bytes_peak=kv.peak)
-            progress(f"[serve bench] {mode} c={c}: {describe_cell(cell)}; reused {cell['reused_tokens']} / "
+            progress(f"[serve bench] {mode} {name}: {describe_cell(cell)}; reused {cell['reused_tokens']} / "
                      f"{cell['prompt_tokens']} prompt tokens")
-        return [f"ragkv {m} c={c}" for m in cfg.modes]
+        return [f"ragkv {m} {name}" for m in cfg.modes]
     return cells

@@ -74,8 +74,9 @@ def ragkv_payload(req: BenchRequest, mode: str, system: str) -> tuple[list[dict]
 
 def build_workload(cfg: ServeBenchConfig) -> dict:
     pool, questions, owned = build_pool(cfg.pool_size, cfg.passage_words)
-    plans = [draw_requests(pool, questions, owned, cfg.requests, cfg.passages_per_request, cfg.seed * 1000 + i)
-             for i in range(len(cfg.concurrency))]  # fresh requests per level, the same for every mode and peer
+    plans = [draw_requests(pool, questions, owned, cfg.requests_at(value) if kind == "concurrency" else cfg.requests,
+                           cfg.passages_per_request, cfg.seed * 1000 + i)
+             for i, (kind, value) in enumerate(cfg.levels())]  # fresh requests per level, the same for every system
     # The peer's warm-up request is none of the measured ones: llama.cpp reuses the longest common prefix with the
     # prompt it ran last, so warming up on the first measured request would make that one nearly free.
     peer_warmup = draw_requests(pool, questions, owned, 1, cfg.passages_per_request, cfg.seed * 1000 + 999)[0]

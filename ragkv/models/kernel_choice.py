@@ -1,0 +1,109 @@
+"""Kernels chosen by measuring the machine: for each product of a model (weight shape and the op it feeds: plain,
+SwiGLU, residual add) and each class of row counts, every candidate kernel is timed once on this CPU and the
+fastest is used from then on. What is fast on one CPU is slow on another (the packed oneDNN path that won on an AVX-512
+BF16 Zen 4 lost to torch's stock `F.linear` on an AMX Xeon, where oneDNN picks the matrix unit by itself), so no
+choice is written down by hand. Results are cached in the cache folder, keyed by CPU model, ISA flags, torch
+version, dtype and shape: a server measures at its first start on a machine only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ragkv.config import cache_dir, cpu_name
+
+log = logging.getLogger(__name__)
+
+# (lowest, highest) rows of each product class and the row count that stands for it when timed
+ROW_CLASSES = ((1, 1), (2, 4), (5, 16), (17, 128), (129, None))
+PROBE_ROWS = (1, 4, 16, 128, 512)
+MAX_PROBE_MACS = 6e9  # a class whose probe would cost more (an LM head at 512 rows) keeps the default kernel
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+REPEATS = 5
+
+
+def row_class(rows: int) -> int:
+    for i, (lo, hi) in enumerate(ROW_CLASSES):
+        if hi is None or rows <= hi:
+            return i
+    return len(ROW_CLASSES) - 1
+
+
+def machine_key(dtype: torch.dtype) -> str:
+    """What a kernel's speed depends on besides its shape: the CPU, its ISA, torch's build, the dtype."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        flags = set()
+    isa = ",".join(f for f in ISA_FLAGS if f in flags)
+    return f"{cpu_name()}|{isa}|torch {torch.__version__}|{str(dtype).removeprefix('torch.')}"
+
+
+def median_ms(fn: Callable[[], object], timer: Callable[[], float], repeats: int = REPEATS) -> float:
+    """The median of `repeats` timed calls, after one untimed (first-call allocation, kernel caches)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = timer()
+        fn()
+        times.append((timer() - t0) * 1000)
+    return statistics.median(times)
+
+
+class KernelChooser:
+    """Times candidate kernels per (product, row class) once per machine and keeps the fastest; `table` holds every
+    measurement (`ragkv bench kernels` prints it). `timer` is injectable so that a test can check the choice
+    follows the measurements."""
+
+    def __init__(self, path: Path | None = None, timer: Callable[[], float] = time.perf_counter,
+                 repeats: int = REPEATS, refresh: bool = False):
+        self.path = path if path is not None else cache_dir() / "kernels.json"
+        self.timer, self.repeats, self.refresh = timer, repeats, refresh
+        self.table: dict[str, dict] = {}
+        if self.path.exists() and not refresh:
+            try:
+                self.table = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                log.warning("kernel choices at %s are unreadable; measuring again", self.path)
+        self.measured = 0  # products measured by this chooser (0: every choice came from the cache)
+
+    def choose(self, product: str, dtype: torch.dtype, macs_per_row: int,
+               candidates: dict[str, Callable[[int], Callable[[], object]]], default: str) -> list[str]:
+        """The kernel for each row class of `product` (a name of its shape and op). `candidates[name](rows)` returns
+        a call running that kernel on `rows` rows, or None where the kernel cannot take them; a class whose probe
+        would cost more than MAX_PROBE_MACS gets `default` unmeasured."""
+        key = hashlib.sha1(f"{machine_key(dtype)}|{product}".encode()).hexdigest()[:16]
+        entry = self.table.get(key)
+        if entry is not None and set(entry["candidates"]) == set(candidates):
+            return entry["choice"]
+        times: list[dict[str, float]] = []
+        for rows in PROBE_ROWS:
+            row_times = {}
+            if rows * macs_per_row <= MAX_PROBE_MACS:
+                for name, make in candidates.items():
+                    call = make(rows)
+                    if call is not None:
+                        row_times[name] = round(median_ms(call, self.timer, self.repeats), 4)
+            times.append(row_times)
+        choice = [min(t, key=t.get) if t else default for t in times]
+        self.table[key] = {"machine": machine_key(dtype), "product": product, "candidates": sorted(candidates),
+                           "probe_rows": list(PROBE_ROWS), "ms": times, "choice": choice}
+        self.measured += 1
+        return choice
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.table, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as e:  # a read-only cache only means measuring again next time
+            log.warning("could not save kernel choices to %s (%s)", self.path, e)

@@ -1,0 +1,99 @@
+"""Kernels chosen by measuring the machine (ragkv.models.kernel_choice): the choice follows the measurements (a fake
+timer), is cached per machine, and every kernel it may pick computes the product the model's own linear does."""
+
+import pytest
+import torch
+
+from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser, machine_key, row_class
+from ragkv.ops import gemv_kernel
+
+native_bf16 = pytest.mark.skipif(not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()),
+                                 reason="bf16 kernels are chosen only where the CPU multiplies bf16 natively")
+
+
+class FakeClock:
+    """A timer whose readings advance by what the kernel being run is said to cost."""
+
+    def __init__(self, costs):
+        self.costs, self.now, self.running = costs, 0.0, None
+
+    def __call__(self):
+        return self.now
+
+    def kernel(self, name, rows):
+        def call():
+            self.now += self.costs[name](rows) / 1000
+        return call
+
+
+def test_the_chooser_picks_the_fastest_measured_kernel_per_row_class_and_caches_it(tmp_path):
+    costs = {"gemv": lambda r: 0.1 * r, "onednn": lambda r: 0.5 + 0.01 * r, "stock": lambda r: 1.0 + 0.001 * r}
+    clock = FakeClock(costs)
+    candidates = {name: (lambda name: lambda rows: clock.kernel(name, rows) if name != "gemv" or rows <= 16
+                         else None)(name) for name in costs}
+    chooser = KernelChooser(tmp_path / "k.json", timer=clock)
+    choice = chooser.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn")
+    # 1 row: gemv 0.1; 4: gemv 0.4; 16: onednn 0.66 < gemv 1.6; 128: onednn 1.78 > stock 1.128; 512: stock
+    assert choice == ["gemv", "gemv", "onednn", "stock", "stock"] and chooser.measured == 1
+    chooser.save()
+    again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
+    assert again.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn") == choice and again.measured == 0
+    entry = next(iter(again.table.values()))
+    assert entry["machine"] == machine_key(torch.bfloat16) and torch.__version__ in entry["machine"]
+    assert entry["ms"][0]["gemv"] == pytest.approx(0.1) and "gemv" not in entry["ms"][4]
+    fresh = KernelChooser(tmp_path / "k.json", timer=clock, refresh=True)  # `bench kernels --refresh`
+    assert fresh.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn") == choice and fresh.measured == 1
+    # another dtype is another machine key: measured on its own
+    assert chooser.choose("plain 8->8", torch.float32, 64, candidates, "onednn") == choice and chooser.measured == 2
+
+
+def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_every_count(tmp_path):
+    clock = FakeClock({"stock": lambda r: 1.0, "onednn": lambda r: 2.0})
+    candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("stock", "onednn")}
+    choice = KernelChooser(tmp_path / "k.json", timer=clock).choose("plain big", torch.bfloat16, 10**8, candidates,
+                                                                   "onednn")
+    assert choice[:1] == ["stock"] and choice[-1] == "onednn"  # 512 rows x 1e8 MACs: not probed
+    assert [row_class(r) for r in (1, 2, 4, 5, 16, 17, 128, 129, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert [row_class(r) for r in PROBE_ROWS] == list(range(len(PROBE_ROWS)))
+
+
+@native_bf16
+@pytest.mark.parametrize("op", ["plain", "swiglu", "add"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 600])
+def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_path):
+    """gemv (few rows), oneDNN in place (with its fused SwiGLU and residual add) and torch's stock product give the
+    model's own bf16 linear's result to bf16 rounding at every row class."""
+    from ragkv.models.quant import OneDnnLinear
+
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16) for _ in range(2 if op == "swiglu" else 1)]
+    m = OneDnnLinear(parts if len(parts) > 1 else parts[0])
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    res = torch.randn(1, rows, m.out_features, dtype=torch.bfloat16)
+    y = [torch.nn.functional.linear(x.float(), p.weight.float()) for p in parts]
+    want = torch.nn.functional.silu(y[0]) * y[1] if op == "swiglu" else res.float() + y[0] if op == "add" else y[0]
+    kernels = ["onednn", "stock"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else [])
+    for kernel in kernels:
+        m.kernels = [kernel] * len(PROBE_ROWS)
+        with torch.inference_mode():
+            got = m.swiglu(x) if op == "swiglu" else m.add_to(res, x) if op == "add" else m(x)
+        assert (got.float() - want).abs().max() <= 0.02 * want.abs().max() + 0.02, kernel
+
+
+@native_bf16
+def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tmp_path):
+    """Every product of a bf16 `onednn` copy gets a measured kernel per row class; a second copy reads the cache."""
+    from conftest import _load_tiny
+
+    from ragkv.models.quant import _onednn_linears, decode_copy
+
+    model = _load_tiny(tiny_dirs["qwen2"], torch.bfloat16).model
+    chooser = KernelChooser(tmp_path / "k.json")
+    copy_ = decode_copy(model, "onednn", chooser)
+    linears = list(_onednn_linears(copy_))
+    assert linears and all(m.kernels is not None and len(m.kernels) == len(PROBE_ROWS) for _, m in linears)
+    assert {a for a, _ in linears} >= {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert chooser.measured == len({e["product"] for e in chooser.table.values()}) and (tmp_path / "k.json").exists()
+    again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
+    decode_copy(model, "onednn", again)
+    assert again.measured == 0
