@@ -66,6 +66,13 @@ def register(sub) -> None:
     add_output_args(e)
     e.set_defaults(func=run_engine)
 
+    k = bsub.add_parser("kernels", help="every candidate kernel of every bf16 product, timed per row class on this "
+                                        "machine, and the one the engine uses (cached per CPU; this re-measures)")
+    k.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    k.add_argument("--cached", action="store_true", help="report the cached choices, measuring only what is missing")
+    add_output_args(k)
+    k.set_defaults(func=run_kernels)
+
     d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
     d.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     d.add_argument("--configs", default="float32:exact,float32:onednn,bfloat16:exact,bfloat16:auto,float32:int8,"
@@ -414,6 +421,13 @@ def run_engine(args) -> int:
     cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats,
                             weights)
     return finish_bench(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
+
+
+def run_kernels(args) -> int:
+    from ragkv.bench.kernels import run_kernels_bench
+
+    return finish_bench(args, run_kernels_bench(args.model, Path(args.output_dir), say, not args.cached),
+                        "kernels.md")
 
 
 def run_decode(args) -> int:
