@@ -193,3 +193,29 @@ def test_mixed_steps_keep_within_the_token_budget():
     mixed = [(d, rows) for d, rows in seen if rows]
     assert mixed and all(d + sum(rows) <= 40 for d, rows in mixed), seen
     assert any(len(rows) > 1 for _, rows in mixed), seen  # several requests' units in one forward
+
+
+def test_a_plan_that_fails_in_a_mixed_forward_fails_alone(tiny_engine):
+    """A store fault while one request's context loads (its plan's `begin` raises) comes back as that forward's
+    exception (thrown into its generator, which starts over without the store); the others' rows are unchanged."""
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(9,), query=5, seed=3)
+    ref = eng.prefill(segs, FusionOptions(mode="full"))[0]
+
+    class Broken:
+        positions = torch.arange(4)
+
+        def begin(self, layer, dl, x):
+            raise RuntimeError("block vanished")
+
+    gen = eng.prefill_steps(segs, FusionOptions(mode="full"))
+    fwd = next(gen)
+    with torch.inference_mode():
+        broken = Forward(eng.model, eng.model.embed(torch.tensor([[5, 6, 7, 8]])), Broken())
+    out, err = run_together([fwd, broken])
+    assert isinstance(err, RuntimeError) and "vanished" in str(err)
+    try:
+        gen.send(out)
+    except StopIteration as done:
+        state, _ = done.value
+    assert maxdiff(state.logits, ref.logits) <= TOL

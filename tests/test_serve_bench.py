@@ -115,7 +115,7 @@ def test_serve_bench_round_robins_over_servers_sharing_a_store(tmp_path, redis_u
     """Two servers behind one Redis: only server 0 is warmed up, yet server 1 misses nothing (the shared tier)."""
     pytest.importorskip("openai")
     cfg = ServeBenchConfig(modes=("reuse",), concurrency=(2,), requests=4, passages_per_request=2, pool_size=4,
-                           passage_words=40, max_tokens=2)
+                           passage_words=40, max_tokens=2, min_waves=2)
     tiny = str(make_tiny_served(tmp_path))
     servers = [ServerProcess(model=tiny, dtype="float32", device="cpu", store=f"memory:256MiB,{redis_url}",
                              threads=1) for _ in range(2)]

@@ -45,6 +45,7 @@ from ragkv.engine.request.segments import (
 )
 from ragkv.errors import PromptTooLongError
 from ragkv.models.loader import LoadedModel, load_model
+from ragkv.models.loop import outcome
 from ragkv.models.quant import EXACT_COPIES, INEXACT_PREFILL, PREFILL_COPIES, decode_copy, resolve_decode_weights
 from ragkv.ops import int8_kernel, prefill_kernel
 from ragkv.ops.decode_kernel import kernel as decode_kernel
@@ -502,7 +503,7 @@ class Engine:
         with self.lock:
             together = [f for f in forwards if f.model is self._decode_model]
             outs = dict(zip(map(id, together), step_sequences(self._decode_model, seqs, rows, together)))
-            return [outs[id(f)] if id(f) in outs else f.run() for f in forwards]
+            return [outs[id(f)] if id(f) in outs else outcome(f) for f in forwards]
 
     def stream(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
                gen: GenerationOptions = GenerationOptions(), namespace: str | None = None) -> Run:

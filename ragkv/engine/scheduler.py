@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from ragkv.engine.kv.kvbudget import KVBudget
-from ragkv.models.loop import Forward
+from ragkv.models.loop import Forward, resume
 from ragkv.errors import RagkvError
 from ragkv.settings import SERVE
 
@@ -519,13 +519,16 @@ class Scheduler:
         try:
             with self.lock:
                 while True:
-                    item = job.steps.send(value)
+                    item = resume(job.steps, value)
                     if not isinstance(item, Forward):
                         return
                     if self.mixed and self.running:
                         job.pending = item
                         return
-                    value = item.run()
+                    try:
+                        value = item.run()
+                    except Exception as e:  # noqa: BLE001 - into the prefill, which may start over (a store fault)
+                        value = e
         except StopIteration as done:  # prefilled: its first token now, then it decodes with the batch
             self.prefilling.remove(job)
             job.prefilled = True

@@ -100,13 +100,15 @@ class Forward:
 
     def __init__(self, model, x: torch.Tensor, plan: LayerPlan):
         self.model, self.x, self.plan = model, x, plan
+        # run as it was made: without autograd for inference (a scheduler runs it elsewhere), with it for training
+        self.inference = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
 
     @property
     def rows(self) -> int:
         return self.x.shape[0] * self.x.shape[1]
 
     def run(self) -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.inference_mode(self.inference):
             return run_layers(self.model, self.x, self.plan)
 
 
@@ -140,6 +142,7 @@ class MixedPlan:
     def __init__(self, plans: list, batches: list[int], rows: list[int]):
         self.plans, self.batches, self.rows = plans, batches, rows
         self.done = [False] * len(plans)
+        self.errors: list[Exception | None] = [None] * len(plans)  # a plan that failed (a store fault) ends alone
         self._pos_of, self._pos = None, None
 
     @property
@@ -158,7 +161,10 @@ class MixedPlan:
         out = []
         for i, (plan, B, piece) in enumerate(zip(self.plans, self.batches, self._pieces(x, 1))):
             if not self.done[i]:
-                piece = plan.begin(layer, decoder_layer, piece.reshape(B, -1, piece.shape[-1]))
+                try:
+                    piece = plan.begin(layer, decoder_layer, piece.reshape(B, -1, piece.shape[-1]))
+                except Exception as e:  # noqa: BLE001 - this plan's rows ride along unused; the others go on
+                    self._failed(i, e)
                 piece = piece.reshape(1, -1, piece.shape[-1])
                 self.rows[i] = piece.shape[1]
             out.append(piece)
@@ -170,23 +176,35 @@ class MixedPlan:
                                                       self._pieces(k, 2), self._pieces(v, 2))):
             kv = None
             if not self.done[i]:
-                kv = plan.store(layer, _batched_heads(rk, B), _batched_heads(kk, B), _batched_heads(vv, B))
+                try:
+                    kv = plan.store(layer, _batched_heads(rk, B), _batched_heads(kk, B), _batched_heads(vv, B))
+                except Exception as e:  # noqa: BLE001
+                    self._failed(i, e)
                 self.done[i] = kv is None
             kvs.append(kv)
         return None if all(self.done) else kvs
 
     def attend(self, layer, q, kvs):
         out = []
-        for plan, B, qq, kv in zip(self.plans, self.batches, self._pieces(q, 2), kvs):
-            out.append(torch.zeros_like(qq) if kv is None else _flat_heads(plan.attend(layer, _batched_heads(qq, B),
-                                                                                        kv)))
+        for i, (plan, B, qq, kv) in enumerate(zip(self.plans, self.batches, self._pieces(q, 2), kvs)):
+            if kv is not None:
+                try:
+                    out.append(_flat_heads(plan.attend(layer, _batched_heads(qq, B), kv)))
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    self._failed(i, e)
+            out.append(torch.zeros_like(qq))
         return torch.cat(out, dim=2)
+
+    def _failed(self, i: int, e: Exception) -> None:
+        self.errors[i], self.done[i] = e, True
 
 
 def run_together(forwards: list[Forward]) -> list[torch.Tensor]:
     """Run several forwards of one model as one pass over the layers; each gets the output rows its plan kept
-    ([B, T', H], as `run` gives). Every row's numbers are its own forward's up to the products' rounding (a GEMM's
-    blocking depends on its row count)."""
+    ([B, T', H], as `run` gives), or the exception its plan raised (a block that vanished from the store: that
+    request alone fails, `resume` throws it into its generator). Every row's numbers are its own forward's up to the
+    products' rounding (a GEMM's blocking depends on its row count)."""
     if len(forwards) == 1:
         return [forwards[0].run()]
     model = forwards[0].model
@@ -195,6 +213,21 @@ def run_together(forwards: list[Forward]) -> list[torch.Tensor]:
     H = forwards[0].x.shape[-1]
     plan = MixedPlan([f.plan for f in forwards], [f.x.shape[0] for f in forwards], [f.rows for f in forwards])
     x = torch.cat([f.x.reshape(1, -1, H) for f in forwards], dim=1)
-    with torch.inference_mode():
+    with torch.inference_mode(any(f.inference for f in forwards)):  # a server step: inference
         x = run_layers(model, x, plan)
-    return [piece.reshape(B, -1, H) for piece, B in zip(torch.split(x, plan.rows, dim=1), plan.batches)]
+    return [err if err is not None else piece.reshape(B, -1, H)
+            for piece, B, err in zip(torch.split(x, plan.rows, dim=1), plan.batches, plan.errors)]
+
+
+def outcome(fwd: Forward):
+    """`fwd.run()`, or the exception it raised (for the prefill that yielded it, not for the step that ran it)."""
+    try:
+        return fwd.run()
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def resume(steps, value):
+    """Resume a prefill generator with its forward's output, or throw into it the exception that forward raised
+    (where it can be handled: a request restarts without the store that failed it)."""
+    return steps.throw(value) if isinstance(value, BaseException) else steps.send(value)

@@ -15,7 +15,7 @@ from ragkv.engine.decode.sampling import TokenLogprob, apply_penalties, sample, 
 from ragkv.engine.kv.state import DecodeState, decode_batch, decode_forward, finish_decode
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.request.generation import GenerationOptions
-from ragkv.models.loop import Forward, run_together
+from ragkv.models.loop import Forward, outcome, run_together
 
 log = logging.getLogger("ragkv.engine")
 
@@ -231,9 +231,11 @@ def step_sequences(model, seqs: list[Sequence], rows: int | None = None, forward
     if rows is not None or not live:
         if live:
             decode_batch(model, [s.state for s in live], [s.feed for s in live], rows)
-        return [f.run() for f in forwards]
+        return [outcome(f) for f in forwards]
     states = [s.state for s in live]
     outs = run_together([decode_forward(model, states, [s.feed for s in live])] + forwards)
+    if isinstance(outs[0], BaseException):  # the decode rows' own failure fails the step, as a decode step alone
+        raise outs[0]
     finish_decode(model, states, outs[0])
     return outs[1:]
 

@@ -165,6 +165,7 @@ def check_selectable(model, layout: Layout, total: int) -> None:
         raise InvalidRequestError("selective recompute needs the sequential layout (cache index == position)")
 
 
+@torch.inference_mode()
 def prefill_static(model, layer_iter, layout: Layout, ids: list[int], Tq: int, chosen: torch.Tensor, capacity: int,
                    stats: RequestStats) -> DecodeState:
     """A selection known from the layout (EPIC's LegoLink, `recent`) in one pass: the chosen context rows and the

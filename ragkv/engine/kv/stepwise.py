@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Generator, TypeVar
 
-from ragkv.models.loop import Forward
+from ragkv.models.loop import Forward, resume
 
 T = TypeVar("T")
 Steps = Generator["Forward | None", "object", T]
@@ -21,7 +21,12 @@ def drain(steps: Steps[T]) -> T:
     out = None
     while True:
         try:
-            item = steps.send(out)
+            item = resume(steps, out)
         except StopIteration as done:
             return done.value
-        out = item.run() if isinstance(item, Forward) else None
+        out = None
+        if isinstance(item, Forward):
+            try:
+                out = item.run()
+            except Exception as e:  # noqa: BLE001 - thrown into the generator, which may handle it (a store fault)
+                out = e
