@@ -120,7 +120,9 @@ def test_bf16_prefill_on_the_onednn_copy_equals_exact(fusion, tiny_dirs):
     for _ in ("cold", "warm"):
         want = exact.prefill(segs, fusion)[0].logits.float().softmax(-1)
         got = fast.prefill(segs, fusion)[0].logits.float().softmax(-1)
-        assert (want - got).abs().max() < 2e-2 and want.argmax() == got.argmax()
+        # the greedy token agrees, up to a tie (the tiny random model's near-flat distribution; the kernels measured
+        # fastest on this machine sum in their own order)
+        assert (want - got).abs().max() < 2e-2 and want[got.argmax()] >= want.max() - 1e-4
 
 
 needs_prefill_kernel = pytest.mark.skipif(prefill_kernel.kernel() is None,
