@@ -65,18 +65,25 @@ def run_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: 
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(send, enumerate(payloads)))
     wall = time.perf_counter() - t0
-    if count is not None:
-        for (messages, _), r in zip(payloads, results):
-            if "error" not in r and "completion_tokens" not in r["stats"]:
-                prompt, completion = count(messages, r["text"])
-                r["stats"] = {**r["stats"], "prompt_tokens": prompt, "completion_tokens": completion}
-                r["counted"] = True
+    fill_counts(payloads, results, count)
     cell = summarize(results, wall, mode, concurrency, system)
     if len(clients) > 1:
         cell["per_server"] = [{"server": i, **{k: v for k, v in summarize(
             [r for r in results if r["server"] == i], wall, mode, concurrency, system).items()
             if k in PER_SERVER_KEYS}} for i in range(len(clients))]
     return cell
+
+
+def fill_counts(payloads, results: list[dict], count) -> None:
+    """`count(messages, text) -> (prompt_tokens, completion_tokens)` for the answers whose server reported none
+    (after the cell, outside the timing)."""
+    if count is None:
+        return
+    for (messages, _), r in zip(payloads, results):
+        if "error" not in r and "completion_tokens" not in r["stats"]:
+            prompt, completion = count(messages, r["text"])
+            r["stats"] = {**r["stats"], "prompt_tokens": prompt, "completion_tokens": completion}
+            r["counted"] = True
 
 
 def run_rate_cell(client, model: str, payloads: list[tuple[list[dict], dict]], mode: str, rate: float,
@@ -103,12 +110,7 @@ def run_rate_cell(client, model: str, payloads: list[tuple[list[dict], dict]], m
     with ThreadPoolExecutor(min(len(payloads), 256)) as pool:  # every request in flight may be waiting at once
         results = list(pool.map(send, enumerate(payloads)))
     wall = time.perf_counter() - t0
-    if count is not None:
-        for (messages, _), r in zip(payloads, results):
-            if "error" not in r and "completion_tokens" not in r["stats"]:
-                prompt, completion = count(messages, r["text"])
-                r["stats"] = {**r["stats"], "prompt_tokens": prompt, "completion_tokens": completion}
-                r["counted"] = True
+    fill_counts(payloads, results, count)
     cell = summarize(results, wall, mode, None, system)
     good = [r for r in results if meets_slo(r, *slo)]
     cell.update(rate=rate, offered_s=round(arrivals[-1], 2), slo_ttft_s=slo[0], slo_tpot_s=slo[1],
