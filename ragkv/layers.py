@@ -37,12 +37,12 @@ def allowed(importer: str, imported: str) -> bool:
 # from the bottom. An import under `if TYPE_CHECKING:` (annotations only) is exempt.
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("measure",),              # per-request counters, FLOPs, risk signals, fidelity estimates
-    ("request", "kv"),         # segments, tools, option specs, registries; the KV cache, decode state, prefill
+    ("request", "kv"),         # segments, option specs, registries; the KV cache, decode state, prefill
     ("blocks",),               # block keys and encoding, the prefix cache, chat history, the block pool, loading
     ("fusion",),               # layouts and re-rotation, APE, shared block attention, CacheBlend, query-aware
     ("decode", "selections"),  # sampling, constrained decoding, the batched step; recompute selections
     ("modes",),                # one object per fusion mode
-    ("options", "scheduler"),  # a request's options (their choices: the modes'); the batching scheduler
+    ("options",),              # a request's options (their choices: the modes')
     ("engine",),               # the Engine: a request's whole path
 )
 

@@ -13,7 +13,7 @@ from tiny import make_segs
 from ragkv.engine.kv.kvbudget import KVBudget, kv_need
 from ragkv.engine.kv.kvcache import DECODE_HEADROOM, bytes_per_token
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.scheduler import KVTooLarge, Scheduler
+from ragkv.serve.scheduling import KVTooLarge, Scheduler
 
 
 class ByteText:

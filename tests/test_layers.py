@@ -126,7 +126,7 @@ def test_the_circle_check_catches_a_circle():
 
 def test_the_engine_sub_packages_import_down_a_request_path():
     """ragkv/layers.py ENGINE_LAYERS: measure < request, kv < blocks < fusion < decode, selections < modes <
-    options, scheduler < engine; imports for annotations only (under TYPE_CHECKING) are exempt."""
+    options < engine; imports for annotations only (under TYPE_CHECKING) are exempt."""
     engine = ROOT / "engine"
     parts = {p.name if p.is_dir() else p.stem for p in engine.iterdir()
              if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}

@@ -7,7 +7,7 @@ from tiny import IdText, make_segs
 
 from ragkv.engine.kv.state import decode_forward, decode_step, finish_decode
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.scheduler import Scheduler
+from ragkv.serve.scheduling import Scheduler
 from ragkv.models.loop import Forward, run_together
 
 TOL = 1e-4  # fp32: only the products' blocking differs with the row count (test_batched_decode's tolerance too)

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (ragkv.engine.scheduler) and prefill in units (Engine.start_steps)."""
+"""The continuous-batching scheduler (ragkv.serve.scheduling) and prefill in units (Engine.start_steps)."""
 
 import queue
 import threading
@@ -10,7 +10,7 @@ from tiny import make_segs
 
 from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.scheduler import LongPrefillsBusy, QueueFull, Scheduler
+from ragkv.serve.scheduling import LongPrefillsBusy, QueueFull, Scheduler
 
 
 class FakeSeq:
@@ -302,7 +302,7 @@ def test_the_long_lane_expects_the_share_of_the_worker_long_prefills_have_really
     """Long prefills' speed is measured, not assumed: under the fuzzers' load long units got less than LONG_SHARE of
     the wall clock, and a request admitted as able to end in 270 s got a 504 after 304 s (48-minute soak). The lane's
     share is the worker ms of long units over the wall ms during which one was admitted."""
-    from ragkv.engine.scheduler import Job, LongLane
+    from ragkv.serve.scheduling import Job, LongLane
 
     lane = LongLane()
     lane.SHARE_MIN_S = 0.1
@@ -548,7 +548,7 @@ def test_a_long_prefill_does_not_hold_its_own_tenants_later_requests():
 
 
 def test_waiting_requests_are_taken_round_robin_by_tenant():
-    from ragkv.engine.scheduler import Job, TenantQueues
+    from ragkv.serve.scheduling import Job, TenantQueues
 
     q = TenantQueues(maxsize=4)
     for name, tenant in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B")):

@@ -1,5 +1,5 @@
 """Tool calls (issue 50): the definitions in the system message and calls as <tool_call> blocks for any model
-(engine/request/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
+(serve/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
 each function's schema); the answer's calls are parsed into OpenAI's `tool_calls`."""
 
 import json
@@ -10,7 +10,7 @@ from tiny import default_model_available
 
 from ragkv.engine.decode.constrained import lark_grammar
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.request.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
+from ragkv.serve.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
 from ragkv.serve.schemas import ChatRequest, FieldError
 
 WEATHER = {"type": "function", "function": {

@@ -8,7 +8,7 @@ U+FFFD), and its bytes are that text's UTF-8."""
 from __future__ import annotations
 
 from ragkv.engine.decode.sampling import TokenLogprob
-from ragkv.engine.request.tools import parse_calls
+from ragkv.serve.tools import parse_calls
 
 
 class TokenText:

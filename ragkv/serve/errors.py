@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragkv.engine.scheduler import Cancelled, JobTimeout, LongPrefillsBusy, QueueFull, ShuttingDown
+from ragkv.serve.scheduling import Cancelled, JobTimeout, LongPrefillsBusy, QueueFull, ShuttingDown
 from ragkv.serve.budget import TenantOverBudget
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.rag.redis_catalog import LibraryUnavailableError

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 
-from ragkv.engine.scheduler import Cancelled, QueueFull, ShuttingDown
+from ragkv.serve.scheduling import Cancelled, QueueFull, ShuttingDown
 from ragkv.rag.catalog import library_exists
 from ragkv.rag.jobs import CANCELLED, ENDED, FAILED, INTERRUPTED, RUNNING, SUCCEEDED, JobBook
 from ragkv.settings import DEFAULT_TENANT

@@ -17,7 +17,7 @@ from ragkv.engine.decode.constrained import lark_grammar
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request.segments import Passage, Segments
-from ragkv.engine.request.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
+from ragkv.serve.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
 from ragkv.errors import InvalidRequestError, OptionError, RagkvError
 from ragkv.rag.order import order_passages
 from ragkv.serve.budget import TenantBudget, check_cost
@@ -40,7 +40,7 @@ class Prepared:
     sources: list[dict]
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
     tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
-    tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (engine/request/tools.py)
+    tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (serve/tools.py)
     cost: int = 0  # its prefill's token-layers at most (cold cache, its mode's worst case: check_prompt)
 
 
@@ -71,7 +71,7 @@ def as_passage(doc) -> Passage:
 
 
 def chat_turns(req: ChatRequest) -> tuple[str | None, list[dict], str]:
-    """A chat's system message (with the tools' definitions, as Qwen2.5's template writes them: engine/request/tools.py),
+    """A chat's system message (with the tools' definitions, as Qwen2.5's template writes them: serve/tools.py),
     its turns as the template renders them, and the last turn's own text (what retrieval searches for)."""
     msgs = req.messages
     system = next((m.text() for m in msgs if m.role in ("system", "developer")), None)

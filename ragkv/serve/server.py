@@ -12,7 +12,7 @@ from ragkv.engine.kv.kvbudget import KVBudget, freeze_long_lived, kv_need
 from ragkv.engine.kv.kvcache import bytes_per_token
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.scheduler import Job, QueueFull, Scheduler
+from ragkv.serve.scheduling import Job, QueueFull, Scheduler
 from ragkv.serve.auth import ApiKeys
 from ragkv.serve.budget import TenantBudget, TenantInFlight
 from ragkv.serve.ingest import IngestJobs

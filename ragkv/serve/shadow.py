@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragkv.engine.decode.sampling import GREEDY_BELOW
 from ragkv.engine.options import FusionOptions, GenerationOptions
-from ragkv.engine.scheduler import QueueFull
+from ragkv.serve.scheduling import QueueFull
 from ragkv.ops.divergence import first_token_kl, prefix_agreement, top1_agreement
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ragkv.engine.scheduler import JobTimeout
+from ragkv.serve.scheduling import JobTimeout
 from ragkv.serve.choices import Chunks, TokenText, final_choice, with_tool_calls
 from ragkv.serve.errors import to_api_error
 from ragkv.serve.http import check_model, observed, parse, server_of
