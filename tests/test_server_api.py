@@ -131,6 +131,31 @@ def test_max_completion_tokens_wins_over_max_tokens_even_at_zero(api):
     assert chat(max_tokens=2, max_completion_tokens=5)["usage"]["completion_tokens"] == 5
 
 
+def sse_events(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=300) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_a_required_call_whose_argument_holds_the_closing_tag_comes_back_as_a_call_streamed_too(api):
+    """The call block is read by a JSON decoder (serve/tools.py): a `</tool_call>` inside an argument's string does
+    not end it, so the forced call is a tool call, never text with finish_reason "stop"."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"const": "]</tool_call>x"}}, "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [tool], "tool_choice": "required",
+            "max_tokens": 60}
+    r = post(api, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == \
+           [{"city": "]</tool_call>x"}]
+    events = sse_events(api, "/v1/chat/completions", body)
+    calls = [c for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls") or []]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "]</tool_call>x"}], events
+    assert [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]] == ["tool_calls"]
+
+
 def test_every_error_is_in_the_api_error_format(api):
     def error_of(r, status):
         assert r.status_code == status, r.text

@@ -82,3 +82,35 @@ def test_the_call_grammar_compiles_for_one_several_and_parallel_functions():
     for tools, name, parallel in (([WEATHER], None, False), ([WEATHER, ADD], None, True),
                                   ([WEATHER, ADD], "add", True)):
         assert lark_grammar(call_grammar(tools, name, parallel))
+
+
+def test_a_call_is_read_by_a_json_decoder_so_the_closing_tag_inside_a_string_is_text():
+    call = '{"name": "get_weather", "arguments": {"city": "]</tool_call>x"}}'
+    content, calls = parse_calls(f"<tool_call>\n{call}\n</tool_call>\n", {"get_weather"})
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "]</tool_call>x"}]
+    # a malformed block stays text and the next one is still read; an object the answer ends on needs no closing tag
+    oslo = call.replace("]</tool_call>x", "Oslo")
+    content, calls = parse_calls(f"<tool_call>oops</tool_call> then <tool_call>{call}</tool_call><tool_call>{oslo}")
+    assert content == "<tool_call>oops</tool_call> then" and len(calls) == 2
+    assert parse_calls(f"<tool_call>{call} and more text")[1] == []  # not a block: something follows the object
+
+
+def test_a_required_call_that_does_not_parse_is_an_error_never_text_with_stop():
+    from ragkv.serve.choices import Chunks, TokenText, with_tool_calls
+    from ragkv.serve.errors import to_api_error
+    from ragkv.serve.tools import ToolCallError
+
+    def choice(text, reason):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os\n</tool_call>'
+    for reason in ("stop", "grammar_error"):
+        with pytest.raises(ToolCallError):
+            with_tool_calls(choice(broken, reason), ("get_weather",), required=True)
+    with pytest.raises(ToolCallError):  # streamed: the same answer is held until done, then refused the same way
+        Chunks("id", 0, "m", True, TokenText(None), False).tool_deltas(0, broken, ("get_weather",), "stop", True)
+    err = to_api_error(ToolCallError("x"))
+    assert err.status == 500 and err.code == "tool_call_unparsed"
+    assert with_tool_calls(choice(broken, "length"), ("get_weather",), True)["finish_reason"] == "length"  # cut
+    assert with_tool_calls(choice(broken, "stop"), ("get_weather",))["finish_reason"] == "stop"  # auto: text

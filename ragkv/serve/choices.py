@@ -8,7 +8,7 @@ U+FFFD), and its bytes are that text's UTF-8."""
 from __future__ import annotations
 
 from ragkv.engine.decode.sampling import TokenLogprob
-from ragkv.serve.tools import parse_calls
+from ragkv.serve.tools import ToolCallError, parse_calls
 
 
 class TokenText:
@@ -64,10 +64,21 @@ def final_choice(index: int, seq, chat: bool, text: TokenText, logprobs: bool) -
     return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.finish_reason)}
 
 
-def with_tool_calls(choice: dict, names: tuple[str, ...]) -> dict:
+def answer_calls(text: str, names: tuple[str, ...], reason: str, required: bool) -> tuple[str | None, list[dict]]:
+    """`parse_calls` over an answer offered the functions `names`. `required` (tool_choice required or named): an
+    answer that ended for any reason but its length and holds text besides calls is a ToolCallError, never text."""
+    content, calls = parse_calls(text, set(names))
+    if required and finish_reason(reason) != "length" and (not calls or content):
+        what = "text besides its calls" if calls else "no call that parses as a JSON call object"
+        raise ToolCallError(f"tool_choice asked for a function call, but the answer (finish reason {reason!r}) holds "
+                            f"{what}: {text[:200]!r}; send the request again")
+    return content, calls
+
+
+def with_tool_calls(choice: dict, names: tuple[str, ...], required: bool = False) -> dict:
     """A chat choice of a request offered the functions `names`: its calls as `message.tool_calls` (the text
     outside them stays the content, null when none) and finish_reason "tool_calls" when it called any."""
-    content, calls = parse_calls(choice["message"]["content"], set(names))
+    content, calls = answer_calls(choice["message"]["content"], names, choice["finish_reason"], required)
     if not calls:
         return choice
     return {**choice, "message": {"role": "assistant", "content": content, "tool_calls": calls},
@@ -103,10 +114,12 @@ class Chunks:
                                    "finish_reason": None}])
         return self.envelope([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None}])
 
-    def tool_deltas(self, index: int, text: str, names: tuple[str, ...]) -> tuple[list[dict], bool]:
+    def tool_deltas(self, index: int, text: str, names: tuple[str, ...], reason: str = "stop",
+                    required: bool = False) -> tuple[list[dict], bool]:
         """The chunks of a tools answer, sent whole when it is done (its text is only known to be calls then): the
-        content outside the call blocks, then each call as OpenAI's `delta.tool_calls[]`; and whether it called."""
-        content, calls = parse_calls(text, set(names))
+        content outside the call blocks, then each call as OpenAI's `delta.tool_calls[]`; and whether it called.
+        Raises ToolCallError as `answer_calls` does."""
+        content, calls = answer_calls(text, names, reason, required)
         out = []
         if content:
             out.append(self.envelope([{"index": index, "delta": {"content": content}, "logprobs": None,

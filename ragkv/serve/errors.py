@@ -16,6 +16,7 @@ from ragkv.serve.budget import TenantOverBudget
 from ragkv.errors import PromptTooLongError, RagkvError
 from ragkv.rag.redis_catalog import LibraryUnavailableError
 from ragkv.serve.requests import NamespaceForbidden
+from ragkv.serve.tools import ToolCallError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ def to_api_error(e: BaseException) -> ApiError:
         return ApiError(503, str(e), "server_error", "shutting_down", retry_after=1)
     if isinstance(e, Cancelled):
         return ApiError(409, f"the job was cancelled: {e}", code="cancelled")
+    if isinstance(e, ToolCallError):  # the model's answer, not the request, is at fault
+        log.warning("%s", e)
+        return ApiError(500, str(e), "server_error", "tool_call_unparsed")
     if isinstance(e, (JobTimeout, asyncio.TimeoutError, TimeoutError)):
         return ApiError(504, f"request timed out: {e}", "timeout_error", "timeout")
     log.exception("internal error", exc_info=e)

@@ -41,6 +41,7 @@ class Prepared:
     n: int = 1  # choices: one prefill, n sequences decoding in the batch
     tenant: str = DEFAULT_TENANT  # whose turn its prefill takes (the scheduler serves tenants round-robin)
     tools: tuple[str, ...] = ()  # the functions offered: its answers are parsed for calls to them (serve/tools.py)
+    calls_required: bool = False  # tool_choice required or named: an answer without a call is an error
     cost: int = 0  # its prefill's token-layers at most (cold cache, its mode's worst case: check_prompt)
 
 
@@ -237,7 +238,8 @@ class RequestBuilder:
             segs = self.engine.history_segments(rendered, system)
             fusion = self.fusion(req.ragkv, bool(segs.blocks), history=bool(segs.blocks))
         gen = self.generation(req, 256)
-        if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        if tools and forced:
             if gen.grammar is not None:
                 raise FieldError("tool_choice", "tool_choice required or named constrains the answer to calls; it "
                                                 "cannot be combined with response_format json")
@@ -254,7 +256,7 @@ class RequestBuilder:
         self.budget.charge(tenant, cost)
         names = tuple(t.function.name for t in req.tools) if tools else ()
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
-                        names, cost)
+                        names, tools and forced, cost)
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""

@@ -11,7 +11,6 @@ parsed afterwards."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
@@ -20,7 +19,6 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
                 "<args-json-object>}\n</tool_call>")
 MAX_PARALLEL = 4  # calls one constrained answer may hold
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def tools_system(system: str | None, tools: list[dict]) -> str:
@@ -91,20 +89,53 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool,
             f"body: %json {json.dumps(body)}\n")
 
 
-def _bare_calls(text: str, names: set[str]) -> list[re.Match] | None:
-    """A whole answer of bare JSON calls, one per line, each naming an offered function (small models drop the
-    tags: Qwen2.5-Coder-0.5B answers `{"name": "get_weather", "arguments": {...}}`), as matches; else None."""
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return None
-    for ln in lines:
+class ToolCallError(Exception):
+    """A `tool_choice` required or named answer that holds no parsable call: the server's failure, not text."""
+
+
+DECODER = json.JSONDecoder()
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _tagged_calls(text: str) -> list[tuple[int, int, object]]:
+    """Each `<tool_call>` block as (start, end, the JSON value after the tag). The value is read by a JSON decoder,
+    so a `</tool_call>` inside one of its strings is text; the closing tag is looked for after it (or the end of the
+    answer: a model may stop right after the object). A block that does not parse is skipped (it stays text)."""
+    out, at = [], 0
+    while (start := text.find(OPEN, at)) >= 0:
+        at = start + len(OPEN)
+        body = len(text) - len(text[at:].lstrip())
         try:
-            obj = json.loads(ln)
+            value, end = DECODER.raw_decode(text, body)
         except ValueError:
-            return None
+            continue
+        rest = len(text) - len(text[end:].lstrip())
+        if text.startswith(CLOSE, rest):
+            end = rest + len(CLOSE)
+        elif rest < len(text):
+            continue  # something else follows the object: not a call block
+        out.append((start, end, value))
+        at = end
+    return out
+
+
+def _bare_calls(text: str, names: set[str]) -> list[tuple[int, int, object]]:
+    """A whole answer of bare JSON calls, one per line, each naming an offered function (small models drop the
+    tags: Qwen2.5-Coder-0.5B answers `{"name": "get_weather", "arguments": {...}}`), as `_tagged_calls` gives them;
+    else none."""
+    out, at = [], 0
+    for line in text.splitlines(keepends=True):
+        start, at = at, at + len(line)
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return []
         if not isinstance(obj, dict) or obj.get("name") not in names or "arguments" not in obj:
-            return None
-    return list(re.finditer(r"^\s*(\{.*\})\s*$", text, re.MULTILINE))
+            return []
+        out.append((start, at, obj))
+    return out
 
 
 def parse_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[dict]]:
@@ -112,17 +143,18 @@ def parse_calls(text: str, names: set[str] | None = None) -> tuple[str | None, l
     JSON object with a name stays in the text. With `names` (the functions offered), an answer made only of bare
     JSON calls to them counts as calls too."""
     calls, kept, last, seen = [], [], 0, set()
-    found = list(CALL.finditer(text))
+    found = _tagged_calls(text)
     if not found and names:
-        found = _bare_calls(text, names) or []
-    for m in found:
+        found = _bare_calls(text, names)
+    for start, end, obj in found:
         try:
-            obj = json.loads(m.group(1))
             name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError):
             continue
-        kept.append(text[last:m.start()])
-        last = m.end()
+        if not isinstance(name, str):
+            continue
+        kept.append(text[last:start])
+        last = end
         same = json.dumps([name, args], sort_keys=True)
         if same in seen:  # a repeated call (small models repeat themselves) is one call
             continue

@@ -20,6 +20,7 @@ from ragkv.serve.errors import to_api_error
 from ragkv.serve.http import check_model, observed, parse, server_of
 from ragkv.serve.requests import Prepared
 from ragkv.serve.schemas import ChatRequest, CompletionRequest
+from ragkv.serve.tools import ToolCallError
 
 router = APIRouter()
 
@@ -132,7 +133,7 @@ async def complete(request: Request, req, prepared: list[Prepared], chat: bool):
     choices = [final_choice(k * req.n + i, s, chat, text, logprobs)
                for k, job in enumerate(jobs) for i, s in enumerate(job.seqs)]
     if chat and prepared[0].tools:  # call blocks become message.tool_calls
-        choices = [with_tool_calls(c, prepared[0].tools) for c in choices]
+        choices = [with_tool_calls(c, prepared[0].tools, prepared[0].calls_required) for c in choices]
     completion = sum(s.stats.completion_tokens for job in jobs for s in job.seqs)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": server.model_id, "choices": choices,
@@ -218,7 +219,13 @@ async def stream(request: Request, req, prepared: list[Prepared], chat: bool):
                     for i, s in enumerate(jobs[k].seqs):  # the request's last one carries the statistics
                         reason = s.out.finish_reason
                         if tools:
-                            pieces, called = chunks.tool_deltas(k * req.n + i, s.out.text, prepared[k].tools)
+                            try:
+                                pieces, called = chunks.tool_deltas(k * req.n + i, s.out.text, prepared[k].tools,
+                                                                    reason, prepared[k].calls_required)
+                            except ToolCallError as e:
+                                err = to_api_error(e)
+                                yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
+                                return
                             for piece in pieces:
                                 yield sse(piece)
                             reason = "tool_calls" if called else reason
