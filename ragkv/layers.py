@@ -39,8 +39,9 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("measure",),              # per-request counters, FLOPs, risk signals, fidelity estimates
     ("request", "kv"),         # segments, option specs, registries; the KV cache, decode state, prefill
     ("blocks",),               # block keys and encoding, the prefix cache, chat history, the block pool, loading
-    ("fusion",),               # layouts and re-rotation, APE, shared block attention, CacheBlend, query-aware
-    ("decode", "selections"),  # sampling, constrained decoding, the batched step; recompute selections
+    ("fusion",),               # layouts and re-rotation, APE, shared block attention, reuse's query
+    ("decode", "recompute"),   # sampling, constrained decoding, the batched step; selective recompute (one
+                               # module per selection, the rows they share, the Recompute record)
     ("modes",),                # one object per fusion mode
     ("options",),              # a request's options (their choices: the modes')
     ("engine",),               # the Engine: a request's whole path
@@ -50,7 +51,7 @@ ENGINE_RANK = {name: rank for rank, names in enumerate(ENGINE_LAYERS) for name i
 
 
 def engine_part(module: str) -> str | None:
-    """`ragkv.engine.fusion.blend` -> "fusion"; `ragkv.engine.engine` -> "engine"; outside the engine: None."""
+    """`ragkv.engine.fusion.context` -> "fusion"; `ragkv.engine.engine` -> "engine"; outside the engine: None."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["ragkv", "engine"] else None
 

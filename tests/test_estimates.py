@@ -11,7 +11,7 @@ from tiny import make_segs
 
 from ragkv.engine.measure.estimates import POPULATION, population_estimate
 from ragkv.engine.options import FusionOptions
-from ragkv.engine.selections import SELECTIONS
+from ragkv.engine.recompute import SELECTIONS
 
 GRID = Path(__file__).resolve().parent.parent / "docs/results/quality_selection"
 KEYS = {("reuse", None): ("reuse", 0.0), ("ape", None): ("ape", 0.0), ("blend", "deviation"): ("blend:r=0.15", 0.15),

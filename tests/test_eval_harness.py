@@ -560,7 +560,7 @@ def test_cli_calibrates_auto_on_held_out_records_and_auto_uses_it(default_engine
     for e in ex:
         st = default_engine.prefill(default_engine.segments(e.question, e.passages), FusionOptions(mode="auto",
                                                                                                   ratio=0.2))[1]
-        at_risk = st.extra["stage2_risks"][0][cal["signal"]] > cal["threshold"]
+        at_risk = st.recompute.risks[0][cal["signal"]] > cal["threshold"]
         assert st.fidelity["escalations"] == int(at_risk) and st.fidelity["exact"] == at_risk
         assert st.fidelity["calibration"] == "test" and st.fidelity["signal_name"] == cal["signal"]
         escalated.append(at_risk)

@@ -15,8 +15,8 @@ from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.request.segments import Segments
-from ragkv.engine.selections import SELECTIONS, get_selection
-from ragkv.engine.selections.base import Selection
+from ragkv.engine.recompute import SELECTIONS, get_selection
+from ragkv.engine.recompute.base import Selection
 from ragkv.errors import InvalidRequestError, OptionError
 from ragkv.ops.attention import attention_with_lse, block_attention_mask, merge_by_lse, sdpa
 from ragkv.store.memory import MemoryStore
@@ -190,7 +190,7 @@ def test_a_drafts_attention_joins_the_querys_and_the_draft_is_forgotten(tiny_eng
     _, drafted = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
     _, extended = eng.prefill(replace(segs, query=segs.query + draft),
                               FusionOptions(mode="blend", select="query", ratio=0.2))
-    assert drafted.extra["selected_per_block"] == extended.extra["selected_per_block"]
+    assert drafted.recompute.selected_per_block == extended.recompute.selected_per_block
     # a server's KV budget reserves the draft's rows too: stage 1's cache holds them until they are forgotten
     assert get_mode("blend").own_rows(segs, FusionOptions(**kw)) == segs.num_tokens + n
     with pytest.raises(InvalidRequestError, match="select='query'"):
@@ -225,7 +225,7 @@ def test_an_answer_that_begins_as_the_draft_did_takes_its_rows_without_a_forward
     for f, s in zip(fast, slow):
         assert f.token_ids == s.token_ids and maxdiff(f.first_logits, s.first_logits) <= TOL
         assert "lookahead_taken" not in s.stats.extra
-    draft, answer = fast[0].stats.extra["draft"], fast[0].token_ids
+    draft, answer = fast[0].stats.recompute.draft, fast[0].token_ids
     shared = next((i for i, (a, b) in enumerate(zip(draft, answer)) if a != b), min(len(draft), len(answer)))
     assert fast[0].stats.extra.get("lookahead_taken", 0) == min(shared, len(answer) - 1)
     assert choices[0].out.token_ids == slow[1].token_ids
@@ -247,7 +247,7 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
     assert s1.recomputed_tokens == n_block + Tq and s0.recomputed_tokens == Tq
     assert s1.recomputed_token_layers == (Tq + n_block + Tq) * L and s0.recomputed_token_layers == Tq * L
     seen = []  # what stage 1 scored and what was chosen from it
-    import ragkv.engine.fusion.query_select as qs
+    import ragkv.engine.recompute.query as qs
 
     def spy(score, layout, *args):
         seen.append((score.clone(), layout, qs_choose(score, layout, *args)))
@@ -259,8 +259,8 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
         _, part = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
     finally:
         qs.choose_tokens = qs_choose
-    assert part.extra["selected"] == (15 if not per_block else 4 + 6 + 5)
-    assert part.extra["stage2_kl"][0] >= 0 and part.extra["escalations"] == 0
+    assert part.recompute.selected == (15 if not per_block else 4 + 6 + 5)
+    assert part.recompute.risks[0]["shift"] >= 0 and part.recompute.escalations == 0
     (score, layout, chosen), = seen
     groups = list(zip(layout.block_offsets(), layout.block_lens)) if per_block else [(layout.prefix_len, n_block)]
     for off, n in groups:  # every chosen token is attended at least as much as every one left out
@@ -274,7 +274,7 @@ def test_query_aware_selection_keeps_the_extremes(tiny_engine, family, per_block
 def test_the_query_attention_score_is_each_context_tokens_softmax_mass():
     """ProphetKV's stage-1 score, checked against a per-head loop: sum over query heads and rows of the softmax over
     the context keys only, each query head reading the KV head it shares (GQA)."""
-    from ragkv.engine.fusion.query_select import QueryAttentionRecorder
+    from ragkv.engine.recompute.query import QueryAttentionRecorder
 
     g = torch.Generator().manual_seed(0)
     N, Tq, Hq, Hkv, D = 9, 3, 4, 2, 8
@@ -303,7 +303,7 @@ def test_auto_escalates_to_full_exactly_when_its_signal_exceeds_the_budget(tiny_
     assert sl.recomputed_token_layers == sc.recomputed_token_layers
     assert ss.fidelity["exact"] and ss.fidelity["escalations"] == 1 and ss.fidelity["signal"] is not None
     assert not sl.fidelity["exact"] and sl.fidelity["escalations"] == 0
-    assert sl.fidelity["signal"] == sc.fidelity["signal"] == sc.extra["stage2_kl"][0]
+    assert sl.fidelity["signal"] == sc.fidelity["signal"] == sc.recompute.risks[0]["shift"]
     assert eng.prefill(segs, FusionOptions(mode="full"))[1].fidelity == {"mode": "full", "exact": True}
 
 
@@ -318,8 +318,8 @@ def test_auto_on_the_expected_kl_escalates_within_its_budget(tiny_engine):
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
     cheap, _ = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.2))
     _, est = eng.prefill(segs, FusionOptions(mode="auto", ratio=0.2, signal="expected_kl", max_risk=100.0))
-    stated = est.extra["risk"]["expected_kl"]
-    share = est.extra["stage2_risks"][0]["expected_kl"]
+    stated = est.recompute.risk["expected_kl"]
+    share = est.recompute.risks[0]["expected_kl"]
     assert stated == share and 0 < stated < population_estimate("blend", "query", 0.0)["expected_kl"]
     eng.escalations = type(eng.escalations)(window=4)
     budget = dict(mode="auto", ratio=0.2, signal="expected_kl", max_risk=stated / 2, escalation_budget=0.5)
@@ -342,14 +342,14 @@ def test_sink_selection_recomputes_each_blocks_first_tokens(tiny_engine):
     every, _ = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=30))
     assert maxdiff(every.logits, full.logits) <= TOL
     one_pass, st = eng.prefill(segs, FusionOptions(mode="blend", select="sinks", sink_tokens=4))
-    assert st.extra["selected_per_block"] == [4, 4, 4]
+    assert st.recompute.selected_per_block == [4, 4, 4]
     # one pass (no stage 1) computes what stage 1 then stage 2 over the same rows does, for the query's rows only
     two_stage, s2 = eng.prefill(segs, FusionOptions(mode="blend", select="query", ratio=0.0, sink_tokens=4))
-    assert s2.extra["selected_per_block"] == [4, 4, 4]
+    assert s2.recompute.selected_per_block == [4, 4, 4]
     assert maxdiff(one_pass.logits, two_stage.logits) <= TOL
     Tq, L = len(segs.query), eng.num_layers
     assert st.recomputed_token_layers == (12 + Tq) * L == s2.recomputed_token_layers - Tq * L
-    assert st.recomputed_tokens == 12 + Tq and st.fidelity["signal_name"] and st.extra["risk"]["shift"] is None
+    assert st.recomputed_tokens == 12 + Tq and st.fidelity["signal_name"] and st.recompute.risk["shift"] is None
     with pytest.raises(InvalidRequestError, match="sink_tokens"):
         eng.prefill(segs, FusionOptions(mode="blend", select="sinks"))
 
@@ -365,7 +365,7 @@ def test_recent_selection_recomputes_the_tokens_nearest_the_query(tiny_engine, p
     part, sp = eng.prefill(segs, FusionOptions(ratio=0.2, **kw))
     Tq, L = len(segs.query), eng.num_layers
     # 15 of 75 block tokens: all in the last block (25 tokens), or 4 / 6 / 5 at each block's end
-    assert sp.extra["selected_per_block"] == ([4, 6, 5] if per_block else [0, 0, 15])
+    assert sp.recompute.selected_per_block == ([4, 6, 5] if per_block else [0, 0, 15])
     assert sp.recomputed_token_layers == (15 + Tq) * L and sp.recomputed_tokens == 15 + Tq
     assert s1.recomputed_token_layers == (75 + Tq) * L  # one pass: no stage 1 over the query
     assert not sp.fidelity["exact"] and sp.fidelity["select"] == "recent"
@@ -391,7 +391,7 @@ def test_blend_per_block_selection_keeps_r_of_each_block(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(20, 40, 60))
     _, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, select_per_block=True))
-    assert stats.extra["selected_per_block"] == [5, 10, 15] and stats.extra["selected"] == 30
+    assert stats.recompute.selected_per_block == [5, 10, 15] and stats.recompute.selected == 30
 
 
 def test_blend_check_rows_all_runs_every_row_through_the_check_layer(tiny_engine):
@@ -402,8 +402,8 @@ def test_blend_check_rows_all_runs_every_row_through_the_check_layer(tiny_engine
     _, sel = eng.prefill(segs, FusionOptions(**opts))
     _, every = eng.prefill(segs, FusionOptions(check_rows="all", **opts))
     total = segs.num_tokens  # every row of the prompt (the prefix too) runs the layers before the selection
-    kept = sel.extra["selected"] + len(segs.query)
-    assert every.extra["selected"] == sel.extra["selected"] == 20
+    kept = sel.recompute.selected + len(segs.query)
+    assert every.recompute.selected == sel.recompute.selected == 20
     assert every.recomputed_token_layers - sel.recomputed_token_layers == total - kept
 
 
@@ -413,8 +413,8 @@ def test_blend_intermediate_ratio_is_between(tiny_engine):
     full, _ = eng.prefill(segs, FusionOptions(mode="full"))
     reuse, _ = eng.prefill(segs, FusionOptions(mode="reuse"))
     mid, stats = eng.prefill(segs, FusionOptions(mode="blend", ratio=0.25, sink_tokens=2))
-    assert stats.extra["selected"] >= 30  # 25% of 120 plus forced sinks
-    assert stats.recomputed_tokens == stats.extra["selected"] + len(segs.query)
+    assert stats.recompute.selected >= 30  # 25% of 120 plus forced sinks
+    assert stats.recomputed_tokens == stats.recompute.selected + len(segs.query)
     # neither extreme, and nearer `full` than `reuse` is: the recompute moved the answer toward the exact one
     assert maxdiff(mid.logits, full.logits) > TOL and maxdiff(mid.logits, reuse.logits) > TOL
     assert maxdiff(mid.logits, full.logits) < maxdiff(reuse.logits, full.logits)
@@ -520,7 +520,7 @@ def test_rope_into_matches_apply_rope(dtype, tiny_loaded):
 def test_gradual_filtering_schedule_narrows_and_averages_r_over_the_layers(checks, r):
     """CacheBlend sec. 4.3: a little more than r first, narrowing at each check layer, r on average over the layers
     each ratio applies to (from its check layer to the next, the last one's to the last layer): the work is r's."""
-    from ragkv.engine.fusion.blend import check_ratios
+    from ragkv.engine.recompute.deviation import check_ratios
 
     L = 30
     ratios = check_ratios(FusionOptions(mode="blend", ratio=r, check_layers=checks, gradual=True), L)
@@ -562,15 +562,14 @@ def test_cached_tokens_count_only_what_the_store_held(tiny_engine, mode):
 
 @pytest.mark.parametrize("select", [s for s in SELECTIONS if s != "sinks"])  # sinks: its own test above
 def test_every_registered_selection_keeps_the_extremes(tiny_engine, select):
-    """Invariant 6 for each selection object in engine/selections (a new one is covered by being registered), and
+    """Invariant 6 for each selection object in engine/recompute (a new one is covered by being registered), and
     the one vocabulary every selection records."""
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(20, 30, 25))
     s1, s0 = assert_selection_extremes(eng, segs, dict(mode="blend", select=select))
     for stats, chosen in ((s1, 75), (s0, 0)):
-        x = stats.extra
-        assert (x["select"], x["selected"], x["block_tokens"], sum(x["selected_per_block"])) == (select, chosen, 75,
-                                                                                                 chosen)
+        x = stats.recompute
+        assert (x.select, x.selected, x.block_tokens, sum(x.selected_per_block)) == (select, chosen, 75, chosen)
     sel = get_selection(select)
     assert isinstance(sel, Selection) and sel.name == select and sel.summary and sel.source
 

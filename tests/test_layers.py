@@ -49,7 +49,7 @@ def test_no_module_imports_a_higher_layer_or_a_sibling():
 def test_the_check_catches_an_upward_import():
     assert not allowed("ragkv.store.disk", "ragkv.engine.engine")
     assert not allowed("ragkv.serve.app", "ragkv.train.loop")       # siblings on one layer
-    assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion.context", "ragkv.engine.fusion.blend")
+    assert allowed("ragkv.cli.ask", "ragkv.engine.engine") and allowed("ragkv.engine.fusion.context", "ragkv.engine.fusion.ape")
 
 
 def _type_checking_block(node: ast.AST) -> bool:
@@ -125,7 +125,7 @@ def test_the_circle_check_catches_a_circle():
 
 
 def test_the_engine_sub_packages_import_down_a_request_path():
-    """ragkv/layers.py ENGINE_LAYERS: measure < request, kv < blocks < fusion < decode, selections < modes <
+    """ragkv/layers.py ENGINE_LAYERS: measure < request, kv < blocks < fusion < decode, recompute < modes <
     options < engine; imports for annotations only (under TYPE_CHECKING) are exempt."""
     engine = ROOT / "engine"
     parts = {p.name if p.is_dir() else p.stem for p in engine.iterdir()
@@ -142,4 +142,4 @@ def test_the_engine_sub_packages_import_down_a_request_path():
                     for m in names if m.startswith("ragkv.engine.") and not engine_allowed(module, m)]
     assert not bad, "upward or sideways imports inside the engine:\n" + "\n".join(bad)
     assert not engine_allowed("ragkv.engine.kv.state", "ragkv.engine.fusion.layout")
-    assert not engine_allowed("ragkv.engine.decode.generate", "ragkv.engine.selections.base")  # siblings
+    assert not engine_allowed("ragkv.engine.decode.generate", "ragkv.engine.recompute.base")  # siblings

@@ -38,7 +38,7 @@ def answer(engine, segs, fusion: FusionOptions, gen: GenerationOptions, lookahea
     s = seq.stats
     return {"tokens": list(seq.out.token_ids), "total_ms": round((time.perf_counter() - t0) * 1000, 1),
             "ttft_ms": round(s.ttft_ms, 1), "decode_ms": round(s.decode_ms, 1),
-            "taken": s.extra.get("lookahead_taken", 0), "draft": list(s.extra.get("draft", []))}
+            "taken": s.extra.get("lookahead_taken", 0), "draft": list(s.recompute.draft) if s.recompute else []}
 
 
 def run_lookahead_bench(engine, cfg: LookaheadBenchConfig, questions: list[tuple[str, object]], out_dir: Path,

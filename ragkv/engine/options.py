@@ -9,7 +9,7 @@ from ragkv.engine.measure.risk import SIGNALS
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.request.generation import GenerationOptions
 from ragkv.engine.request.option_spec import OptionSpec, check_option, option, option_specs
-from ragkv.engine.selections import SELECTIONS
+from ragkv.engine.recompute import SELECTIONS
 from ragkv.errors import OptionError
 
 

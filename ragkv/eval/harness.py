@@ -141,11 +141,12 @@ def make_record(ex: Example, spec: ModeSpec, ans, ref, segs, encode_ms: float, n
            "finish_reason": ans.finish_reason, "scores": task_scores(ex, ans.text) if n_fid else {},
            "fidelity": fidelity(ref, ans, n_fid), "ttft_ms": round(s.ttft_ms, 3), "encode_ms": round(encode_ms, 3),
            "reused_tokens": s.reused_tokens, "recomputed_tokens": s.recomputed_tokens,
-           # the prompt's work as token-layers, and as a fraction of a full prefill's (issue 13's accounting)
+           # the prompt's work as token-layers, and as a fraction of a full prefill's
            "recomputed_token_layers": s.recomputed_token_layers, "full_token_layers": s.full_token_layers,
            "recompute_vs_full": s.to_dict()["recompute_vs_full"],
            "prompt_tokens": s.prompt_tokens, "num_passages": len(segs.blocks), "cache_hits": s.cache_hits,
            "completion_tokens": s.completion_tokens, "decode_ms": round(s.decode_ms, 3), "stats_extra": s.extra,
+           "recompute": s.recompute.to_dict() if s.recompute is not None else None,  # what blend's selection chose
            "mode_fidelity": s.fidelity,  # how the mode says it computed the answer (exact or not, signal)
            # the answer's own first-token entropy and margin: features a per-reply estimate reads (engine/estimates)
            "answer_confidence": {k: round(v, 6) for k, v in confidence(ans.first_logits).items()},

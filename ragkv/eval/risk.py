@@ -61,18 +61,24 @@ def choose_threshold(risks: list[float], kls: list[float], target_kl: float, max
             "target_met": left <= target_kl, "n": n}
 
 
+def record_risk(record: dict) -> dict | None:
+    """An eval record's first stage-2 risk signals: its Recompute record's, or where records older than it kept
+    them (`stats_extra.risk`)."""
+    return (record.get("recompute") or {}).get("risk") or (record.get("stats_extra") or {}).get("risk")
+
+
 def calibrate_auto(records: list[dict], mode_key: str, target_kl: float, max_escalation: float,
                    signal: str | None = None) -> dict:
     """From eval records of `full` and one query-aware blend (`mode_key`) on held-out data: each signal's rank
     correlation with the blend's first-token KL to full and with its top-1 disagreement, the signal chosen (the
     given one, else the one that ranks the KL best) and its threshold (`choose_threshold`)."""
-    rows = [r for r in records if r.get("mode_key") == mode_key and (r.get("stats_extra") or {}).get("risk")]
+    rows = [r for r in records if r.get("mode_key") == mode_key and record_risk(r)]
     if len(rows) < 3:
         raise ValueError(f"calibrating auto needs at least 3 records of {mode_key!r} with risk signals (a "
                          f"query-aware blend: blend:sel=query,r=...), found {len(rows)}")
     kls = [r["fidelity"]["first_token_kl"] for r in rows]
     misses = [1.0 - r["fidelity"]["top1_agreement"] for r in rows]
-    values = {s: [r["stats_extra"]["risk"].get(s) for r in rows] for s in SIGNALS}
+    values = {s: [record_risk(r).get(s) for r in rows] for s in SIGNALS}
     values = {s: v for s, v in values.items() if None not in v}  # a signal the records lack is not a candidate
     if signal is not None and signal not in values:
         raise ValueError(f"the records carry no {signal!r} signal for every example")

@@ -23,7 +23,7 @@ class DecodeState:
     logits: torch.Tensor  # [V] fp32: distribution of the next token
     attention: AttentionPolicy | None = None
     # tokens whose rows the prefill already computed, each with the next token's distribution after it (a draft
-    # that blend's stage 2 ran beside the query, query_select.py); their KV are the cache's last rows
+    # that blend's stage 2 ran beside the query, recompute/query.py); their KV are the cache's last rows
     lookahead: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def take_lookahead(self, token: int) -> bool:

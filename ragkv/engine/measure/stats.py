@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the recompute record sits above the counters
+    from ragkv.engine.recompute.record import Recompute
 
 
 @dataclass
@@ -30,7 +34,8 @@ class RequestStats:
     # how it was computed and how close to exact it is believed to be (each mode's `fidelity`): exact or not,
     # what was reused and recomputed, and the request's own fidelity signal where the mode has one
     fidelity: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
+    recompute: "Recompute | None" = None  # what a selective recompute chose and read (blend, auto)
+    extra: dict = field(default_factory=dict)  # what a mode or the store adds that no field names
 
     @property
     def tokens_per_s(self) -> float:
@@ -38,6 +43,7 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["recompute"] = self.recompute.to_dict() if self.recompute is not None else None
         d["tokens_per_s"] = round(self.tokens_per_s, 2)
         d["recompute_vs_full"] = round(self.recomputed_token_layers / self.full_token_layers, 4) \
             if self.full_token_layers else None

@@ -13,7 +13,7 @@ from functools import partial
 
 from ragkv.engine.modes.blend import Blend
 from ragkv.engine.modes.registry import register
-from ragkv.engine.selections import get_selection
+from ragkv.engine.recompute import get_selection
 
 
 @register
@@ -38,15 +38,16 @@ class Auto(Blend):
         signal = fusion.signal or engine.auto_signal
         # the budget: beyond its share of recent answers escalated, an answer at risk keeps its cheap recompute
         spent = fusion.escalation_budget < 1.0 and engine.escalations.share() >= fusion.escalation_budget
-        stats.extra.update(max_risk=limit, calibration=engine.auto_source if fusion.max_risk is None else None,
-                           escalation_budget=fusion.escalation_budget, budget_spent=spent)
         expect = partial(engine.expected_kl, select="query")
         # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
         state = yield from get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
                                                fusion, capacity, stats, signal,
                                                ratios=(fusion.ratio,) if spent else (fusion.ratio, 1.0),
                                                max_signal=limit, expect=expect)
-        engine.escalations.add(stats.extra.get("escalations", 0) > 0)
+        rec = stats.recompute
+        rec.max_risk, rec.calibration = limit, engine.auto_source if fusion.max_risk is None else None
+        rec.escalation_budget, rec.budget_spent = fusion.escalation_budget, spent
+        engine.escalations.add(rec.escalations > 0)
         return state
 
     def selection(self, fusion) -> str:
@@ -54,10 +55,9 @@ class Auto(Blend):
 
     def fidelity(self, fusion, stats):
         out = super().fidelity(fusion, stats)
-        x = stats.extra
-        out.update(select="query", max_risk=x.get("max_risk"), escalations=x.get("escalations", 0),
-                   final_ratio=x.get("final_ratio"), calibration=x.get("calibration"),
-                   budget_spent=x.get("budget_spent", False))
+        rec = self.record(fusion, stats)
+        out.update(select="query", max_risk=rec.max_risk, escalations=rec.escalations, final_ratio=rec.share,
+                   calibration=rec.calibration, budget_spent=rec.budget_spent)
         return out
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):

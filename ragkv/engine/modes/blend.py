@@ -1,5 +1,5 @@
 """`blend`: `reuse`, then a fraction r of the block tokens recomputed, chosen by a selection
-(ragkv/engine/selections: CacheBlend's deviation, the default; ProphetKV's query-aware; EPIC's sinks; recent).
+(ragkv/engine/recompute: CacheBlend's deviation, the default; ProphetKV's query-aware; EPIC's sinks; recent).
 The loading controller chooses the tier to read each block from and, with `auto_ratio`, raises r to what loading
 hides. r = 1 equals `full`, r = 0 `reuse`, for every selection (invariant 6)."""
 
@@ -11,7 +11,8 @@ from functools import partial
 from ragkv.engine.measure.estimates import EXACT_ESTIMATE, population_estimate
 from ragkv.engine.modes.base import BlockMode
 from ragkv.engine.modes.registry import register
-from ragkv.engine.selections import get_selection
+from ragkv.engine.recompute import Recompute, get_selection
+from ragkv.engine.recompute.rows import keep_count
 from ragkv.errors import OptionError
 
 
@@ -34,9 +35,6 @@ class Blend(BlockMode):
             raise OptionError("check_layers", f"check layer {fusion.check_layers[-1]} does not exist: this model's "
                                               f"check layers are 1..{engine.num_layers - 1} (check_layers)")
         get_selection(fusion.select).check(fusion)
-        if fusion.draft_tokens and fusion.select != "query":
-            raise OptionError("draft_tokens", "draft_tokens scores the context by a draft's attention: it needs "
-                                              "select='query' (or set draft_tokens=0)")
 
     def load_schedule(self, engine, res, fusion, stats):
         if res.uncached:  # some blocks live only in this request's memory: nothing to schedule
@@ -58,10 +56,9 @@ class Blend(BlockMode):
                                                                  engine.auto_signal, expect=expect))
 
     def fidelity(self, fusion, stats):
-        x = stats.extra
-        risk, name = x.get("risk"), x.get("risk_signal")
-        exact = x.get("selected") == x.get("block_tokens")  # every block token recomputed: full's answer
-        share = (x.get("selected") or 0) / x["block_tokens"] if x.get("block_tokens") else 0.0
+        rec = self.record(fusion, stats)
+        risk, name = rec.risk, rec.signal
+        exact = rec.exact  # every block token recomputed: full's answer
         return {"mode": self.name, "exact": exact,
                 "select": fusion.select, "ratio": fusion.ratio, "conditioning": fusion.conditioning,
                 "draft_tokens": fusion.draft_tokens,
@@ -71,7 +68,11 @@ class Blend(BlockMode):
                 "signal": risk[name] if risk else None, "signal_name": name if risk else None,
                 # how close it is expected to be (a population's figures at the recomputed share: engine/estimates)
                 "estimate": EXACT_ESTIMATE if exact else population_estimate(self.name, self.selection(fusion),
-                                                                             share)}
+                                                                             rec.share)}
+
+    def record(self, fusion, stats) -> Recompute:
+        """The request's Recompute record; none where no block token was there to choose (its answer is exact)."""
+        return stats.recompute or Recompute(select=self.selection(fusion), block_tokens=0)
 
     def selection(self, fusion) -> str:
         return fusion.select
@@ -79,7 +80,7 @@ class Blend(BlockMode):
     def worst_token_layers(self, segs, fusion, num_layers):
         # blocks encoded, then the query again (stage 1) and the selected rows with the query and a draft twice
         blocks = sum(len(b) for b in segs.blocks)
-        again = len(segs.query) + int(fusion.ratio * blocks + 0.999) + fusion.sink_tokens * len(segs.blocks)
+        again = len(segs.query) + keep_count(fusion.ratio, blocks) + fusion.sink_tokens * len(segs.blocks)
         again += len(segs.query) + 2 * fusion.draft_tokens
         return super().worst_token_layers(segs, fusion, num_layers) + min(again, 2 * segs.num_tokens) * num_layers
 

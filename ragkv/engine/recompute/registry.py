@@ -1,5 +1,5 @@
 """Selection name -> selection object (`blend`'s and `auto`'s `select`). A selection module registers its class with
-`@register`; `ragkv.engine.selections` imports every module of the package, so adding one is adding a module."""
+`@register`; `ragkv.engine.recompute` imports every module of the package, so adding one is adding a module."""
 
 from __future__ import annotations
 

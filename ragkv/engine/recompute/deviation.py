@@ -1,4 +1,4 @@
-"""CacheBlend selective recompute (Yao et al., EuroSys'25, sec. 4).
+"""`deviation`: CacheBlend's selective recompute (Yao et al., EuroSys'25, sec. 4), the default selection.
 
 Independently cached blocks miss each other's attention. CacheBlend recomputes, layer by layer, only the
 tokens whose KV deviates most from a full prefill ("HKVD" tokens, sec. 4.2): layers before the first check
@@ -23,17 +23,16 @@ from ragkv.engine.fusion.context import context_rotation, load_context_layer
 from ragkv.engine.fusion.layout import Layout
 from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.kv.state import DecodeState
+from ragkv.engine.measure.flops import attention_flops, head_flops, linear_flops, rows_flops
 from ragkv.engine.measure.stats import RequestStats
-from ragkv.errors import InvalidRequestError
+from ragkv.engine.recompute.base import Selection
+from ragkv.engine.recompute.record import Recompute
+from ragkv.engine.recompute.registry import register
+from ragkv.engine.recompute.rows import RecomputedRows, check_recomputable, keep_count
 from ragkv.models.loop import Forward, computed
-from ragkv.ops.attention import sdpa
 
-if TYPE_CHECKING:  # annotations only: the options import the modes, which import this module
+if TYPE_CHECKING:  # annotations only: the options import the selections
     from ragkv.engine.options import FusionOptions
-
-
-def keep_count(ratio: float, n_block: int) -> int:
-    return min(n_block, int(round(ratio * n_block)))
 
 
 GRADUAL_SPREAD = 0.5  # gradual filtering starts at r + 0.5 min(r, 1 - r) and ends at r - 0.5 min(r, 1 - r)
@@ -60,42 +59,6 @@ def check_ratios(opts: FusionOptions, num_layers: int) -> list[float]:
     return [min(1.0, max(0.0, r + d * (x - mean_c))) for x in c]
 
 
-def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                    max_chunks: int = 8, min_rows: int = 64) -> torch.Tensor:
-    """Causal attention of the recomputed rows (ascending positions `pos`, cache index == position) over the cache.
-
-    A masked kernel cannot skip the keys after a row, so the rows go in position-ordered chunks, each against
-    only the keys up to its last row: ~(1 + 1/chunks)/2 of the rectangle instead of all of it.
-    """
-    S, total = q.shape[2], keys.shape[2]
-    if S == total:  # every row recomputed (layers up to the check): the causal kernel
-        return sdpa(q, keys, values, causal=True)
-    n = max(1, min(max_chunks, S // min_rows))
-    bounds = [round(j * S / n) for j in range(n + 1)]
-    ends = pos[[b - 1 for b in bounds[1:]]].tolist()  # one host read per layer
-    out = torch.empty_like(q)
-    for a, b, end in zip(bounds[:-1], bounds[1:], ends):
-        mask = torch.arange(end + 1, device=q.device).unsqueeze(0) <= pos[a:b].unsqueeze(1)
-        out[:, :, a:b] = sdpa(q[:, :, a:b], keys[:, :, :end + 1], values[:, :, :end + 1], mask=mask)
-    return out
-
-
-class RecomputedRows:
-    """The rows in x are the tokens at cache indices `sel` (ascending; == `positions` in the sequential layout): at
-    each layer their fresh K/V overwrite the cached ones, then they attend causally over the whole cache."""
-    cache: KVCache
-    sel: torch.Tensor
-    positions: torch.Tensor
-    total: int
-
-    def store(self, layer, raw_k, k, v):
-        self.cache.overwrite(layer, self.sel, k, v)
-        return self.cache.keys[layer][:, :, :self.total], self.cache.values[layer][:, :, :self.total]
-
-    def attend(self, layer, q, kv):
-        return attend_selected(q, *kv, self.positions)
-
-
 class BlendPlan(RecomputedRows):
     """All rows start in x; before each layer the cached context is fetched and written; at a check layer the
     candidates' fresh V (or K) is compared with the cached one and only the most deviating block tokens (plus
@@ -107,9 +70,7 @@ class BlendPlan(RecomputedRows):
         self.model, self.cache, self.layers, self.stats, self.opts = model, cache, iter(layer_iter), stats, opts
         self.N, self.P, self.total = layout.context_len, layout.prefix_len, total
         self.n_block = self.N - self.P
-        window = model.args.sliding_window
-        if window is not None and window < total:
-            raise InvalidRequestError("blend is not supported past a sliding window; use reuse or full")
+        check_recomputable(model, layout, total)
         self.cos, self.sin = context_rotation(model, layout)
         self.all_positions = torch.arange(total, device=dev)  # sequential layout: cache index == position
         self.within = torch.full((total,), -1, device=dev)  # index inside its block, for attention sinks
@@ -201,8 +162,29 @@ def prefill_blend(model, layer_iter, layout: Layout, context_ids: list[int], que
     stats.recomputed_token_layers = plan.token_layers
     sel = plan.sel if plan.pending is None else plan.sel[plan.pending]
     per_block = [int(((sel >= off) & (sel < off + n)).sum()) for off, n in plan.blocks]
-    # the selections' one vocabulary (query_select.record_selection), and what only CacheBlend's has
-    stats.extra.update(select="deviation", selected=plan.kept_block, selected_per_block=per_block,
-                       block_tokens=plan.n_block, check_layers=list(opts.check_layers),
-                       projected_rows=plan.projected_rows)
+    # CacheBlend records no risk signals (its deviation check is not a stage-1 answer)
+    stats.recompute = Recompute(select="deviation", block_tokens=plan.n_block, selected=plan.kept_block,
+                                selected_per_block=per_block, check_layers=list(opts.check_layers),
+                                projected_rows=plan.projected_rows)
     return DecodeState(cache, total, logits)
+
+
+@register
+class Deviation(Selection):
+    name = "deviation"
+    summary = "CacheBlend: the tokens whose KV deviates most at the check layer(s)"
+    source = "CacheBlend, Yao et al., EuroSys'25 (arXiv 2405.16444), sec. 4.2-4.3"
+
+    def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal, expect=None):
+        # no stage-1 answer to read risk signals from: `expect` goes unused
+        return (yield from prefill_blend(model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats))
+
+    def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
+        L, check = a.num_layers, fusion.check_layers[0]
+        early = rows_flops(a, 0, context + query, check)  # layers before the check: every token
+        check_v = 2 * a.hidden_size * a.num_kv_heads * a.head_dim * (context - prefix_len)
+        selected = keep_count(fusion.ratio, context - prefix_len)
+        rows = selected + query  # selected block tokens spread over the context: attend ~half of it on average
+        late = (L - check) * (rows * linear_flops(a) + attention_flops(a, selected * context // 2
+                                                                     + query * context + query * query // 2))
+        return early + check_v + late + head_flops(a)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.engine.fusion.query_select import choose_tokens
-from ragkv.engine.selections.base import StaticSelection
-from ragkv.engine.selections.registry import register
+from ragkv.engine.recompute.rows import choose_tokens
+from ragkv.engine.recompute.base import StaticSelection
+from ragkv.engine.recompute.registry import register
 
 
 @register

@@ -3,9 +3,9 @@ and the query recomputed, nothing chosen at run time."""
 
 from __future__ import annotations
 
-from ragkv.engine.fusion.query_select import choose_tokens
-from ragkv.engine.selections.base import StaticSelection
-from ragkv.engine.selections.registry import register
+from ragkv.engine.recompute.rows import choose_tokens
+from ragkv.engine.recompute.base import StaticSelection
+from ragkv.engine.recompute.registry import register
 from ragkv.errors import OptionError
 
 
@@ -16,6 +16,7 @@ class Sinks(StaticSelection):
     source = "EPIC (LegoLink), ICML 2025, arXiv 2410.15332"
 
     def check(self, fusion):
+        super().check(fusion)
         if fusion.sink_tokens < 1:
             raise OptionError("sink_tokens", "select='sinks' recomputes each block's first sink_tokens tokens: set "
                                              "sink_tokens >= 1 (EPIC recomputes a handful, e.g. 4-16)")
