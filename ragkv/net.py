@@ -3,6 +3,7 @@ local servers."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from pathlib import Path
@@ -57,3 +58,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port or stop "
                                "what holds it") from None
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") names this machine's loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1, as a dual-stack socket shows an IPv4 bind
+    return (mapped or ip).is_loopback

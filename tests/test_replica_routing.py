@@ -218,3 +218,15 @@ def test_the_bench_compares_every_router_with_the_single_server_and_round_robin(
     assert s["home_slack_1_ttft_p50_vs_round_robin"] == 0.4 and s["affinity_ttft_p50_vs_round_robin"] == 0.5
     with pytest.raises(InvalidRequestError, match=":SLACK"):
         ReplicaBenchConfig(routers=("home:x",))
+
+
+def test_a_host_beyond_loopback_or_a_joined_cluster_says_what_it_exposes_and_how_to_protect_it():
+    from ragkv.cli.serve_replicas import exposure_warning
+
+    assert exposure_warning("127.0.0.1", 8000, None, True) is None
+    assert exposure_warning("::1", 8000, None, False) is None
+    said = exposure_warning("0.0.0.0", 8000, None, True)
+    assert "0.0.0.0:8000" in said and "stay on 127.0.0.1" in said and "--api-key" in said
+    said = exposure_warning("127.0.0.1", 8000, "auto", True)
+    assert "RAY_AUTH_MODE=token" in said and "private network" in said
+    assert "no authentication" in exposure_warning("10.0.0.5", 8000, "ray://head:10001", False)

@@ -1,18 +1,21 @@
 """`ragkv serve --replicas 2` on a real local Ray Serve (127.0.0.1): the single server's API through Ray Serve's
 proxy, each passage set answered by the replica holding its blocks, and a replica killed mid-answer failing only
-its own requests while Ray starts another (issue 51)."""
+its own requests while Ray starts another, and every socket of the server and its Ray on loopback."""
 
+import ipaddress
 import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from ragkv.bench.replica_soak import descendants_named
 from ragkv.bench.serve import ServerProcess
+from ragkv.net import is_loopback
 from tiny import default_model_available
 
 pytest.importorskip("ray.serve", reason="the replicas extra (ray[serve]) is not installed")
@@ -154,3 +157,36 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(server):
     assert r.status_code == 200, r.text
     listed = httpx.get(server.url + "/v1/documents", headers=A, timeout=60).json()["data"]
     assert {"doc-0", "doc-1"} <= {d["doc_id"] for d in listed}  # no acknowledged document lost
+
+
+def listening_sockets(root: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in the process tree of `root` (Linux /proc)."""
+    inodes = {}
+    for pid in [root] + descendants_named(root, ""):
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes[link[8:-1]] = pid
+        except OSError:  # a process that ended meanwhile
+            continue
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_ip)  # the kernel writes each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16), inodes[fields[9]]))
+    return found
+
+
+def test_every_socket_of_the_server_and_its_ray_listens_on_loopback(server):
+    found = listening_sockets(server.proc.pid)
+    ports = {port for _, port, _ in found}
+    # the driver, GCS, raylet, agents, controller, proxy and three replicas listen: all seen
+    assert server.port in ports and len({pid for *_, pid in found}) >= 8, found
+    outside = [s for s in found if not is_loopback(s[0])]
+    assert not outside, f"listening beyond loopback: {outside}"

@@ -11,13 +11,34 @@ import threading
 from functools import partial
 
 from ragkv.errors import InvalidRequestError
+from ragkv.net import is_loopback
 
 log = logging.getLogger("ragkv.serve")
 PASSED_ENV = ("RAGKV_", "HF_", "TRANSFORMERS_")  # settings every replica must see as this process does
+# "0": Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1, so GCS, raylet,
+# workers, agents and metrics listen on loopback only; read when ray is imported
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def exposure_warning(host: str, port: int, ray_address: str | None, token_auth: bool) -> str | None:
+    """What `--replicas` exposes beyond loopback and how to protect it, or None when nothing is."""
+    protect = ("start that cluster with RAY_AUTH_MODE=token (Ray's token authentication: `ray get-auth-token "
+               "--generate`) and keep it on a private network" if token_auth else
+               "this Ray has no authentication: keep the cluster on a private network or behind a firewall")
+    if ray_address:
+        return (f"--ray-address {ray_address}: the cluster's GCS, raylets and workers listen where its nodes were "
+                f"started, and Ray runs code for whoever reaches them: {protect}")
+    if is_loopback(host):
+        return None
+    return (f"--host {host}: Ray Serve's HTTP proxy listens on {host}:{port} (ragkv's API under --api-key, and "
+            "Serve's own /-/routes and /-/healthz with no key); the local Ray cluster's ports stay on 127.0.0.1. "
+            "Pass --api-key and keep the port on a private network or behind a firewall")
 
 
 def run_replicas(args, build_server) -> int:
     """`build_server(args, worker_thread, keys)`: cli/serve.py's, passed in (it imports this module)."""
+    if not args.ray_address:
+        os.environ.setdefault(LOCAL_ONLY_ENV, "0")  # inherited by every process the local Ray starts
     try:
         import ray
         from ray import serve
@@ -46,6 +67,11 @@ def run_replicas(args, build_server) -> int:
             log.warning("%d replicas x %d threads need %d CPUs; this machine has %d: they will share them",
                         args.replicas, args.replica_threads, need, cpus)
         ray.init(num_cpus=max(cpus, need), object_store_memory=256 << 20, **init)
+        if not is_loopback(ray.util.get_node_ip_address()):  # ray was imported before the variable was set
+            log.warning("the local Ray cluster listens on %s, not on loopback", ray.util.get_node_ip_address())
+    warning = exposure_warning(args.host, args.port, args.ray_address, token_auth_available())
+    if warning:
+        log.warning("%s", warning)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -63,3 +89,10 @@ def run_replicas(args, build_server) -> int:
         serve.shutdown()  # each replica flushes its store's write-back as it stops
         ray.shutdown()
     return 0
+
+
+def token_auth_available() -> bool:
+    """Whether the installed Ray has token authentication (RAY_AUTH_MODE=token)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray._private.authentication") is not None

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ragkv.net import is_loopback
 from ragkv.serve.replicas.forward import call_asgi
 from ragkv.serve.replicas.route_keys import RouteKeys
 from ragkv.serve.replicas.router import ROUTE_KWARG, BlockAffinityRouter
@@ -43,6 +44,28 @@ async def rest_of(stream, sse: bool):
             yield ("data: " + json.dumps({"error": failure_body(e)["error"]}) + "\n\n").encode()
 
 
+def keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve binds each replica's inter-deployment gRPC server to every interface ("[::]:0", no option for it);
+    on a node whose address is loopback (a local `--replicas` Ray), bind it there as Ray binds everything else.
+    Called from a replica's constructor: Serve starts that server after it."""
+    node = ray.util.get_node_ip_address()
+    try:
+        from ray.serve._private import replica as serve_replica
+        bind = serve_replica.add_port_to_grpc_server
+    except (ImportError, AttributeError):  # another Ray: the listening-socket test says what it binds
+        log.warning("cannot keep Ray Serve's replica gRPC server on %s: it may listen on every interface", node)
+        return
+    if not is_loopback(node) or getattr(bind, "on_node", False):
+        return
+
+    def on_node(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{node}:{address.rsplit(':', 1)[1]}"
+        return bind(server, address)
+    on_node.on_node = True
+    serve_replica.add_port_to_grpc_server = on_node
+
+
 def failure_body(err: BaseException) -> dict:
     return {"error": {"message": f"the replica answering this request failed ({type(err).__name__}); it is being "
                                  "restarted: retry the request", "type": "service_unavailable", "param": None,
@@ -64,6 +87,7 @@ class EngineReplica:
         from ragkv.engine.kv.kvbudget import freeze_long_lived
         from ragkv.serve.app import create_app
 
+        keep_replica_grpc_on_loopback()
         torch.set_num_threads(threads)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.server = make_server()  # its scheduler runs on its own thread: the actor's loop stays free
@@ -107,6 +131,7 @@ api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' 
 @serve.ingress(api)
 class Ingress:
     def __init__(self, replicas):
+        keep_replica_grpc_on_loopback()
         self.replicas = replicas
         self.route = None  # RouteKeys, on the first request
 
