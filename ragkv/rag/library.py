@@ -59,6 +59,15 @@ class DocumentLibrary:
         segs = self.engine.context_segments([Passage(chunk.text, chunk.title)])
         self.engine.warm(segs, FusionOptions(mode="reuse"), namespace=self.namespace)
 
+    def precompute_cost(self, docs: list[dict]) -> int:
+        """Token-layers the precompute of `docs` may run, as a prefill is counted (cold cache): the prefix and
+        every new chunk's block through every layer. Chunks already in the library cost nothing."""
+        chunks = self.retriever.new_chunks(self.parse(docs), self.count_tokens)
+        if not chunks:
+            return 0
+        segs = self.engine.context_segments([Passage(c.text, c.title) for c in chunks])
+        return segs.num_tokens * self.engine.num_layers
+
     def ingest_paths(self, paths, progress: bool = False, on_error=None):
         return self.retriever.ingest(paths, self.count_tokens, on_chunk=self._precompute, on_error=on_error,
                                      progress=progress)

@@ -107,6 +107,11 @@ class Retriever:
             todo.append((doc, chunks, old))
         return todo, report
 
+    def new_chunks(self, docs: Sequence[Document], count_tokens: CountTokens) -> list[Chunk]:
+        """The chunks ingesting `docs` would add to the library now: those its precompute encodes."""
+        todo, _ = self._changed_documents(docs, count_tokens)
+        return [c for _, chunks, old in todo for c in chunks if c.chunk_id not in old]
+
     def ingest_steps(self, docs: Sequence[Document], count_tokens: CountTokens,
                      on_chunk: Callable[[Chunk], None] | None = None, progress: bool = False,
                      status: dict | None = None, on_commit: Callable[[str], None] | None = None):

@@ -99,6 +99,7 @@ class IngestJobs:
         recovered job's, whose remaining documents these are. Blocking (the record is written first): call it off
         the event loop."""
         book, resumed = self.book(), record is not None
+        release = self.admit(tenant, library, documents) if not resumed else (lambda: None)
         if record is None:  # written before the job can run (and before the 202): a restart finds it
             record = book.open(f"ingest-{uuid.uuid4().hex[:16]}", tenant, documents)
         status: dict = {"documents_total": len(documents), "documents_done": 0, "chunks_total": None,
@@ -108,6 +109,7 @@ class IngestJobs:
                 lambda: library.add_steps(documents, status, on_commit=lambda doc_id: book.committed(record, doc_id)),
                 self.server.limits.ingest_timeout_s, tenant=tenant)
         except QueueFull as e:
+            release()
             if not resumed:  # never accepted: the record says so, and the caller answers 429
                 book.end(record, FAILED, str(e))
             raise
@@ -116,7 +118,22 @@ class IngestJobs:
         ingest = IngestJob(record, job, status)
         self.live[ingest.id] = ingest
         job.future.add_done_callback(lambda f: self._ended(ingest))
+        job.future.add_done_callback(lambda f: release())
         return ingest
+
+    def admit(self, tenant: str, library, documents: list[dict]):
+        """Charge the precompute's token-layers to the tenant's budget and in-flight cost as a prefill's are (a
+        TenantOverBudget, a 429, when they do not fit); returns what gives the in-flight cost back."""
+        cost = library.precompute_cost(documents)
+        if not cost:  # every chunk is in the library already: nothing to compute
+            return lambda: None
+        release = self.server.in_flight.admit(tenant, cost)
+        try:
+            self.server.requests.budget.charge(tenant, cost)  # a refused job is charged nothing
+        except BaseException:
+            release()
+            raise
+        return release
 
     def _ended(self, ingest: IngestJob) -> None:
         """Record how the job ended (on the scheduler's thread, right after its last unit)."""
