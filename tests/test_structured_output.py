@@ -138,3 +138,76 @@ def test_the_mask_keeps_only_what_the_grammar_allows(default_engine):
     allowed = c.allow(logits)
     kept = [tok.decode([i]) for i in (allowed > float("-inf")).nonzero().squeeze(1).tolist()]
     assert kept and all(k.lstrip().startswith("{") for k in kept), kept
+
+
+UNFINISHABLE = {  # schemas whose every value would nest itself without end
+    "self": ({"$ref": "#"}, "`#`"),
+    "a <-> b": ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                "`#/$defs/a`, `#/$defs/b`"),
+    "requires itself": ({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}, "`#`"),
+    "a non-empty array of itself": ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "`#`"),
+    "every branch recurses": ({"$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "array", "minItems": 1,
+                                                                                   "items": {"$ref": "#/$defs/n"}}]}},
+                               "type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]},
+                              "`#/$defs/n`"),
+}
+FINISHABLE = {  # recursion with a way out: served
+    "linked list": {"$defs": {"node": {"type": "object", "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["next"]}},
+        "$ref": "#/$defs/node"},
+    "tree": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+    "optional self": {"type": "object", "properties": {"me": {"$ref": "#"}}},
+    "nullable self": {"type": ["object", "null"], "properties": {"me": {"$ref": "#"}}, "required": ["me"]},
+}
+
+
+@pytest.mark.parametrize("name", list(UNFINISHABLE))
+def test_a_schema_no_finite_value_follows_is_a_400_naming_it(name):
+    from ragkv.serve.schemas import FieldError, ResponseFormat
+
+    schema, where = UNFINISHABLE[name]
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    with pytest.raises(FieldError) as e:
+        fmt.grammar()
+    assert e.value.param == "response_format.json_schema.schema" and e.value.code == "invalid_response_format"
+    assert "Unsatisfiable schema: no finite JSON value" in str(e.value) and where in str(e.value), str(e.value)
+
+
+def test_recursive_schemas_with_a_way_out_are_served():
+    for schema in FINISHABLE.values():
+        assert json_grammar(schema)
+
+
+def test_a_function_whose_parameters_recurse_without_end_is_refused_naming_it(default_engine):
+    from ragkv.serve.requests import RequestBuilder
+    from ragkv.serve.schemas import ChatRequest, FieldError
+    from ragkv.serve.server import Limits
+
+    loop = {"type": "function", "function": {"name": "loop", "parameters": {
+        "type": "object", "properties": {"again": {"$ref": "#"}}, "required": ["again"]}}}
+    ok = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+    builder = RequestBuilder(default_engine, {}, Limits(), FusionOptions(), 8, library=None)
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "tools": [ok, loop],
+                                      "tool_choice": "required"})
+    with pytest.raises(FieldError) as e:
+        builder.chat(req)
+    assert e.value.param == "tools[1].function.parameters" and "no finite JSON value" in str(e.value)
+
+
+def test_eos_ends_a_constrained_answer_with_stop_only_where_the_grammar_accepts(default_engine):
+    """llguidance offers only EOS where its grammar can go nowhere (`{"$ref": "#"}`, compiled here past the check):
+    the answer then ends with grammar_error, never "stop" with text that does not parse."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"$ref": "#"}))
+    segs = default_engine.chat_segments("Reply with JSON.")
+    seq = default_engine.start(segs, FusionOptions(mode="prefix"), GenerationOptions(max_new_tokens=5, grammar=grammar))
+    assert not seq.constraint.accepting
+    seq.advance()
+    assert seq.finished and seq.out.finish_reason == "grammar_error" and seq.out.text == ""
+    seq = default_engine.start(segs, FusionOptions(mode="prefix"),
+                               GenerationOptions(max_new_tokens=40, grammar=json_grammar(SCHEMAS["flag"])))
+    while not seq.finished:
+        seq.advance()
+    assert seq.out.finish_reason == "stop" and seq.constraint.accepting and json.loads(seq.out.text) in (
+        {"ok": True}, {"ok": False})

@@ -79,8 +79,12 @@ def test_a_required_or_named_choice_gives_valid_calls_on_the_default_model(defau
 
 
 def test_the_call_grammar_compiles_for_one_several_and_parallel_functions():
+    # a function's local $refs point into its own parameters, wherever the grammar's body holds them
+    refs = {"type": "function", "function": {"name": "route", "parameters": {
+        "type": "object", "$defs": {"stop": {"type": "string", "maxLength": 20}},
+        "properties": {"to": {"$ref": "#/$defs/stop"}, "via": {"$ref": "#"}}, "required": ["to"]}}}
     for tools, name, parallel in (([WEATHER], None, False), ([WEATHER, ADD], None, True),
-                                  ([WEATHER, ADD], "add", True)):
+                                  ([WEATHER, ADD], "add", True), ([refs], None, False), ([WEATHER, refs], None, True)):
         assert lark_grammar(call_grammar(tools, name, parallel))
 
 

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ragkv.engine.decode.constrained import lark_grammar
+from ragkv.engine.decode.constrained import check_finite, lark_grammar
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request.segments import Passage, Segments
@@ -243,20 +243,30 @@ class RequestBuilder:
             if gen.grammar is not None:
                 raise FieldError("tool_choice", "tool_choice required or named constrains the answer to calls; it "
                                                 "cannot be combined with response_format json")
-            name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-            try:
-                grammar = lark_grammar(call_grammar(req.tool_dicts(), name, req.parallel_tool_calls is not False,
-                                                    tag_tokens(self.engine.tokenizer)))
-            except InvalidRequestError as e:
-                raise FieldError("tools", f"a function's parameters cannot be used as a JSON schema: {e}",
-                                 "invalid_tool") from None
-            gen = replace(gen, grammar=grammar)
+            gen = replace(gen, grammar=self.call_grammar(req))
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
         cost = self.check_prompt(segs, gen, fusion)
         self.budget.charge(tenant, cost)
         names = tuple(t.function.name for t in req.tools) if tools else ()
         return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
                         names, tools and forced, cost)
+
+    def call_grammar(self, req: ChatRequest) -> str:
+        """The grammar of a `tool_choice` required or named answer; a function's parameters that no finite value
+        follows (a `$ref` cycle) or llguidance cannot use are a 400 naming them."""
+        name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+        for i, t in enumerate(req.tools):
+            if name in (None, t.function.name) and t.function.parameters is not None:
+                try:
+                    check_finite(t.function.parameters, f"parameters schema of {t.function.name!r}")
+                except InvalidRequestError as e:
+                    raise FieldError(f"tools[{i}].function.parameters", str(e), "invalid_tool") from None
+        try:
+            return lark_grammar(call_grammar(req.tool_dicts(), name, req.parallel_tool_calls is not False,
+                                             tag_tokens(self.engine.tokenizer)))
+        except InvalidRequestError as e:
+            raise FieldError("tools", f"a function's parameters cannot be used as a JSON schema: {e}",
+                             "invalid_tool") from None
 
     def completion(self, req: CompletionRequest, tenant: str = DEFAULT_TENANT) -> list[Prepared]:
         """One Prepared per prompt (a list of prompts answers one choice each, `n` per prompt, as OpenAI does)."""

@@ -69,14 +69,24 @@ def closed(schema):
     return [closed(v) for v in schema] if isinstance(schema, list) else schema
 
 
+def rebased(schema, at: str):
+    """`schema` with its local `$ref`s ("#", "#/$defs/x") pointing where it sits in the call grammar's body (`at`):
+    they are read against the whole body, not against the function's parameters."""
+    if isinstance(schema, dict):
+        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, at)
+                for k, v in schema.items()}
+    return [rebased(v, at) for v in schema] if isinstance(schema, list) else schema
+
+
 def call_grammar(tools: list[dict], name: str | None, parallel: bool,
                  tags: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"')) -> str:
     """llguidance's Lark grammar for an answer of call blocks only (`tool_choice` required, or `name` alone), each
     call's arguments following its function's parameters schema; `tags` from `tag_tokens`."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": closed(f.get("parameters") or {"type": "object"})},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+    where = ["#/properties/arguments"] if len(fns) == 1 else [f"#/anyOf/{i}/properties/arguments" for i in range(len(fns))]
+    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": rebased(
+                    closed(f.get("parameters") or {"type": "object"}), at)},
+                "required": ["name", "arguments"], "additionalProperties": False} for f, at in zip(fns, where)]
     body = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     # one line, spaced as render_calls (and Qwen2.5's template) writes a call: the next turn then sends back the very
     # tokens decoded, and finds them in the prefix cache (Engine.start_steps keeps a chat answer's KV)

@@ -143,8 +143,8 @@ class Sequence:
             if logits is None:  # no token can continue the grammar: end cleanly, never sample from all -inf
                 return self._finish("grammar_error")
         token = sample(logits, o.temperature, o.top_p, self.generator, o.top_k, o.min_p)
-        if token in self.eos_ids:
-            return self._finish("stop")
+        if token in self.eos_ids:  # "stop" only where the grammar is complete (its mask keeps EOS nowhere else)
+            return self._finish("stop" if self.constraint is None or self.constraint.accepting else "grammar_error")
         if self.constraint is not None:
             self.constraint.consume(token)
         self.out.token_ids.append(token)
