@@ -260,6 +260,7 @@ def test_an_accepted_job_survives_a_restart_and_resumes(default_engine, tmp_path
         while len(first.ingest.live[job_id].record["committed"]) < 2:  # some units, then the process "dies"
             first.scheduler._background_unit()
         committed = list(first.ingest.live[job_id].record["committed"])
+        chunks = first.ingest.live[job_id].status["chunks_total"]  # of all 4 documents
     # kill -9: no shutdown ran, the record still says running; a new server over the same library
     second = make_server(default_engine, index_dir=index)
     try:
@@ -270,6 +271,8 @@ def test_an_accepted_job_survives_a_restart_and_resumes(default_engine, tmp_path
             assert set(committed) <= set(seen.json()["documents_committed"])
             done = wait_for(url, job_id)
             assert done["restarts"] == 1 and done["documents_done"] == 4 and done["documents_total"] == 4
+            # the chunks of the documents committed before the restart count too, not only the resumed ones'
+            assert done["chunks_total"] == done["chunks_done"] == done["chunks_added"] == chunks > 2, done
             assert sorted(done["documents_committed"]) == [f"kill-{i}" for i in range(4)]
             ids = {d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]}
             assert {f"kill-{i}" for i in range(4)} <= ids  # no accepted document dropped

@@ -61,7 +61,7 @@ class JobBook:
     ragkv.rag.redis_catalog.RedisCatalog), as seen by the server `owner`.
 
     A record: id, tenant, state (running, succeeded, failed, cancelled, interrupted), documents_total,
-    committed (ids of the documents in the library), restarts, error, the last report figures, timestamps; while the
+    committed (ids of the documents in the library), chunks_committed (their new chunks), restarts, error, the last report figures, timestamps; while the
     job has not ended, its accepted documents ({id, title, text}) are kept beside it."""
 
     def __init__(self, catalog, owner: str | None = None):
@@ -80,10 +80,13 @@ class JobBook:
         record.update(updated_at=time.time(), owner=self.owner)
         self.catalog.put_job(record)
 
-    def committed(self, record: dict, doc_id: str) -> None:
-        """One more document is in the library (saved at once: what a restart resumes from)."""
+    def committed(self, record: dict, doc_id: str, chunks: int | None = None) -> None:
+        """One more document is in the library (saved at once: what a restart resumes from); `chunks`: the new
+        chunks of the job's committed documents so far, which a resumed run counts as done."""
         if doc_id not in record["committed"]:
             record["committed"].append(doc_id)
+            if chunks is not None:
+                record["chunks_committed"] = chunks
             self.save(record)
 
     def end(self, record: dict, state: str, error: str | None = None, **figures) -> None:

@@ -117,7 +117,7 @@ class Retriever:
                      status: dict | None = None, on_commit: Callable[[str], None] | None = None):
         """`ingest_documents` as a generator: yields after each unit (one embedding batch, one document's commit,
         one `on_chunk` call); returns the IngestReport. `status`, when given, is kept up to date (chunks_total,
-        chunks_done, documents_done) for progress reports; `on_commit(doc_id)` is called once each document is in
+        chunks_done, chunks_committed, documents_done) for progress reports; `on_commit(doc_id)` is called once each document is in
         the library (at once for the unchanged ones), which is what a durable job records."""
         todo, report = self._changed_documents(docs, count_tokens)
         if on_commit is not None:
@@ -127,7 +127,8 @@ class Retriever:
                     on_commit(doc_id)
         status = status if status is not None else {}
         status.update(chunks_total=sum(len(c) - len(old & {x.chunk_id for x in c}) for _, c, old in todo),
-                      chunks_done=0, documents_done=report.unchanged, documents_total=report.documents)
+                      chunks_done=0, chunks_committed=0, documents_done=report.unchanged,
+                      documents_total=report.documents)
         bar = None
         if progress and status["chunks_total"]:
             from tqdm.auto import tqdm
@@ -149,6 +150,7 @@ class Retriever:
                 report.chunks_added += len(new)
                 report.chunks_removed += len(old) - len(kept)
                 status["documents_done"] += 1
+                status["chunks_committed"] += len(new)  # of chunks_total, those whose document is in the library
                 if on_commit is not None:
                     on_commit(doc.doc_id)
                 yield

@@ -24,8 +24,14 @@ RECOVER_RETRY_S = (1.0, 60.0)  # a library unreachable at start (Redis down): re
 class IngestJob:
     """A job this server runs now: the scheduler's job, its live progress (`status`) and its durable record."""
 
-    def __init__(self, record: dict, job, status: dict):
+    def __init__(self, record: dict, job, status: dict, earlier: int = 0):
         self.record, self.job, self.status = record, job, status
+        # a resumed job's chunks committed before the restart: this run's counts cover only the rest
+        self.earlier = earlier
+
+    def chunks_total(self) -> int | None:
+        total = self.status.get("chunks_total")
+        return None if total is None else self.earlier + total
 
     @property
     def id(self) -> str:
@@ -51,8 +57,9 @@ def view(record: dict, live: IngestJob | None = None) -> dict:
     uncommitted = JobBook.uncommitted(record)
     out = {"id": record["id"], "object": "ingest.job", "status": state,
            "documents_total": record["documents_total"], "documents_done": len(record["committed"]),
-           "chunks_total": live.status.get("chunks_total") if live else None,
-           "chunks_done": live.status.get("chunks_done", 0) if live else record.get("chunks_added", 0),
+           "chunks_total": live.chunks_total() if live else record.get("chunks_total"),
+           "chunks_done": live.earlier + live.status.get("chunks_done", 0) if live else
+           record.get("chunks_added", record.get("chunks_committed", 0)),
            "restarts": record.get("restarts", 0), "created_at": record["created_at"],
            "documents_committed": list(record["committed"])}
     if state != SUCCEEDED:
@@ -63,7 +70,7 @@ def view(record: dict, live: IngestJob | None = None) -> dict:
         out["error"] = record["error"]
     if state == SUCCEEDED:
         r = live.job.future.result() if live is not None else None
-        out.update(chunks_added=r.chunks_added if r else record.get("chunks_added", 0),
+        out.update(chunks_added=r.chunks_added + live.earlier if r else record.get("chunks_added", 0),
                    chunks_removed=r.chunks_removed if r else record.get("chunks_removed", 0),
                    unchanged=r.unchanged if r else record.get("unchanged", 0))
     if state == INTERRUPTED:
@@ -104,9 +111,14 @@ class IngestJobs:
             record = book.open(f"ingest-{uuid.uuid4().hex[:16]}", tenant, documents)
         status: dict = {"documents_total": len(documents), "documents_done": 0, "chunks_total": None,
                         "chunks_done": 0}
+        earlier = record.get("chunks_committed", 0) if resumed else 0
+
+        def committed(doc_id: str) -> None:
+            book.committed(record, doc_id, earlier + status.get("chunks_committed", 0))
+
         try:
             job = self.server.scheduler.submit_background(
-                lambda: library.add_steps(documents, status, on_commit=lambda doc_id: book.committed(record, doc_id)),
+                lambda: library.add_steps(documents, status, on_commit=committed),
                 self.server.limits.ingest_timeout_s, tenant=tenant)
         except QueueFull as e:
             release()
@@ -115,7 +127,7 @@ class IngestJobs:
             raise
         if resumed:
             book.resumed(record)
-        ingest = IngestJob(record, job, status)
+        ingest = IngestJob(record, job, status, earlier)
         self.live[ingest.id] = ingest
         job.future.add_done_callback(lambda f: self._ended(ingest))
         job.future.add_done_callback(lambda f: release())
@@ -141,8 +153,9 @@ class IngestJobs:
         try:
             if state == SUCCEEDED:
                 r = f.result()
-                self.book().end(ingest.record, state, chunks_added=r.chunks_added, chunks_removed=r.chunks_removed,
-                                unchanged=r.unchanged)
+                self.book().end(ingest.record, state, chunks_added=r.chunks_added + ingest.earlier,
+                                chunks_removed=r.chunks_removed, unchanged=r.unchanged,
+                                chunks_total=ingest.chunks_total())
             else:  # a shutdown keeps its documents, for the next server to resume
                 self.book().end(ingest.record, state, None if state == INTERRUPTED else str(f.exception()))
         except Exception:  # noqa: BLE001 - the library is down: the next server finds the job interrupted
