@@ -11,6 +11,7 @@ from ragkv.cli.eval_data import base_fusion, dataset_spec, load_engine, load_exa
 from ragkv.engine.measure.risk import SIGNALS
 from ragkv.engine.modes import MODES, get_mode
 from ragkv.errors import RagkvError
+from ragkv.eval.suite import SUITES, get_suite
 from ragkv.rag.order import PASSAGE_ORDERS
 
 DEFAULT_MODES = "full,prefix,reuse,ape,blend"
@@ -79,7 +80,12 @@ def register(sub) -> None:
                        "reference). Records are "
                        "appended to a JSONL file; rerunning the same command resumes it.")
     _data_args(e, "required", None)
-    e.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated mode keys (default {DEFAULT_MODES})")
+    e.add_argument("--modes", default=None, help=f"comma-separated mode keys (default {DEFAULT_MODES}; with "
+                                                 "--suite, the suite's)")
+    e.add_argument("--suite", default=None, choices=tuple(SUITES),
+                   help="every data set of a named suite, each into its own results file (--limit: per set, "
+                        "default the suite's); `ragkv report --share-of-full` prints the table: " +
+                        "; ".join(f"{s.name}: {s.summary}" for s in SUITES.values()))
     _model_args(e)
     _fusion_args(e)
     _run_args(e, "results JSONL (default runs/eval-<dataset>-<model>.jsonl)")
@@ -166,6 +172,9 @@ def register(sub) -> None:
     r.add_argument("--lost-in-the-middle", metavar="PNG", default=None,
                    help="only the accuracy-vs-gold-position figure and table from runs of one data set at several "
                    "--gold-position values (one or more models): write PNG, print the markdown table")
+    r.add_argument("--share-of-full", metavar="PNG", default=None,
+                   help="only the papers' table: each key's task score as a share of full's per data set and pooled "
+                        "(bootstrap by question), its work, per model; the share-vs-work picture to PNG")
     r.add_argument("--vs-work", metavar="PNG", default=None,
                    help="only the quality-vs-work figure and table: per mode, recompute_vs_full against the paired "
                    "accuracy difference to full (pooled over the given runs) and the first-token KL")
@@ -195,6 +204,30 @@ def register(sub) -> None:
 # -- handlers ---------------------------------------------------------------------------------------------
 
 def run_eval_cmd(args) -> int:
+    if args.suite:
+        return _run_suite(args)
+    if args.modes is None:
+        args.modes = DEFAULT_MODES
+    return _run_one(args)
+
+
+def _run_suite(args) -> int:
+    """Each of the suite's data sets as one `ragkv eval --dataset` run (its own file, sharded and resumed alike)."""
+    suite = get_suite(args.suite)
+    if args.dataset or args.data_file or args.output:
+        raise RagkvError("--suite names its own data sets and files (runs/eval-<set>-<model>.jsonl): drop "
+                         "--dataset / --data-file / --output")
+    for name in suite.datasets:
+        one = argparse.Namespace(**vars(args))
+        one.dataset, one.suite = name, None
+        one.modes = args.modes or suite.modes
+        one.limit = args.limit if args.limit is not None else suite.limit
+        say(f"suite {suite.name}: {name} ({suite.datasets.index(name) + 1} of {len(suite.datasets)})")
+        _run_one(one)
+    return 0
+
+
+def _run_one(args) -> int:
     import torch
 
     from ragkv.config import cpu_name
@@ -464,6 +497,16 @@ def run_report_cmd(args) -> int:
             raise RagkvError("--lost-in-the-middle wants the results files, e.g. runs/eval-nq-distractors-g*.jsonl")
         try:
             result = lost_in_the_middle(paths, Path(args.lost_in_the_middle))
+        except ValueError as e:
+            raise RagkvError(str(e)) from None
+        print(result["markdown"])
+        return 0
+    if args.share_of_full:
+        from ragkv.bench.share_of_full import share_of_full
+        from ragkv.eval.modes import split_mode_list
+
+        try:
+            result = share_of_full(paths, Path(args.share_of_full), split_mode_list(args.modes) if args.modes else None)
         except ValueError as e:
             raise RagkvError(str(e)) from None
         print(result["markdown"])

@@ -1,0 +1,38 @@
+"""Named evaluation suites: the data sets a paper's quality table reads, each with its own metric, and the mode keys
+compared on them. `ragkv eval --suite NAME` runs every set into its own results file (sharded and resumed as one
+`--dataset` run is); `ragkv report --share-of-full` prints each key's score as a share of `full`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragkv.errors import OptionError
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    summary: str
+    datasets: tuple[str, ...]  # named data sets (eval/datasets.py); each record names its own metric
+    modes: str                 # the mode keys run on every set, `full` first (the reference)
+    limit: int = 60            # questions per set (all of a set that has fewer)
+
+
+# The KV-reuse papers' table (CacheBlend, EuroSys'25 sec. 7; ProphetKV, arXiv 2602.02579 tab. 2): multi-passage QA
+# by token F1, summaries by Rouge-L, SAMSum with its few-shot dialogues as blocks; NQ-10 beside them (accuracy).
+# Each selection at r = 0.15 and 0.2, the exact baselines and `reuse` as the floor.
+PAPERS = Suite(
+    name="papers",
+    summary="MuSiQue, HotpotQA dev, MultiNews, SAMSum (4-shot), NQ-10: each selection at r = 0.15 and 0.2",
+    datasets=("musique", "hotpotqa", "multi_news", "samsum-icl-4", "nq-distractors"),
+    modes=",".join(["full", "reuse"] + [f"blend:{sel}r={r}" for sel in ("", "sel=query,", "sel=recent,")
+                                        for r in (0.15, 0.2)]),
+)
+
+SUITES = {s.name: s for s in (PAPERS,)}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise OptionError("suite", f"unknown suite {name!r}; one of {', '.join(SUITES)}")
+    return SUITES[name]

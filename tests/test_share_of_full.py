@@ -1,0 +1,67 @@
+"""`ragkv report --share-of-full`: shares of full's score per data set and pooled, their paired bootstrap, the
+papers' bar, and the suite's CLI checks (ragkv/bench/share_of_full.py, ragkv/eval/suite.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragkv.bench.share_of_full import meets, share_of_full
+from ragkv.errors import RagkvError
+from ragkv.eval.results import ResultsFile
+from ragkv.eval.suite import PAPERS, get_suite
+
+
+def _write(path, dataset, metric, scores: dict[str, list[float]], work: dict[str, float]):
+    f = ResultsFile(path, {"model": "m", "dtype": "float32", "dataset": dataset})
+    for key, xs in scores.items():
+        for i, x in enumerate(xs):
+            f.append({"example_id": str(i), "mode_key": key, "metric": metric, "scores": {metric: x, "other": 9.0},
+                      "recompute_vs_full": work[key]})
+
+
+def test_shares_per_set_and_pooled_with_intervals(tmp_path):
+    # set a: blend scores 90% of full's; set b: 100%; pooled = mean of the sets' shares = 95%
+    _write(tmp_path / "a.jsonl", "a", "f1", {"full": [1.0, 0.5, 0.5, 1.0], "blend": [0.9, 0.45, 0.45, 0.9],
+                                             "reuse": [0.0, 0.0, 0.5, 0.5]}, {"full": 1.0, "blend": 0.18, "reuse": 0.01})
+    _write(tmp_path / "b.jsonl", "b", "rouge_l", {"full": [0.2, 0.4], "blend": [0.2, 0.4], "reuse": [0.1, 0.1]},
+           {"full": 1.0, "blend": 0.2, "reuse": 0.01})
+    out = share_of_full([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "p.png")
+    rows = out["models"]["m float32"]
+    blend = rows["blend"]
+    assert blend["sets"]["a"]["share"] == pytest.approx(0.9) and blend["sets"]["b"]["share"] == pytest.approx(1.0)
+    assert blend["sets"]["a"]["metric"] == "f1" and blend["sets"]["b"]["metric"] == "rouge_l"
+    assert blend["pooled"]["share"] == pytest.approx(0.95) and blend["work"] == pytest.approx(0.19)
+    # every resample keeps blend at exactly 90% of full on a (paired), so its interval is a point
+    assert blend["sets"]["a"]["ci"] == [pytest.approx(0.9), pytest.approx(0.9)]
+    lo, hi = rows["reuse"]["sets"]["a"]["ci"]  # reuse's share varies with the questions drawn
+    assert rows["reuse"]["sets"]["a"]["share"] == pytest.approx(1 / 3, abs=1e-4) and lo < 1 / 3 < hi
+    assert not meets(blend)  # 95% pooled: below the 98% bar
+    assert (tmp_path / "p.png").stat().st_size > 0 and "| blend | 19.0% |" in out["markdown"]
+
+
+def test_the_bar_needs_the_pooled_share_every_set_and_the_work():
+    ok = {"work": 0.2, "pooled": {"share": 0.985}, "sets": {"a": {"share": 0.96}, "b": {"share": 1.01}}}
+    assert meets(ok)
+    assert not meets({**ok, "work": 0.21})
+    assert not meets({**ok, "sets": {"a": {"share": 0.94}, "b": {"share": 1.03}}})
+
+
+def test_no_full_records_is_an_error(tmp_path):
+    _write(tmp_path / "a.jsonl", "a", "f1", {"blend": [1.0]}, {"blend": 0.2})
+    with pytest.raises(ValueError, match="no `full` records"):
+        share_of_full([tmp_path / "a.jsonl"])
+
+
+def test_the_papers_suite_runs_full_first_and_each_selection_at_both_ratios():
+    keys = PAPERS.modes.split(",")
+    assert keys[0] == "full" and "reuse" in keys
+    assert get_suite("papers") is PAPERS and PAPERS.limit == 60
+    with pytest.raises(RagkvError):
+        get_suite("nope")
+
+
+def test_the_suite_refuses_its_own_data_flags(capsys):
+    from ragkv.cli.main import main
+
+    assert main(["eval", "--suite", "papers", "--dataset", "musique"]) == 2
+    assert "--suite names its own data sets" in capsys.readouterr().err
