@@ -232,6 +232,43 @@ def test_hostile_values_get_a_400_naming_the_field_never_a_500(api):
     assert post(api, "/v1/chat/completions", chat).status_code == 200
 
 
+def test_requests_are_validated_as_openai_validates_them(api):
+    """Each a 400 whose `param` names the field, where OpenAI's API (or ragkv's own ingestion) refuses; and a
+    negative seed is taken, as OpenAI takes any integer."""
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = {"messages": hi, "max_tokens": 1}
+    fn = lambda name, **kw: {"type": "function", "function": {"name": name, **kw}}  # noqa: E731
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    cases = [({"tools": [fn("f"), fn("g"), fn("f")]}, "tools[2].function.name", "both named"),
+             ({"tools": [fn("f")], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "not a boolean"),
+             ({"stream": 1}, "stream", "not a boolean"),
+             ({"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "18 C"}] + hi}, "messages[0]",
+              "no earlier assistant"),
+             ({"messages": hi + [called, {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}] + hi},
+              "messages[2].tool_call_id", "'call_9'"),
+             ({"messages": hi + [called, {"role": "tool", "content": "18 C"}] + hi}, "messages[2].tool_call_id",
+              "no tool_call_id"),
+             ({"tools": [fn("f", parameters={"type": "string"})]}, "tools[0].function.parameters", "object"),
+             ({"tools": [fn("f", parameters=[1])]}, "tools[0].function.parameters", "dictionary"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+              "response_format.json_schema.name", "required"),
+             ({"ragkv": {"documents": ["A passage.", ""]}}, "ragkv.documents[1]", "contains no text"),
+             ({"documents": [{"text": "  "}]}, "documents[0].text", "contains no text"),
+             ({"seed": -(1 << 63) - 1}, "seed", "greater than")]
+    for extra, param, words in cases:
+        r = post(api, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        e = r.json()["error"]
+        assert e["param"] == param and words in e["message"], (extra, e)
+    for seed in (-1, -(1 << 63)):
+        r = post(api, "/v1/chat/completions", {**chat, "seed": seed, "temperature": 1.0})
+        assert r.status_code == 200, r.text
+    answered = {"messages": hi + [called, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                "tools": [fn("f")], "max_tokens": 1}
+    assert post(api, "/v1/chat/completions", answered).status_code == 200
+
+
 # -- jobs survive the process -------------------------------------------------------------------------------------
 def job_docs(n: int, tag: str) -> list[dict]:
     return [{"id": f"{tag}-{i}", "text": f"Note {i} of {tag}: the harbour of Lintwick had {i + 3} boats. " * 12}
@@ -432,16 +469,18 @@ def test_a_stateless_chat_reuses_its_history_exactly_and_fuses_it_behind_an_edit
             assert usage["history"]["turns"] == len(msgs) - 3 and usage["fidelity"]["mode"] == "blend"
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
     idle(api)
-    # a client compacts its history: the first two exchanges become one summary; a tool message joins in
+    # a client compacts its history: the first two exchanges become one summary; a tool call and its result join in
     edited = (msgs[:1] + [{"role": "user", "content": "Summary: my cat Tom is orange."},
                           {"role": "assistant", "content": "Noted."}] + msgs[5:]
-              + [{"role": "tool", "content": '{"weather": "rain in Lisbon"}'},
+              + [{"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_w", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_w", "content": '{"weather": "rain in Lisbon"}'},
                  {"role": "user", "content": "What colour is my cat?"}])
     r = post(api, "/v1/chat/completions", {"messages": edited, "max_tokens": 8})
     assert r.status_code == 200, r.text
     h, fid = r.json()["usage"]["history"], r.json()["usage"]["fidelity"]
-    # exact: the summary exchange at the start, and the new tool message computed with the question
-    assert h["exact"] is False and h["exact_turns"] == 3 and h["fused_turns"] >= 4, h
+    # exact: the summary exchange at the start, and the new call and its tool result computed with the question
+    assert h["exact"] is False and h["exact_turns"] == 4 and h["fused_turns"] >= 4, h
     assert fid["history"] == h and fid["exact"] is False and fid["mode"] == "blend", fid
     now = history_turns(api)  # /metrics counts the turns by how they were had
     assert now["fused"] - counted.get("fused", 0) == h["fused_turns"]

@@ -130,8 +130,10 @@ class RequestBuilder:
         extras = req.ragkv
         passages, sources = [], []
         docs, field = req.inline_documents()
+        # an empty passage is refused as ingestion refuses an empty document: it can only be a client's mistake
         self.check_documents(len(docs), [d if isinstance(d, str) else d.text for d in docs], field,
-                             [None if isinstance(d, str) else d.id for d in docs])
+                             [None if isinstance(d, str) else d.id for d in docs], need_text=True,
+                             plain=[isinstance(d, str) for d in docs])
         for d in docs:
             p = as_passage(d)
             passages.append(p)
@@ -144,9 +146,11 @@ class RequestBuilder:
                                 "score": round(r.score, 4)})
         return passages, sources
 
-    def check_documents(self, count: int, texts, field: str, ids=None, need_text: bool = False) -> None:
+    def check_documents(self, count: int, texts, field: str, ids=None, need_text: bool = False,
+                        plain=()) -> None:
         """The request's documents within the limits; `ids` (one per text, or None) name them in the errors,
-        `need_text` refuses an empty one (a library document must say something)."""
+        `need_text` refuses an empty one (a document must say something); `plain[i]`: document i was sent as a
+        string (the error names `field[i]`, not `field[i].text`)."""
         lim = self.limits
         if count > lim.max_documents:
             raise FieldError(field, f"{count} documents in one request; the limit is {lim.max_documents} "
@@ -155,13 +159,12 @@ class RequestBuilder:
         for i, text in enumerate(texts):
             doc_id = ids[i] if i < len(ids) else None
             name = f"document {i}" + (f" (id {doc_id!r})" if doc_id is not None else "")
+            where = f"{field}[{i}]" if i < len(plain) and plain[i] else f"{field}[{i}].text"
             if len(text) > lim.max_document_chars:
-                raise FieldError(f"{field}[{i}].text", f"{name} has {len(text)} characters; the limit is "
-                                                        f"{lim.max_document_chars} (--max-document-chars)",
-                                 "document_too_long")
+                raise FieldError(where, f"{name} has {len(text)} characters; the limit is {lim.max_document_chars} "
+                                        "(--max-document-chars)", "document_too_long")
             if need_text and not text.strip():
-                raise FieldError(f"{field}[{i}].text", f"{name} contains no text; send its text or leave it out",
-                                 "empty_document")
+                raise FieldError(where, f"{name} contains no text; send its text or leave it out", "empty_document")
 
     def check_prompt(self, segs: Segments, gen: GenerationOptions, fusion: FusionOptions,
                      field: str = "messages") -> int:

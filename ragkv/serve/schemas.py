@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -13,7 +14,7 @@ from ragkv.rag.order import PASSAGE_ORDERS
 from ragkv.settings import DEFAULT_PASSAGE_ORDER
 
 MAX_TOKENS = 1 << 20     # any larger max_tokens is refused before the model's own limit is even looked at
-SEED_MAX = (1 << 63) - 1
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # OpenAI takes any integer: a signed 64-bit one here
 DOC_ID = r"^[^\x00-\x1f\x7f]{1,256}$"  # printable, at most 256 characters ("/" round-trips through the path)
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI and vLLM's default
 MAX_N = 128        # choices per request (the server also keeps n within --max-batch)
@@ -53,14 +54,26 @@ def _no_bool_as_number(cls, value, info):
     return value
 
 
+def _only_bool_as_bool(cls, value, info):
+    """A boolean field takes JSON's true/false only, as OpenAI's API: pydantic would read "yes", "off" or 1 as one."""
+    field = cls.model_fields.get(info.field_name)
+    if field is None or value is None or isinstance(value, bool):
+        return value
+    if {a for a in (get_args(field.annotation) or (field.annotation,)) if a is not type(None)} == {bool}:
+        raise ValueError(f"{json.dumps(value)[:40]} is not a boolean; this field takes true or false")
+    return value
+
+
 class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     _booleans = field_validator("*", mode="before")(classmethod(_no_bool_as_number))
+    _bools = field_validator("*", mode="before")(classmethod(_only_bool_as_bool))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _booleans = field_validator("*", mode="before")(classmethod(_no_bool_as_number))
+    _bools = field_validator("*", mode="before")(classmethod(_only_bool_as_bool))
 
 
 def document_id(value: str) -> str:
@@ -158,6 +171,15 @@ class ToolFunction(_Loose):
     parameters: dict | None = None  # a JSON schema of the arguments (none: any object)
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict | None) -> dict | None:
+        # OpenAI's rule: a call's arguments are an object, so their schema must say so (or say no type)
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters must be the JSON schema of an object (type \"object\"), "
+                             f"not of type {json.dumps(v['type'])}")
+        return v
+
 
 class Tool(_Loose):
     type: Literal["function"]
@@ -178,7 +200,7 @@ class StreamOptions(_Loose):
 
 
 class JsonSchemaFormat(_Loose):
-    name: str = Field("response", max_length=64)
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # required, as OpenAI's
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -225,7 +247,7 @@ class _Sampling(_Loose):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
     response_format: ResponseFormat | None = None
@@ -299,6 +321,36 @@ class ChatRequest(_Sampling):
             if self.tool_choice.function.name not in names:
                 raise FieldError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
                                                 f"among the tools ({', '.join(names)})", "unknown_tool")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_tool_names(self):
+        seen: dict[str, int] = {}
+        for j, t in enumerate(self.tools or []):
+            i = seen.setdefault(t.function.name, j)
+            if i != j:
+                raise FieldError(f"tools[{j}].function.name", f"tools[{i}] and tools[{j}] are both named "
+                                                              f"{t.function.name!r}; give each function its own name")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_results_answer_calls(self):
+        """As OpenAI's API: a `tool` message answers, by its `tool_call_id`, a call an earlier assistant message
+        made (its `tool_calls`)."""
+        called, ids = False, set()
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant" and m.tool_calls:
+                called = True
+                ids.update(c.id for c in m.tool_calls if c.id is not None)
+            elif m.role == "tool" and not called:
+                raise FieldError(f"messages[{i}]", f"messages[{i}] is a tool's result, but no earlier assistant "
+                                                   "message made a tool call; send the assistant message with its "
+                                                   "tool_calls before it")
+            elif m.role == "tool" and m.tool_call_id not in ids:
+                said = "has no tool_call_id" if m.tool_call_id is None else f"answers {m.tool_call_id!r}"
+                raise FieldError(f"messages[{i}].tool_call_id",
+                                 f"messages[{i}] {said}, which is not the id of a call an earlier assistant message "
+                                 f"made ({', '.join(map(repr, sorted(ids))) or 'none had an id'})")
         return self
 
     def calls_tools(self) -> bool:
