@@ -1,4 +1,4 @@
-"""`ragkv bench fuzz`: property-based requests against `ragkv serve` (issue 52: no 5xx from any input). schemathesis
+"""`ragkv bench fuzz`: property-based requests against `ragkv serve` (the target: no 5xx from any input). schemathesis
 generates bodies, valid and not, from the server's own OpenAPI document (serve/openapi.py publishes each route's
 request model); every answer must be a 2xx or a 4xx with an OpenAI-style error body, never a 5xx or a hang.
 Large but valid token counts are made small so that a valid request answers in a moment (the point is the input,

@@ -1,4 +1,4 @@
-"""`ragkv bench soak --replicas N`: replicas killed under load (issue 51's soak), on 127.0.0.1 only.
+"""`ragkv bench soak --replicas N`: replicas killed under load (the replicas' soak), on 127.0.0.1 only.
 
 `ragkv serve --replicas N` (a local Ray) takes chat requests from C closed-loop clients (passage sets drawn from a
 pool, half of them streamed, long enough answers that some are in flight at any time) and documents from a

@@ -1,4 +1,4 @@
-"""`ragkv bench shadow`: what shadow verification costs live traffic (issue 49's target: at F = 0.05, <= 5% on
+"""`ragkv bench shadow`: what shadow verification costs live traffic (the target: at F = 0.05, <= 5% on
 p50 TTFT under a 16-client load; its checks run only while the server is idle).
 
 Rounds of two `ragkv serve` runs, one with `--shadow-fraction 0`, one with `--shadow-fraction F`, started one after

@@ -4,7 +4,7 @@ Per codec: the bytes a disk tier stores per token (beside fp32 and bf16), the ti
 the first-token distribution of each reading mode on real HotpotQA prompts, as KL divergence and top-1 agreement
 against `full` and against the same mode over the uncompressed store. The blocks are encoded once, by the exact
 engine, and the same KV is written into one disk tier per codec, so the codec is the only difference.
-Target (issue 16): <= 0.5x the bytes of bf16, and KL to `full` within 10% of the uncompressed store's.
+Target: <= 0.5x the bytes of bf16, and KL to `full` within 10% of the uncompressed store's.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def render_markdown(res: dict) -> str:
          + (["", ""] if q["kv"] == "none" else [verdict(q["kl_vs_uncompressed_kl"] <= KL_TARGET),
                                                 verdict(q["vs_bf16"] <= BYTES_TARGET)])
          for q in res["quality"]])
-    notes = (f"\n\nTarget (issue 16): <= {BYTES_TARGET}x the bytes of bf16 and KL to full within "
+    notes = (f"\n\nTarget: <= {BYTES_TARGET}x the bytes of bf16 and KL to full within "
              f"{(KL_TARGET - 1) * 100:.0f}% of the uncompressed store's (means over the examples). Bytes are the "
              "disk tier's files (headers included); the bf16 row is the same blocks cast, as a bf16 engine stores "
              "them.\n")

@@ -1,6 +1,6 @@
 """`ragkv bench structured`: what constrained decoding (response_format json_schema, engine/decode/constrained.py) costs the
 decode: tokens/s of the same batched decode with and without a grammar, at each batch size, measured back to back
-in one process (issue 50's target: the mask costs <= 10% at batch 1 and 16).
+in one process (the target: the mask costs <= 10% at batch 1 and 16).
 
 Both runs decode exactly `tokens` tokens per sequence from the same prompt: free text with min_tokens = tokens, and
 JSON following a schema whose shortest valid answer is longer than that (an array of `tokens` integers), so no

@@ -6,7 +6,7 @@ model's fit on its recomputed share and first-token entropy and margin: the `fea
 fewer than B of the engine's last 100 `auto` answers escalated, it recomputes every token: `full`'s answer.
 Otherwise its answer is the r = R reply. So its answers follow from those two records, and its work is the r = R
 reply's plus `full`'s when it escalates (an upper bound: the escalation does not prefill the question twice).
-Checked on session 36's run (docs/results/fidelity/auto-qwen05: 60 pairs, every one of its 53 kept answers equal to
+Checked on the committed run (docs/results/fidelity/auto-qwen05: 60 pairs, every one of its 53 kept answers equal to
 r = 0.15's token for token and its 7 escalated ones to `full`'s), which `replay_agrees` repeats as a test. One engine
 per results file, as `ragkv eval` runs one per shard: the budget's window starts empty in each, in file order.
 """

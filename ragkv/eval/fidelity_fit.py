@@ -1,5 +1,5 @@
 """`ragkv calibrate --target fidelity`: a per-reply estimate of how close an approximate answer is to `full`,
-fitted on eval records of held-out data (issue 49).
+fitted on eval records of held-out data.
 
 Per (mode, selection), from features every reply has when its prefill ends: the recomputed share r (token-layers
 against a full prefill), the answer's first-token entropy H and margin m (engine/measure/estimates.py reads the same):

@@ -30,7 +30,7 @@ from ragkv.eval.references import Reference, ReferenceStore
 from ragkv.eval.results import ResultsFile
 
 HARNESS_VERSION = 1
-FIDELITY_TOKENS = 32  # greedy agreement is judged on the first 32 generated tokens (issue 5)
+FIDELITY_TOKENS = 32  # greedy agreement is judged on the first 32 generated tokens
 STEP_TOKENS = 8  # answer_steps: the top-2 log-probabilities of an answer's first 8 tokens
 FULL = FusionOptions(mode="full")
 

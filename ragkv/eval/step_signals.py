@@ -1,4 +1,4 @@
-"""Would `auto` pick its escalations better a few decoded tokens in than at the first? (issue 49's next step.)
+"""Would `auto` pick its escalations better a few decoded tokens in than at the first?
 
 `auto` decides from the first token (its entropy and margin, or the fitted expected KL of engine/measure/estimates.py).
 A signal read after k greedy tokens could see the answer wobble where the first token was sure. Eval records keep

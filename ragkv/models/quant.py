@@ -15,9 +15,9 @@ summed in another order: equal to the exact path to float rounding. It costs tho
 
 `onednn` runs every linear through oneDNN's kernel (what vLLM's CPU backend runs). In fp32 it reads the model's own
 weights in place: on a 2-core Zen 3, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN was 1.3-2.4x
-faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins only from ~1K rows. Until
-session 23 it held a copy of every linear reordered into oneDNN's blocked layout; given the plain [out, in] weight
-oneDNN's kernel was as fast at 1-512 rows and bitwise equal (serve_vllm/s23). q/k/v and gate/up, one product each,
+faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins only from ~1K rows. A copy
+of every linear reordered into oneDNN's blocked layout is not needed: given the plain [out, in] weight oneDNN's
+kernel was as fast at 1-512 rows and bitwise equal (docs/results/serve_vllm/s23). q/k/v and gate/up, one product each,
 are moved into one buffer each that the parameters view, so nothing is copied. In bf16, on a CPU that multiplies
 bf16 natively (AVX-512 BF16 or AMX: `bf16_matrix_units`), products of many rows (prefill) run through oneDNN on the
 model's own weights, at the CPU's bf16 peak (~430 GFLOP/s on a 2-core Zen 4, as torch's own kernel), and those of a
@@ -423,7 +423,7 @@ def onednn_refusal(model) -> str | None:
 
 def resolve_decode_weights(kind: str, model) -> tuple[str, str]:
     """(weights, why): `auto` becomes `onednn` where it applies (`onednn_refusal`): fp32 on a CPU (no copy; on Zen 3
-    every exact forward took 0.73-0.92x MKL's time, session 22), bf16 on AVX-512 BF16 or AMX (packed weights); else
+    every exact forward took 0.73-0.92x MKL's time), bf16 on AVX-512 BF16 or AMX (packed weights); else
     `exact`. Any other kind is itself."""
     if kind != "auto":
         return kind, "asked for"

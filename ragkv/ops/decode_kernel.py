@@ -180,7 +180,7 @@ at::Tensor decode_attention2(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
   return attend(q, k, v, &k2, &v2, scale);
 }
 
-// Decode attention of several sequences over parts read in place (shared blocks, issue 28). A part is a pooled
+// Decode attention of several sequences over parts read in place (shared blocks). A part is a pooled
 // block or a sequence's own rows; a query row is one (sequence, part) pair with its own rotated query and scale.
 // Each (part, KV head, chunk of keys) is one work item that streams its keys and values once for every row that
 // reads the part. Per sequence the parts merge by their log-sum-exps; rows of group 1 (APE's context) first merge

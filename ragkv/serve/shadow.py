@@ -1,4 +1,4 @@
-"""Shadow verification (issue 49): a sampled share of the approximate answers is re-run with `full` while the
+"""Shadow verification: a sampled share of the approximate answers is re-run with `full` while the
 server is idle (on the exact weights, for a w8a8 server), and how close the answer was is measured, per mode: the
 first-token KL(full || answer), whether the first tokens agree, and (for greedy answers) how many of the answer's tokens `full` reproduces. /metrics
 exports the running means beside the means of the estimates the answers stated (`usage.fidelity.estimate`), so the

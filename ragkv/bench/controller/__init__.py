@@ -18,7 +18,7 @@ matters on a machine where every real tier is fast next to the model.
 
 TTFT is the median of `repeats` round-robin rounds, each starting at another configuration (shared machines
 drift alike for every configuration; `full` is timed once, as the reference);
-fidelity is the first-token KL(full || x) of `engine.prefill`'s logits. Target (issue 13): the controller within
+fidelity is the first-token KL(full || x) of `engine.prefill`'s logits. Target: the controller within
 10% of the best fixed choice's TTFT among those at equal or better KL. The fixed memory choices hold every block
 in memory, so the target says that spreading blocks over slower tiers costs at most 10% once the controller has
 chosen r (loading hidden behind the recompute, CacheBlend sec. 5).

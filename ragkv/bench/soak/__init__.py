@@ -1,4 +1,4 @@
-"""`ragkv bench soak`: N clients for M minutes against a real `ragkv serve` while faults are injected (issue 12).
+"""`ragkv bench soak`: N clients for M minutes against a real `ragkv serve` while faults are injected.
 
 The benchmark starts everything itself, on 127.0.0.1 only: a private redis-server on a free port, and `ragkv serve`
 with two tenants' API keys over the store `memory,disk,redis`. Clients send greedy chat requests (modes reuse,

@@ -1,4 +1,4 @@
-"""The soak's abuse phase (issue 30): requests a hostile but fair user sends, at several clients, bounded in count
+"""The soak's abuse phase: requests a hostile but fair user sends, at several clients, bounded in count
 and time, on 127.0.0.1 only, while the server's RSS is watched (memory.py):
 
 - abandoned streams: large `n` and `max_tokens`, the client reading a few events and closing;

@@ -1,4 +1,4 @@
-"""The soak's hostile traffic during its faults (issue 52): property-based fuzzing against the server's own OpenAPI
+"""The soak's hostile traffic during its faults: property-based fuzzing against the server's own OpenAPI
 schema (ragkv.bench.fuzz) from a tenant of its own, and one long `ape` request per interval from tenant A (several
 documents of thousands of words: a prefill of tens of thousands of tokens), while the ordinary clients go on. A
 fuzzed request must get a 2xx or a 4xx with an error body, never a 5xx or no answer; a long `ape` request must be

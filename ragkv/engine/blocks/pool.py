@@ -1,5 +1,5 @@
 """The block pool: blocks resident on the compute device, K rotated once at the block's own positions 0..n-1,
-read in place by every sequence that holds the block, whatever its offset (issue 28's shared block attention,
+read in place by every sequence that holds the block, whatever its offset (shared block attention,
 ragkv.engine.fusion.shared_attention). A block enters the pool from the store once; later requests neither fetch nor
 copy nor re-rotate it.
 

@@ -1,4 +1,4 @@
-"""Shared block attention (issue 28): a sequence attends to pooled blocks in place instead of to its own re-rotated
+"""Shared block attention: a sequence attends to pooled blocks in place instead of to its own re-rotated
 copy of them.
 
 RoPE is relative: a query at position m and a key j of a block placed at offset o meet through

@@ -2,10 +2,10 @@
 expected first-token KL to `full` and the probability that the first token equals `full`'s, read off one measured
 population and interpolated in the recomputed ratio r (r = 0 is the mode's no-recompute point, r = 1 is `full`:
 KL 0, top-1 1). Not a per-reply estimate and not calibrated for the model at hand: every reply says so
-(`calibration: "none"`, `basis: "population"`), and the figures are where a per-reply fit would start (issue 49).
+(`calibration: "none"`, `basis: "population"`), and the figures are where a per-reply fit would start.
 
 The population: NQ-10 (60 questions at gold positions 0, 4 and 9; 170 pairs), Qwen2.5-Coder-0.5B fp32, greedy;
-records docs/results/quality_selection/grid-nq10-g{0,4,9}-qwen05.jsonl (session 25; the table below is their
+records docs/results/quality_selection/grid-nq10-g{0,4,9}-qwen05.jsonl (the table below is their
 means; recent's from 12 records only)."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ POPULATION: dict[tuple[str, str | None], list[tuple[float, float, float]]] = {
 }
 EXACT = (1.0, 0.0, 1.0)
 # weights that change the first token too (w8a8: int8 products in prefill) -> (first-token KL of their `full` to the
-# exact weights' `full`, top-1 agreement, where measured): `ragkv bench weights --weights onednn,w8a8` (session 37)
+# exact weights' `full`, top-1 agreement, where measured): `ragkv bench weights --weights onednn,w8a8`
 WEIGHTS_POPULATION: dict[str, tuple[float, float, str]] = {
     "w8a8": (0.0039, 0.875, "Qwen2.5-Coder-0.5B bf16, 16 MuSiQue prompts, `full` on w8a8 against the exact weights "
-                            "(docs/results/cpu_bf16.md, session 37)"),
+                            "(docs/results/cpu_bf16.md)"),
 }
 EXACT_ESTIMATE = {"expected_kl": 0.0, "expected_top1": 1.0, "calibration": "exact", "basis": "exact", "source": None}
 
