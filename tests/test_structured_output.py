@@ -211,3 +211,10 @@ def test_eos_ends_a_constrained_answer_with_stop_only_where_the_grammar_accepts(
         seq.advance()
     assert seq.out.finish_reason == "stop" and seq.constraint.accepting and json.loads(seq.out.text) in (
         {"ok": True}, {"ok": False})
+
+
+def test_malformed_schemas_are_refused_with_llguidances_reason_not_a_crash():
+    for schema in ({"type": "object", "required": 5}, {"type": "object", "required": [{}]}, {"$ref": 5},
+                   {"type": "array", "minItems": "x", "items": {"$ref": "#"}}, {"anyOf": "x"}, {"type": ["object", 3]}):
+        with pytest.raises(InvalidRequestError, match="JSON schema cannot be used"):
+            json_grammar(schema)

@@ -69,7 +69,8 @@ def _finite(node, known: set[str], root) -> bool:
 def _type_finite(kind, node: dict, known: set[str], root) -> bool:
     if kind == "object":  # each required property needs a finite value
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        for name in node.get("required") or []:
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        for name in (r for r in required if isinstance(r, str)):  # malformed ones are llguidance's to refuse
             if name in props:
                 sub = props[name]
             elif node.get("patternProperties"):
@@ -80,7 +81,8 @@ def _type_finite(kind, node: dict, known: set[str], root) -> bool:
                 return False
         return True
     if kind == "array":  # the first minItems items need finite values
-        least = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
+        least = node.get("minItems")
+        least = least if isinstance(least, int) and not isinstance(least, bool) else 0
         prefix, items = node.get("prefixItems"), node.get("items")
         if isinstance(items, list):  # draft 4-7 tuples
             prefix, items = items, node.get("additionalItems")
