@@ -52,7 +52,9 @@ def test_an_engine_with_a_fit_states_it_per_reply(tiny_engine, tmp_path):
     from ragkv.engine.request.segments import Segments
 
     engine = tiny_engine()
-    doc = fidelity_fit.document("tiny", "synthetic", fidelity_fit.fit(synthetic(300, 4)))
+    fits = fidelity_fit.fit(synthetic(300, 4))
+    fits["reuse|"]["share_range"] = [0.0, 1.0]  # synthetic shares are not the tiny engine's: call every share fitted
+    doc = fidelity_fit.document("tiny", "float32", "synthetic", fits)
     path = fidelity_fit_path(engine.model_name.replace("/", "_"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc))
@@ -109,7 +111,7 @@ def test_w8a8_replies_are_fitted_apart_and_state_the_weights_error_without_a_fit
     exact = tiny_engine("qwen2")
     path = fidelity_fit_path(exact.model_name.replace("/", "_"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fidelity_fit.document("tiny", "synthetic", fits)))
+    path.write_text(json.dumps(fidelity_fit.document("tiny", "float32", "synthetic", fits)))
     try:
         exact = tiny_engine("qwen2")
         fast = type(exact)(exact._loaded, exact.store, decode_weights="w8a8")
@@ -132,7 +134,7 @@ def test_w8a8_replies_are_fitted_apart_and_state_the_weights_error_without_a_fit
         assert ape["expected_top1"] == pytest.approx(pop["expected_top1"] * top1_w, abs=1e-4)
         assert with_weights(pop, "int9")["basis"] == "unmeasured"  # weights never measured are not guessed
         # a fit of the exact weights only: w8a8's reply composes that per-reply estimate with the weights' figures
-        path.write_text(json.dumps(fidelity_fit.document("tiny", "synthetic", {"reuse|": fits["reuse|"]})))
+        path.write_text(json.dumps(fidelity_fit.document("tiny", "float32", "synthetic", {"reuse|": fits["reuse|"]})))
         exact = tiny_engine("qwen2")
         fast = type(exact)(exact._loaded, exact.store, decode_weights="w8a8")
         state, stats = fast.prefill(segs, FusionOptions(mode="reuse"))
@@ -153,7 +155,7 @@ def test_a_fit_of_some_keys_keeps_the_others_of_the_fit_it_replaces(tmp_path, ca
     from ragkv.eval.results import ResultsFile
 
     save_to = tmp_path / "fit.json"
-    save_to.write_text(json.dumps(fidelity_fit.document("m", "the exact weights' fit", fidelity_fit.fit(
+    save_to.write_text(json.dumps(fidelity_fit.document("m", "bfloat16", "the exact weights' fit", fidelity_fit.fit(
         synthetic(100, 6)))))
     records = tmp_path / "w8a8.jsonl"
     rf = ResultsFile(records, {"model": "m", "dtype": "bfloat16", "decode_weights": "w8a8"})

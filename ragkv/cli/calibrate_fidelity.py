@@ -11,8 +11,8 @@ from ragkv.cli.common import print_json, say
 from ragkv.errors import RagkvError
 
 
-def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[str]]:
-    """Records of the files, the files' descriptions (data set, dtype, name) and their models."""
+def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[tuple[str, str]]]:
+    """Records of the files, the files' descriptions (data set, dtype, name) and their (model, dtype)s."""
     from ragkv.eval.results import read_results
 
     rows, names, models = [], [], set()
@@ -23,8 +23,12 @@ def _records(spec: str | None, flag: str) -> tuple[list[dict], list[str], set[st
         config, recs = read_results(path)
         rows += recs
         names.append(f"{config.get('dataset') or 'data file'} {config.get('dtype')} ({path.name})")
-        models.add(str(config.get("model")))
+        models.add((str(config.get("model")), str(config.get("dtype"))))
     return rows, names, models
+
+
+def _names(spec: str | None) -> list[str]:
+    return [s.strip() for s in (spec or "").split(",") if s.strip()]
 
 
 def run_fidelity_calibration(args) -> int:
@@ -36,11 +40,13 @@ def run_fidelity_calibration(args) -> int:
         raise RagkvError("--target fidelity fits eval records: pass --records FILE[,FILE] (ragkv eval runs of full and "
                          "the approximate modes on held-out data, e.g. nq-distractors-heldout)")
     if len(models) != 1:
-        raise RagkvError(f"--records mix models ({', '.join(sorted(models))}): fit one model at a time")
-    model = models.pop()
+        raise RagkvError(f"--records mix models or dtypes ({', '.join(' '.join(m) for m in sorted(models))}): fit one "
+                         "model in one dtype at a time (a fit holds for the dtype it was fitted on)")
+    model, dtype = models.pop()
     test, test_names, test_models = _records(args.test_records, "--test-records")
-    if test and test_models != {model}:
-        raise RagkvError(f"--test-records are of {', '.join(sorted(test_models))}, not {model}")
+    if test and test_models != {(model, dtype)}:
+        raise RagkvError(f"--test-records are of {', '.join(' '.join(m) for m in sorted(test_models))}, not "
+                         f"{model} {dtype}")
     fits = fidelity_fit.fit(rows)
     if args.keys:  # only these keys are saved (the others keep what replies state without them)
         wanted = [k.strip() for k in args.keys.split(",") if k.strip()]
@@ -53,19 +59,32 @@ def run_fidelity_calibration(args) -> int:
         raise RagkvError(f"no (mode, selection) has {fidelity_fit.MIN_RECORDS} usable records (approximate answers "
                          "with a fidelity to full and answer_confidence: records written by this version's eval)")
     save_to = Path(args.save_to) if args.save_to else fidelity_fit_path(model)
-    earlier = _earlier_fits(save_to, model)  # keys these records do not fit (e.g. the exact weights' beside w8a8's)
+    earlier = _earlier_fits(save_to, model, dtype)  # keys these records do not fit (e.g. the exact weights' beside w8a8's)
     base = FidelityFits(earlier[1], earlier[0]) if earlier else None
     judged = fidelity_fit.held_out(rows, test or None, base=base)
+    unjudged = []  # a key with no out-of-sample figure is not saved: nothing says its estimates hold
+    for k in list(fits):
+        figures = fidelity_fit.held_out_figures(judged, k)
+        if figures is None:
+            unjudged.append(k)
+            del fits[k]
+        else:
+            fits[k]["held_out"] = figures
+    if not fits:
+        raise RagkvError(f"no key could be judged out of sample ({', '.join(unjudged)}): two folds need "
+                         f"{2 * fidelity_fit.MIN_RECORDS} records per key, or pass --test-records")
     desc = (f"{model}, fitted on {'; '.join(names)}: {sum(f['n'] for f in fits.values())} replies (ragkv calibrate "
             "--target fidelity)")
     kept = {k: {"source": earlier[0], **v} for k, v in earlier[1].items() if k not in fits} if earlier else {}
-    doc = fidelity_fit.document(model, desc, {**kept, **{k: {**v, "source": desc} for k, v in fits.items()}})
+    files = {"records": _names(args.records), "test_records": _names(args.test_records)}
+    doc = fidelity_fit.document(model, dtype, desc, {**kept, **{k: {**v, "source": desc, **files}
+                                                                for k, v in fits.items()}})
     save_to.parent.mkdir(parents=True, exist_ok=True)
     save_to.write_text(json.dumps(doc, indent=1) + "\n")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"model": model, "saved_to": str(save_to), "fits": {k: v["n"] for k, v in fits.items()},
-              "kept": sorted(kept),
+    result = {"model": model, "dtype": dtype, "saved_to": str(save_to), "fits": {k: v["n"] for k, v in fits.items()},
+              "kept": sorted(kept), "not_saved": unjudged,
               "judged_on": ", ".join(test_names) if test else "two folds by question of --records",
               "held_out": judged}
     (out / "fidelity_calibration.json").write_text(json.dumps(result, indent=1))
@@ -74,13 +93,16 @@ def run_fidelity_calibration(args) -> int:
         print_json(result)
         return 0
     print(render(result))
+    if unjudged:
+        say(f"not saved, no held-out figure: {', '.join(unjudged)} (fewer than {2 * fidelity_fit.MIN_RECORDS} records "
+            "for two folds; replies of these keys state the population estimate)")
     if result["kept"]:
         say(f"kept the earlier fits of {', '.join(result['kept'])} (not in these records)")
     say(f"saved to {save_to}; {model}'s approximate replies now state this per-reply estimate")
     return 0
 
 
-def _earlier_fits(save_to: Path, model: str) -> tuple[str, dict] | None:
+def _earlier_fits(save_to: Path, model: str, dtype: str) -> tuple[str, dict] | None:
     """(source, fits) of the fit this one is saved over (the file at --save-to, else the one shipped for the model),
     so that a fit of some keys keeps the others: one of w8a8's replies does not drop the exact weights' fits."""
     from ragkv.engine.measure.estimates import FEATURES, shipped_fit_path
@@ -90,7 +112,8 @@ def _earlier_fits(save_to: Path, model: str) -> tuple[str, dict] | None:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if doc.get("kind") == "fidelity-fit" and doc.get("model") == model and doc.get("features") == list(FEATURES):
+        if doc.get("kind") == "fidelity-fit" and doc.get("model") == model and doc.get("dtype") == dtype \
+                and doc.get("features") == list(FEATURES):
             return str(doc.get("source") or path), dict(doc.get("fits") or {})
     return None
 

@@ -557,17 +557,18 @@ def _step_signals(args, paths: list[Path]) -> int:
     pairs, missing, models = [], 0, set()
     for path in paths:
         config, records = read_results(path)
-        models.add(config["model"])
+        models.add((config["model"], config.get("dtype")))
         got, lacking = pairs_of(records, args.step_signals)
         pairs += got
         missing += lacking
     if len(models) != 1:
-        raise RagkvError(f"--step-signals judges one model's records at a time, got {', '.join(sorted(models))}")
+        raise RagkvError(f"--step-signals judges one model's records in one dtype at a time, got "
+                         f"{', '.join(' '.join(map(str, m)) for m in sorted(models, key=str))}")
     if missing:
         say(f"{missing} {args.step_signals} records have no answer_steps (written before eval kept them): left out")
     if not pairs:
         raise RagkvError(f"no {args.step_signals} record with answer_steps and a full record beside it")
-    fit = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(models.pop())
+    fit = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(*models.pop())
     result = judge(pairs, fit)
     if args.json:
         print_json(result)
@@ -598,11 +599,12 @@ def _replay_auto(args, paths: list[Path]) -> int:
     written, fits_of = [], {}
     for path in paths:
         config, records = read_results(path)
-        if config["model"] not in fits_of:  # read once per model, not per shard file
-            fits_of[config["model"]] = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(config["model"])
-        fits = fits_of[config["model"]]
+        model = (config["model"], config.get("dtype"))
+        if model not in fits_of:  # read once per model and dtype, not per shard file
+            fits_of[model] = FidelityFits.load(args.fit) if args.fit else load_fidelity_fits(*model)
+        fits = fits_of[model]
         if fits is None:
-            raise RagkvError(f"no fidelity fit {'at ' + args.fit if args.fit else 'for ' + config['model']}: pass "
+            raise RagkvError(f"no fidelity fit {'at ' + args.fit if args.fit else 'for ' + ' '.join(map(str, model))}: pass "
                              "--fit, or run `ragkv calibrate --target fidelity`")
         try:
             replayed = replay_auto(records, fits, risk, budget)

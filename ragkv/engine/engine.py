@@ -18,7 +18,7 @@ import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.blocks.encode import BlockCache, KeptBlocks, route_id
-from ragkv.engine.blocks.history import settle_history
+from ragkv.engine.blocks.history import history_worst_token_layers, settle_history
 from ragkv.engine.blocks.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.blocks.pool import BlockPool
 from ragkv.engine.blocks.prefix_cache import CHAIN, keep_chunks
@@ -144,7 +144,7 @@ class Engine:
         self.block_cache.place = lambda tokens: self.loading_planner.placement(tokens, FusionOptions().ratio)
         # per-reply fidelity estimates fitted for this model (`ragkv calibrate --target fidelity`), else None:
         # replies then state the population estimate (engine/measure/estimates.py)
-        self.fidelity_fits = load_fidelity_fits(loaded.name)
+        self.fidelity_fits = load_fidelity_fits(loaded.name, self.dtype_name)
         self.escalations = RecentShare()  # `auto`'s recent escalations, against its escalation_budget
 
     @classmethod
@@ -352,6 +352,17 @@ class Engine:
         next turn is exact again); engine/blocks/history.py. The server runs it in the background while idle."""
         return settle_history(self.forward_model, self.block_cache, self.fingerprint, segs, namespace or self.namespace,
                               prefix_chunk, chunk)
+
+    def worst_token_layers(self, segs: Segments, fusion: FusionOptions = FusionOptions(),
+                           namespace: str | None = None) -> int:
+        """The most rows `segs`' prefill may run through a layer, summed over layers, on a cold cache: what a server
+        admits it by. A chat on the history path is planned as that path runs it (engine/blocks/history.py): a
+        turn computed exactly counts once, not as a block encoded and a query recomputed."""
+        mode = get_mode(fusion.mode)
+        if mode.takes_history(segs, fusion):
+            return history_worst_token_layers(mode, self.block_cache, self.fingerprint, segs, fusion,
+                                              namespace or self.namespace, self.num_layers)
+        return mode.worst_token_layers(segs, fusion, self.num_layers)
 
     def positions_needed(self, segs: Segments, fusion: FusionOptions = FusionOptions()) -> int:
         """Positions `fusion.mode` lays `segs` out on before the first generated token: the token count, except

@@ -68,7 +68,8 @@ def _ridge(X: np.ndarray, y: np.ndarray, lam: float = 1e-2) -> np.ndarray:
 
 
 def fit(records: list[dict]) -> dict:
-    """{key: {top1, log_kl, smear, n}} for every (mode, selection) with enough records."""
+    """{key: {top1, log_kl, smear, n, share_range}} for every (mode, selection) with enough records; share_range:
+    the recomputed shares it was fitted on (a reply outside them is an extrapolation)."""
     groups: dict[str, list[dict]] = {}
     for r in usable(records):
         groups.setdefault(record_key(r), []).append(r)
@@ -82,7 +83,8 @@ def fit(records: list[dict]) -> dict:
         w_kl = _ridge(X, log_kl)
         smear = float(np.mean(np.exp(log_kl - X @ w_kl)))
         out[key] = {"top1": _logistic(X, top1).round(6).tolist(), "log_kl": w_kl.round(6).tolist(),
-                    "smear": round(smear, 6), "kl_floor": KL_FLOOR, "n": len(rows)}
+                    "smear": round(smear, 6), "kl_floor": KL_FLOOR, "n": len(rows),
+                    "share_range": [round(float(X[:, 1].min()), 4), round(float(X[:, 1].max()), 4)]}
     return out
 
 
@@ -162,7 +164,18 @@ def summarize(judged: list[tuple], bins: int = 5) -> dict:
     return out
 
 
-def document(model: str, records_desc: str, fits: dict) -> dict:
-    """The JSON `ragkv calibrate --target fidelity` saves (engine/measure/estimates.py FidelityFits reads it)."""
-    return {"kind": "fidelity-fit", "version": 1, "model": model, "features": list(FEATURES),
+def document(model: str, dtype: str, records_desc: str, fits: dict) -> dict:
+    """The JSON `ragkv calibrate --target fidelity` saves (engine/measure/estimates.py FidelityFits reads it): the
+    model and dtype it was fitted on, each key's fit, its held-out figures and the records' files (to re-derive it)."""
+    return {"kind": "fidelity-fit", "version": 2, "model": model, "dtype": dtype, "features": list(FEATURES),
             "source": records_desc, "fits": fits}
+
+
+def held_out_figures(judged: dict, key: str) -> dict | None:
+    """A key's out-of-sample figures as a shipped fit states them (None: the key was never judged out of sample)."""
+    got = judged.get("per_key", {}).get(key, {}).get("fitted")
+    if not got:
+        return None
+    worst = got["max_bin_error"]
+    return {"n": judged["per_key"][key]["n"], "calibration_error": got["calibration_error"],
+            "max_bin_error": None if worst is None or math.isnan(worst) else worst, "spearman_kl": got["spearman_kl"]}

@@ -84,12 +84,16 @@ def fit_key(mode: str, select: str | None, weights: str | None = None) -> str:
     return f"{mode}|{select or ''}" + (f"|{weights}" if weights else "")
 
 
+SHARE_SLACK = 0.02  # a reply's recomputed share this far outside a fit's range is still within it
+
+
 class FidelityFits:
     """Per (mode, selection): a logistic model of "the first token is full's" and a log-linear one of the first-token
-    KL, on FEATURES. Keys without a fit fall back to the population estimate."""
+    KL, on FEATURES, fitted on one model in one dtype. Keys without a fit fall back to the population estimate; a
+    reply whose recomputed share lies outside the shares a key was fitted on says `calibration: "extrapolated"`."""
 
-    def __init__(self, fits: dict, source: str, calibration: str = "fitted"):
-        self.fits, self.source, self.calibration = fits, source, calibration
+    def __init__(self, fits: dict, source: str, calibration: str = "fitted", dtype: str | None = None):
+        self.fits, self.source, self.calibration, self.dtype = fits, source, calibration, dtype
 
     @classmethod
     def load(cls, path) -> "FidelityFits | None":
@@ -102,7 +106,7 @@ class FidelityFits:
             return None
         if doc.get("kind") != "fidelity-fit" or list(doc.get("features", ())) != list(FEATURES):
             return None
-        return cls(doc.get("fits") or {}, str(doc.get("source") or path))
+        return cls(doc.get("fits") or {}, str(doc.get("source") or path), dtype=doc.get("dtype"))
 
     def predict(self, mode: str, select: str | None, x: list[float], weights: str | None = None) -> dict | None:
         """{expected_kl, expected_top1, calibration, basis, source} from the features after the constant, or None."""
@@ -114,8 +118,13 @@ class FidelityFits:
         top1 = 1 / (1 + math.exp(-max(-30.0, min(30.0, logit))))
         log_kl = sum(w * v for w, v in zip(f["log_kl"], z))
         kl = max(0.0, math.exp(min(log_kl, 10.0)) * f["smear"] - f["kl_floor"])
-        return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": self.calibration,
-                "basis": "per-reply", "source": f.get("source") or self.source}
+        source, calibration = f.get("source") or self.source, self.calibration
+        lo, hi = f.get("share_range") or (0.0, 1.0)
+        if not lo - SHARE_SLACK <= x[0] <= hi + SHARE_SLACK:  # fitted on other shares: a guess beyond the data
+            calibration = "extrapolated"
+            source = f"{source}; fitted on recomputed shares {lo:.2f}-{hi:.2f}, this reply's {x[0]:.2f}"
+        return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": calibration,
+                "basis": "per-reply", "source": source}
 
     def estimate(self, fidelity: dict, share: float, logits, weights: str | None = None) -> dict | None:
         """The reply's estimate from its fidelity statement (mode, select), recomputed share and first-token logits."""
@@ -158,13 +167,14 @@ def fidelity_fit_path(model_name: str):
     return cache_dir() / "calibration" / f"fidelity-{model_name}.json"
 
 
-def load_fidelity_fits(model_name: str) -> FidelityFits | None:
-    """The user's fit for this model, else the one shipped for a registered model (ragkv/engine/measure/fidelity_fits/),
-    else None (replies state the population estimate)."""
-
+def load_fidelity_fits(model_name: str, dtype: str | None) -> FidelityFits | None:
+    """The user's fit for this model in this dtype, else the one shipped for a registered model
+    (ragkv/engine/measure/fidelity_fits/), else None (replies state the population estimate). A fit of another
+    dtype (or one that does not say its dtype) is not this model's: bf16's errors are not fp32's. `dtype` None:
+    any dtype (reading records whose dtype the caller checks)."""
     for path in (fidelity_fit_path(_safe(model_name)), shipped_fit_path(model_name)):
         if path.exists():
             fits = FidelityFits.load(path)
-            if fits is not None:
+            if fits is not None and (dtype is None or fits.dtype == dtype):
                 return fits
     return None
