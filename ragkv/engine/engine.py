@@ -32,6 +32,7 @@ from ragkv.engine.measure.estimates import expected_kl, load_fidelity_fits, with
 from ragkv.engine.measure.risk import DEFAULT_SIGNAL, RecentShare
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
+from ragkv.engine.modes.context import ModeContext
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request.segments import (
     Passage,
@@ -146,6 +147,7 @@ class Engine:
         # replies then state the population estimate (engine/measure/estimates.py)
         self.fidelity_fits = load_fidelity_fits(loaded.name, self.dtype_name)
         self.escalations = RecentShare()  # `auto`'s recent escalations, against its escalation_budget
+        self.mode_context = ModeContext(self)  # all a mode reads of the engine (modes/context.py)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -268,7 +270,7 @@ class Engine:
                    namespace: str | None = None) -> list[CacheKey]:
         """The store entries `fusion.mode` reads for `segs` (block KV, the prefix as a block too; or hash-chained
         prefix chunks; none for full)."""
-        return get_mode(fusion.mode).cache_keys(self, segs, fusion, namespace or self.namespace)
+        return get_mode(fusion.mode).cache_keys(self.mode_context, segs, fusion, namespace or self.namespace)
 
     def forget(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32) -> int:
         """Delete what any mode stored for `segs`, keeping its shared prefix (system prompt); returns the count."""
@@ -343,7 +345,7 @@ class Engine:
     def warm(self, segs: Segments, fusion: FusionOptions = FusionOptions(), namespace: str | None = None):
         """Precompute and store what `fusion.mode` would reuse for `segs` (its blocks, or its prefix chunks)
         without answering; returns the keys and what was encoded."""
-        return get_mode(fusion.mode).warm(self, segs, fusion, namespace or self.namespace)
+        return get_mode(fusion.mode).warm(self.mode_context, segs, fusion, namespace or self.namespace)
 
     def settle_history_steps(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32,
                              chunk=None) -> Steps[dict]:
@@ -424,13 +426,13 @@ class Engine:
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
         mode = get_mode(fusion.mode)
-        mode.check(self, fusion)
+        mode.check(self.mode_context, fusion)
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")
         # room for the first answer tokens only: the cache grows as the answer does (KVCache), so a long
         # max_tokens costs memory only once it is used
         capacity = segs.num_tokens + min(max_new_tokens, DECODE_HEADROOM)
-        state = yield from mode.prefill(self, segs, fusion, capacity, stats, namespace or self.namespace, chunk,
+        state = yield from mode.prefill(self.mode_context, segs, fusion, capacity, stats, namespace or self.namespace, chunk,
                                         blocks)
         stats.full_token_layers = segs.num_tokens * self.num_layers
         stats.recomputed_token_layers = mode.token_layers(stats, self.num_layers)

@@ -31,19 +31,19 @@ class Ape(BlockMode):
                 "scale": stats.extra.get("ape_scale"), "kv_layout": fusion.kv_layout, "signal": None,
                 "estimate": population_estimate("ape")}
 
-    def _params(self, engine, fusion, stats) -> tuple[float, float]:
-        T = fusion.ape_temperature if fusion.ape_temperature is not None else engine.ape_temperature
-        S = fusion.ape_scale if fusion.ape_scale is not None else engine.ape_scale
+    def _params(self, ctx, fusion, stats) -> tuple[float, float]:
+        T = fusion.ape_temperature if fusion.ape_temperature is not None else ctx.ape_temperature
+        S = fusion.ape_scale if fusion.ape_scale is not None else ctx.ape_scale
         stats.extra.update(ape_temperature=T, ape_scale=S)
         return T, S
 
-    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
-        T, S = self._params(engine, fusion, stats)
+    def fuse(self, ctx, segs, fusion, layout, layer_iter, capacity, stats):
+        T, S = self._params(ctx, fusion, stats)
         attention = ApeAttention(len(segs.prefix), layout.context_len - len(segs.prefix), T, S)
-        return (yield from prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats,
+        return (yield from prefill_over_context(ctx.forward_model, layer_iter, layout, segs.query, capacity, stats,
                                                 attention))
 
-    def fuse_in_place(self, engine, segs, fusion, layout, pooled, capacity, stats):
-        T, S = self._params(engine, fusion, stats)
-        return (yield from prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats,
+    def fuse_in_place(self, ctx, segs, fusion, layout, pooled, capacity, stats):
+        T, S = self._params(ctx, fusion, stats)
+        return (yield from prefill_shared(ctx.forward_model, pooled, layout, segs.query, capacity, stats,
                                           context_from=1 if segs.prefix else 0, temperature=T, scale=S))

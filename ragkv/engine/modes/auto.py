@@ -23,7 +23,7 @@ class Auto(Blend):
     option_fields = ("ratio", "signal", "max_risk", "escalation_budget", "sink_tokens", "select_per_block", "draft_tokens", "conditioning",
                      "kv_layout")
 
-    def check(self, engine, fusion):
+    def check(self, ctx, fusion):
         pass
 
     def worst_token_layers(self, segs, fusion, num_layers):
@@ -31,23 +31,23 @@ class Auto(Blend):
         escalation = segs.num_tokens + len(segs.query) + fusion.draft_tokens
         return super().worst_token_layers(segs, fusion, num_layers) + escalation * num_layers
 
-    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+    def fuse(self, ctx, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
-        # unset: what `ragkv calibrate --target auto` chose for this model (engine.auto_source), else the defaults
-        limit = fusion.max_risk if fusion.max_risk is not None else engine.auto_max_risk
-        signal = fusion.signal or engine.auto_signal
+        # unset: what `ragkv calibrate --target auto` chose for this model (ctx.auto_source), else the defaults
+        limit = fusion.max_risk if fusion.max_risk is not None else ctx.auto_max_risk
+        signal = fusion.signal or ctx.auto_signal
         # the budget: beyond its share of recent answers escalated, an answer at risk keeps its cheap recompute
-        spent = fusion.escalation_budget < 1.0 and engine.escalations.share() >= fusion.escalation_budget
-        expect = partial(engine.expected_kl, select="query")
+        spent = fusion.escalation_budget < 1.0 and ctx.escalations.share() >= fusion.escalation_budget
+        expect = partial(ctx.expected_kl, select="query")
         # the query-aware selection at r, then again at r = 1 (every block token: full's answer) while at risk
-        state = yield from get_selection("query").prefill(engine.forward_model, layer_iter, layout, context_ids, segs.query,
+        state = yield from get_selection("query").prefill(ctx.forward_model, layer_iter, layout, context_ids, segs.query,
                                                fusion, capacity, stats, signal,
                                                ratios=(fusion.ratio,) if spent else (fusion.ratio, 1.0),
                                                max_signal=limit, expect=expect)
         rec = stats.recompute
-        rec.max_risk, rec.calibration = limit, engine.auto_source if fusion.max_risk is None else None
+        rec.max_risk, rec.calibration = limit, ctx.auto_source if fusion.max_risk is None else None
         rec.escalation_budget, rec.budget_spent = fusion.escalation_budget, spent
-        engine.escalations.add(rec.escalations > 0)
+        ctx.escalations.add(rec.escalations > 0)
         return state
 
     def selection(self, fusion) -> str:

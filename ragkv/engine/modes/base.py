@@ -1,8 +1,9 @@
 """What a fusion mode is to the engine: its cache keys, its warm-up, its prefill, its FLOPs to the first token.
 
-A mode is a stateless object; the engine hands it itself (`engine`: the model, the block cache, the loading planner,
-the APE defaults) and the request. The annotations "Engine", "FusionOptions" and "BlockCache" name those types
-through type-checking imports only: the engine and the options import the modes, never the other way round.
+A mode is a stateless object; the engine hands it a ModeContext (`ctx`, modes/context.py: the model, the store and
+caches, the loading planner, the calibrated defaults, each member named; never the Engine itself) and the request.
+The annotation "FusionOptions" names that type through a type-checking import only: the options import the modes,
+never the other way round.
 
 `BlockMode` is the shared shape of the modes that fuse independently encoded blocks (reuse, ape, blend, auto):
 ensure the blocks, stream their KV per layer, then the mode's own `fuse`.
@@ -22,12 +23,12 @@ from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.kv.stepwise import Steps, drain
 from ragkv.engine.measure.flops import head_flops, rows_flops
 from ragkv.engine.measure.stats import RequestStats
+from ragkv.engine.modes.context import ModeContext
 from ragkv.engine.request.segments import Segments
 from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
 
 if TYPE_CHECKING:  # annotations only: importing these at run time would be a circle (they import the modes)
-    from ragkv.engine.engine import Engine
     from ragkv.engine.options import FusionOptions
 
 
@@ -41,10 +42,10 @@ class FusionMode:
     always_exact: ClassVar[bool] = False     # its answer is `full`'s on the same weights, whatever the options
     shares_positions: ClassVar[bool] = False  # blocks side by side on one position range (longer than the window)
 
-    def check(self, engine: "Engine", fusion: "FusionOptions") -> None:
+    def check(self, ctx: ModeContext, fusion: "FusionOptions") -> None:
         """Request-time checks that need the model (FusionOptions checks what it can without one)."""
 
-    def cache_keys(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> list[CacheKey]:
+    def cache_keys(self, ctx: ModeContext, segs: Segments, fusion: "FusionOptions", ns: str) -> list[CacheKey]:
         """The store entries this mode reads for `segs`, the shared prefix's first (none by default)."""
         return []
 
@@ -60,11 +61,11 @@ class FusionMode:
         """Prompt rows a sequence keeps in its own cache (what a server's KV budget reserves for the prompt)."""
         return segs.num_tokens
 
-    def warm(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", ns: str) -> EnsureResult:
+    def warm(self, ctx: ModeContext, segs: Segments, fusion: "FusionOptions", ns: str) -> EnsureResult:
         """Precompute and store what a later request over `segs`' context would reuse."""
         return EnsureResult([], 0, 0, 0.0)
 
-    def prefill(self, engine: "Engine", segs: Segments, fusion: "FusionOptions", capacity: int,
+    def prefill(self, ctx: ModeContext, segs: Segments, fusion: "FusionOptions", capacity: int,
                 stats: RequestStats, ns: str, chunk, blocks: "BlockCache") -> Steps[DecodeState]:
         raise NotImplementedError
 
@@ -81,6 +82,11 @@ class FusionMode:
         """The most rows this request's prefill can run through a layer, summed over layers, on a cold cache (every
         block encoded): what a server weighs before admitting it (the unit of `token_layers`)."""
         return segs.num_tokens * num_layers
+
+    def takes_history(self, segs: Segments, fusion: "FusionOptions") -> bool:
+        """Whether `segs` (a chat) run on the history path, its exactly computable start first
+        (engine/blocks/history.py; Engine.worst_token_layers plans its cost as that path runs)."""
+        return False
 
     def first_token_flops(self, a: ModelArgs, fusion: "FusionOptions", context: int, query: int,
                           prefix_len: int = 0, reused: int = 0) -> int:
@@ -110,9 +116,9 @@ class BlockMode(FusionMode):
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
         return layout.query_start + len(segs.query)  # shared (APE): the longest block, not the sum
 
-    def cache_keys(self, engine, segs, fusion, ns):
-        pre = [engine.block_cache.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
-        return pre + [engine.block_cache.key(ids, self.conditioning(segs, fusion), ns) for ids in segs.blocks]
+    def cache_keys(self, ctx, segs, fusion, ns):
+        pre = [ctx.block_cache.key(segs.prefix, NO_CONDITIONING, ns)] if segs.prefix else []
+        return pre + [ctx.block_cache.key(ids, self.conditioning(segs, fusion), ns) for ids in segs.blocks]
 
     def shared_key_count(self, segs, fusion):
         return 1 if segs.prefix else 0
@@ -132,21 +138,24 @@ class BlockMode(FusionMode):
                             pre.encode_ms + blk.encode_ms, {**pre.uncached, **blk.uncached},
                             pre.hit_tokens + blk.hit_tokens)
 
-    def warm(self, engine, segs, fusion, ns):
-        return drain(self.ensure_steps(engine.block_cache, segs, fusion, ns))
+    def warm(self, ctx, segs, fusion, ns):
+        return drain(self.ensure_steps(ctx.block_cache, segs, fusion, ns))
 
-    def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        alone = self.conditioning(segs, fusion) == NO_CONDITIONING
-        if segs.history and alone and self.layout_kind(fusion) == "sequential":
+    def takes_history(self, segs, fusion):
+        return segs.history and self.conditioning(segs, fusion) == NO_CONDITIONING and \
+            self.layout_kind(fusion) == "sequential"
+
+    def prefill(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks):
+        if self.takes_history(segs, fusion):
             # chat turns: the exactly computable start of the conversation first (engine/blocks/history.py)
-            return (yield from prefill_history(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks))
-        return (yield from self.prefill_blocks(engine, segs, fusion, capacity, stats, ns, chunk, blocks))
+            return (yield from prefill_history(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks))
+        return (yield from self.prefill_blocks(ctx, segs, fusion, capacity, stats, ns, chunk, blocks))
 
-    def prefill_blocks(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks, exact=None):
+    def prefill_blocks(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks, exact=None):
         """Fetch (or encode) the prefix and the blocks, then `fuse`. `exact`: a cache already holding the prefix
         computed exactly (rotated K), used in place of the prefix's block."""
         layout = make_layout(len(segs.prefix), [len(b) for b in segs.blocks], self.layout_kind(fusion))
-        engine.check_length(layout.query_start + len(segs.query))
+        ctx.check_length(layout.query_start + len(segs.query))
         res = yield from self.ensure_steps(blocks, segs if exact is None else replace(segs, prefix=[]), fusion, ns,
                                            chunk)
         stats.cache_hits, stats.cache_misses = res.hits, res.misses
@@ -156,22 +165,22 @@ class BlockMode(FusionMode):
         pooled = None
         if exact is None and self.reads_in_place(fusion):  # shared block attention: no copy, no re-rotation
             t0 = time.perf_counter()
-            pooled = engine.block_pool.blocks(res.keys, lambda keys: engine.layer_stream(keys, res.uncached,
+            pooled = ctx.block_pool.blocks(res.keys, lambda keys: ctx.layer_stream(keys, res.uncached,
                                                                                     blocks.store))
             stats.fetch_ms += (time.perf_counter() - t0) * 1000
             if self.fuses_in_place:
-                return (yield from self.fuse_in_place(engine, segs, fusion, layout, pooled, capacity, stats))
+                return (yield from self.fuse_in_place(ctx, segs, fusion, layout, pooled, capacity, stats))
         # a plan names the engine store's tiers: none for a request's own memory (the store failed mid-request and
         # its blocks were computed again: the soak's one 500 read them with the plan's tiers)
-        fusion, tiers = self.load_schedule(engine, res, fusion, stats) if blocks.store is engine.block_cache.store \
+        fusion, tiers = self.load_schedule(ctx, res, fusion, stats) if blocks.store is ctx.block_cache.store \
             else (fusion, None)
-        layer_iter = engine.layer_stream(res.keys, res.uncached, blocks.store, tiers)
+        layer_iter = ctx.layer_stream(res.keys, res.uncached, blocks.store, tiers)
         parts = layer_iter if exact is None else with_exact_prefix(exact, len(segs.prefix), layer_iter)
-        state = yield from self.fuse(engine, segs, fusion, layout, parts, capacity, stats)
+        state = yield from self.fuse(ctx, segs, fusion, layout, parts, capacity, stats)
         if hasattr(layer_iter, "wait_ms"):
             stats.extra["load_wait_ms"] = round(layer_iter.wait_ms, 3)  # loading not hidden by compute
         if pooled is not None:  # fused as a copy (blend): from now on only its own rows, the blocks in place
-            state = keep_own_rows(engine.forward_model, state, pooled, layout, capacity, stats)
+            state = keep_own_rows(ctx.forward_model, state, pooled, layout, capacity, stats)
         return state
 
     def reads_in_place(self, fusion: "FusionOptions") -> bool:
@@ -183,15 +192,15 @@ class BlockMode(FusionMode):
         # in place, the blocks stay in the pool (bounded apart); a history's exact start is the sequence's own
         return len(segs.query) if self.reads_in_place(fusion) and not segs.history else segs.num_tokens
 
-    def fuse_in_place(self, engine, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
+    def fuse_in_place(self, ctx, segs: Segments, fusion, layout: Layout, pooled, capacity: int,
                       stats: RequestStats) -> DecodeState:
         """`fuse` over pooled blocks read in place (when `reads_in_place`)."""
-        return (yield from prefill_shared(engine.forward_model, pooled, layout, segs.query, capacity, stats))
+        return (yield from prefill_shared(ctx.forward_model, pooled, layout, segs.query, capacity, stats))
 
-    def load_schedule(self, engine, res: EnsureResult, fusion, stats: RequestStats):
+    def load_schedule(self, ctx, res: EnsureResult, fusion, stats: RequestStats):
         """(fusion, tiers to read each block from, or None: the store's own order). Only blend plans loading."""
         return fusion, None
 
-    def fuse(self, engine, segs: Segments, fusion, layout: Layout, layer_iter, capacity: int,
+    def fuse(self, ctx, segs: Segments, fusion, layout: Layout, layer_iter, capacity: int,
              stats: RequestStats) -> DecodeState:
         raise NotImplementedError

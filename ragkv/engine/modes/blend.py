@@ -30,16 +30,16 @@ class Blend(BlockMode):
         # rows, which stage 1's cache holds until they are forgotten
         return segs.num_tokens + fusion.draft_tokens
 
-    def check(self, engine, fusion):
-        if fusion.check_layers[-1] >= engine.num_layers:
+    def check(self, ctx, fusion):
+        if fusion.check_layers[-1] >= ctx.num_layers:
             raise OptionError("check_layers", f"check layer {fusion.check_layers[-1]} does not exist: this model's "
-                                              f"check layers are 1..{engine.num_layers - 1} (check_layers)")
+                                              f"check layers are 1..{ctx.num_layers - 1} (check_layers)")
         get_selection(fusion.select).check(fusion)
 
-    def load_schedule(self, engine, res, fusion, stats):
+    def load_schedule(self, ctx, res, fusion, stats):
         if res.uncached:  # some blocks live only in this request's memory: nothing to schedule
             return fusion, None
-        schedule = engine.loading_planner.schedule(res.keys, fusion.ratio)
+        schedule = ctx.loading_planner.schedule(res.keys, fusion.ratio)
         if isinstance(schedule, str):  # why there is none (no profile yet, a single tier...)
             stats.extra["loading_plan"] = {"none": schedule}
         if schedule is None or isinstance(schedule, str):
@@ -47,13 +47,13 @@ class Blend(BlockMode):
         stats.extra["loading_plan"] = schedule.as_dict()  # each block is read from the tier the schedule names
         return (replace(fusion, ratio=schedule.ratio) if fusion.auto_ratio else fusion), schedule.tiers
 
-    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
+    def fuse(self, ctx, segs, fusion, layout, layer_iter, capacity, stats):
         context_ids = segs.prefix + [t for b in segs.blocks for t in b]
         # every risk signal is recorded, the reply's own estimate too (`ragkv calibrate --target auto` ranks them)
-        expect = partial(engine.expected_kl, select=fusion.select)
-        return (yield from get_selection(fusion.select).prefill(engine.forward_model, layer_iter, layout, context_ids,
+        expect = partial(ctx.expected_kl, select=fusion.select)
+        return (yield from get_selection(fusion.select).prefill(ctx.forward_model, layer_iter, layout, context_ids,
                                                                  segs.query, fusion, capacity, stats,
-                                                                 engine.auto_signal, expect=expect))
+                                                                 ctx.auto_signal, expect=expect))
 
     def fidelity(self, fusion, stats):
         rec = self.record(fusion, stats)

@@ -18,9 +18,9 @@ class Full(FusionMode):
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": True}
 
-    def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        engine.check_length(segs.num_tokens, "prompt")
-        return (yield from prefill_full(engine.forward_model, segs.all_ids(), capacity, stats, chunk))
+    def prefill(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks):
+        ctx.check_length(segs.num_tokens, "prompt")
+        return (yield from prefill_full(ctx.forward_model, segs.all_ids(), capacity, stats, chunk))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         return rows_flops(a, 0, context + query, a.num_layers) + head_flops(a)

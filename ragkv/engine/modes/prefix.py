@@ -19,30 +19,30 @@ class Prefix(FusionMode):
     option_fields = ("prefix_chunk",)
     always_exact = True
 
-    def cache_keys(self, engine, segs, fusion, ns):
-        return chunk_keys(segs.all_ids(), fusion.prefix_chunk, engine.fingerprint, ns)
+    def cache_keys(self, ctx, segs, fusion, ns):
+        return chunk_keys(segs.all_ids(), fusion.prefix_chunk, ctx.fingerprint, ns)
 
     def shared_key_count(self, segs, fusion):
         return len(segs.prefix) // fusion.prefix_chunk
 
-    def warm(self, engine, segs, fusion, ns):
+    def warm(self, ctx, segs, fusion, ns):
         """Prefill the context (prefix and blocks, no query) once, storing its full chunks."""
         ids = segs.prefix + [t for b in segs.blocks for t in b]
         if not ids:
             return EnsureResult([], 0, 0, 0.0)
         stats = RequestStats(mode=self.name)
-        drain(prefill_prefix(engine.forward_model, engine.store, engine.fingerprint, ns, ids, fusion.prefix_chunk,
+        drain(prefill_prefix(ctx.forward_model, ctx.store, ctx.fingerprint, ns, ids, fusion.prefix_chunk,
                              len(ids), stats))
-        keys = chunk_keys(ids, fusion.prefix_chunk, engine.fingerprint, ns)
+        keys = chunk_keys(ids, fusion.prefix_chunk, ctx.fingerprint, ns)
         return EnsureResult(keys, stats.cache_hits, stats.cache_misses, stats.query_prefill_ms,
                             hit_tokens=stats.cached_tokens)
 
     def fidelity(self, fusion, stats):
         return {"mode": self.name, "exact": True, "cached_prefix_tokens": stats.reused_tokens}
 
-    def prefill(self, engine, segs, fusion, capacity, stats, ns, chunk, blocks):
-        engine.check_length(segs.num_tokens, "prompt")
-        return (yield from prefill_prefix(engine.forward_model, blocks.store, engine.fingerprint, ns, segs.all_ids(),
+    def prefill(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks):
+        ctx.check_length(segs.num_tokens, "prompt")
+        return (yield from prefill_prefix(ctx.forward_model, blocks.store, ctx.fingerprint, ns, segs.all_ids(),
                                           fusion.prefix_chunk, capacity, stats, chunk))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):

@@ -25,5 +25,5 @@ class Reuse(BlockMode):
                 "conditioning": fusion.conditioning, "kv_layout": fusion.kv_layout,
                 "reused_tokens": stats.reused_tokens, "signal": None, "estimate": population_estimate("reuse")}
 
-    def fuse(self, engine, segs, fusion, layout, layer_iter, capacity, stats):
-        return (yield from prefill_over_context(engine.forward_model, layer_iter, layout, segs.query, capacity, stats))
+    def fuse(self, ctx, segs, fusion, layout, layer_iter, capacity, stats):
+        return (yield from prefill_over_context(ctx.forward_model, layer_iter, layout, segs.query, capacity, stats))
