@@ -3,6 +3,9 @@ turns behind the edit, and every selection keeps its invariants there (r=1 equal
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 from tiny import default_model_available, rand_ids
@@ -250,3 +253,51 @@ def test_chat_bench_repeats_the_edit_turn_from_the_same_cache_state(default_engi
     edit = turns[-1]["paths"]["blend:sel=sinks,sink=4"]
     assert len(edit["runs_ms"]) == 2 and edit["history"]["fused_turns"] >= 1 and edit["kl"] >= 0
     assert (tmp_path / "chat.md").exists() and (tmp_path / "chat.json").exists()
+
+
+@contextlib.contextmanager
+def rows_through_layers(engine):
+    """Counts the rows every decoder layer runs (token-layers), whatever path runs them."""
+    count, layers = [0], engine.model.layers
+    real = [layer.project_qkv for layer in layers]
+
+    def counted(x, real):
+        count[0] += x.shape[0] * x.shape[1]
+        return real(x)
+    for layer, r in zip(layers, real):
+        layer.project_qkv = functools.partial(counted, real=r)
+    try:
+        yield count
+    finally:
+        for layer, r in zip(layers, real):
+            layer.project_qkv = r
+
+
+def test_a_long_tool_result_is_prefilled_once_and_admitted_at_that_cost(tiny_engine):
+    """An agent's step: a short exchange, then a long tool result as the last message. Its prefill runs every row
+    once, its admission cost says so (it counted the result three times: a block encoded, a stage 1 and a stage 2),
+    and the settling after the reply encodes the new turns without prefilling the history again."""
+    engine = tiny_engine("llama")
+    L = engine.num_layers
+    for seed, mode in enumerate(("blend", "auto", "reuse")):
+        result = rand_ids(400, 730 + seed)
+        segs = Segments(rand_ids(9, 700 + seed), [rand_ids(20, 710 + seed), rand_ids(15, 720 + seed)],
+                        result + [1, 2], history=True, next_turn=result)  # the query: the result and the reply's start
+        fusion = FusionOptions(mode=mode)
+        assert engine.worst_token_layers(segs, fusion) == segs.num_tokens * L, mode
+        with rows_through_layers(engine) as rows:
+            _, stats = first_logits(engine, segs, mode=mode)
+        assert rows[0] <= 1.1 * segs.num_tokens * L and stats.recomputed_token_layers == rows[0], mode
+        with rows_through_layers(engine) as rows:
+            settled = drain(engine.settle_history_steps(segs))
+        # each turn encoded alone once, for a later edit to fuse; the history itself is not prefilled again
+        assert settled == {"encoded_turns": 3, "prefilled_tokens": 0} and rows[0] <= 435 * L, (mode, settled)  # 20 + 15 + 400 rows
+    # after an edit the stored turns are fused: the admission cost still bounds what the prefill runs
+    turns = [rand_ids(150, 740), rand_ids(140, 741)]
+    drain(engine.settle_history_steps(Segments(rand_ids(9, 742), turns, rand_ids(5, 743), history=True)))
+    edited = Segments(rand_ids(9, 742), [rand_ids(12, 744)] + turns[1:], rand_ids(300, 745), history=True)
+    for select in ("deviation", "query"):
+        worst = engine.worst_token_layers(edited, FusionOptions(mode="blend", select=select))
+        with rows_through_layers(engine) as rows:
+            _, stats = first_logits(engine, edited, mode="blend", select=select)
+        assert stats.extra["history"]["fused_turns"] == 1 and rows[0] <= worst, select

@@ -167,7 +167,7 @@ class RequestBuilder:
                 raise FieldError(where, f"{name} contains no text; send its text or leave it out", "empty_document")
 
     def check_prompt(self, segs: Segments, gen: GenerationOptions, fusion: FusionOptions,
-                     field: str = "messages") -> int:
+                     field: str = "messages", namespace: str | None = None) -> int:
         """The prompt's tokens within --max-prompt-tokens, the positions its mode lays it out on within the
         model's window (with `ape`, blocks share positions: a prompt longer than the window may fit), and its
         prefill's worst cost within --max-request-cost. Returns that cost (token-layers)."""
@@ -188,7 +188,7 @@ class RequestBuilder:
             raise FieldError("max_tokens", f"max_tokens {gen.max_new_tokens} exceeds the model's "
                                            f"{self.engine.max_positions} positions")
         layers = self.engine.num_layers
-        cost = get_mode(fusion.mode).worst_token_layers(segs, fusion, layers)
+        cost = self.engine.worst_token_layers(segs, fusion, namespace)  # a chat's history: as its path runs it
         check_cost(cost, self.max_request_cost, segs.num_tokens, layers, fusion.mode, field)
         return cost
 
@@ -248,10 +248,11 @@ class RequestBuilder:
                                                 "cannot be combined with response_format json")
             gen = replace(gen, grammar=self.call_grammar(req))
         segs = self.engine.fit_to_window(segs, fusion, gen.max_new_tokens)
-        cost = self.check_prompt(segs, gen, fusion)
+        namespace = self.namespace(req.ragkv, tenant, req.cache_salt)
+        cost = self.check_prompt(segs, gen, fusion, namespace=namespace)
         self.budget.charge(tenant, cost)
         names = tuple(t.function.name for t in req.tools) if tools else ()
-        return Prepared(segs, fusion, gen, self.namespace(req.ragkv, tenant, req.cache_salt), sources, req.n, tenant,
+        return Prepared(segs, fusion, gen, namespace, sources, req.n, tenant,
                         names, tools and forced, cost)
 
     def call_grammar(self, req: ChatRequest) -> str:

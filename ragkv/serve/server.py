@@ -122,7 +122,7 @@ class Server:
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
         layers = self.engine.num_layers
-        cost = p.cost or get_mode(p.fusion.mode).worst_token_layers(p.segs, p.fusion, layers)  # cold cache
+        cost = p.cost or self.engine.worst_token_layers(p.segs, p.fusion, p.namespace)  # cold cache
         long = cost > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk) * layers
         release = self.in_flight.admit(p.tenant, cost)  # a 429 when the tenant's unfinished requests cost too much
         try:
@@ -134,8 +134,15 @@ class Server:
         job.future.add_done_callback(lambda _: release())
         job.future.add_done_callback(self._maybe_shadow)
         if p.segs.history and p.segs.blocks and get_mode(p.fusion.mode).reads_blocks:
-            self.warm_turns(p)
+            # once the reply is whole: a request whose client left (or that failed) leaves no work behind, and
+            # settling never repeats the prefill in flight (its prefix chunks are stored only as it ends)
+            job.future.add_done_callback(lambda f: self._settle_after(f, p))
         return job
+
+    def _settle_after(self, future, p: Prepared) -> None:
+        if future.cancelled() or future.exception() is not None or future.result()[2] in ("cancelled", "timeout"):
+            return
+        self.warm_turns(p)
 
     def _maybe_shadow(self, future) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -144,10 +151,10 @@ class Server:
         self.shadow.consider(p, seq)
 
     def warm_turns(self, p: Prepared) -> None:
-        """In the background while the server is idle: encode the chat's turns the block store lacks (a later
-        edit of this conversation fuses them instead of prefilling them) and prefill a fused history exactly into
-        the prefix cache (the next turn is exact again); engine/blocks/history.py. Skipped when the background queue is
-        full: the next turn then prefills what it lacks, as without blocks."""
+        """In the background while the server is idle, after a whole reply: encode the chat's turns the block store
+        lacks (a later edit of this conversation fuses them instead of prefilling them) and prefill a fused history
+        exactly into the prefix cache (the next turn is exact again); engine/blocks/history.py. Skipped when the
+        background queue is full: the next turn then prefills what it lacks, as without blocks."""
         try:
             self.scheduler.submit_background(
                 lambda: self.engine.settle_history_steps(p.segs, p.namespace, p.fusion.prefix_chunk,

@@ -74,28 +74,58 @@ def with_exact_prefix(cache, n: int, layer_iter):
         yield [(cache.keys[layer][0, :, :n], cache.values[layer][0, :, :n], "rotated")] + list(parts)
 
 
+def plan_history(blocks, fingerprint: str, segs: Segments, chunk_size: int, ns: str) -> tuple[int, int]:
+    """Blocks [j, k) of `segs` the history path fuses with the store as it is now (j == len(segs.blocks): none,
+    the whole prompt exact); those before j are computed exactly, those after k join the query."""
+    store = blocks.store
+    covered = cached_prefix_tokens(store, segs.all_ids(), chunk_size, fingerprint, ns)
+    stored = [store.contains(blocks.key(b, NO_CONDITIONING, ns)) for b in segs.blocks]
+    j = exact_turns(segs, covered, stored)
+    k = len(segs.blocks)
+    while k > j and not stored[k - 1]:
+        k -= 1
+    return j, k
+
+
+def fused_rest(segs: Segments, j: int, k: int) -> Segments:
+    """What the mode fuses for plan (j, k): the exact start as its prefix, blocks [j, k), the later turns and the
+    query as its query."""
+    exact_ids = segs.prefix + [t for b in segs.blocks[:j] for t in b]
+    tail = [t for b in segs.blocks[k:] for t in b]
+    return Segments(exact_ids, segs.blocks[j:k], tail + segs.query, history=True)
+
+
+def history_worst_token_layers(mode, blocks, fingerprint: str, segs: Segments, fusion, ns: str,
+                               num_layers: int) -> int:
+    """The most token-layers the history path runs for `segs` (cold cache for what it fuses): every row once when
+    nothing is fused (what `prefix` computes), else the mode's worst over the fused rest, its exact start counted
+    once. Planned with the store as it is at admission, as the prefill plans it when it starts."""
+    j, k = plan_history(blocks, fingerprint, segs, fusion.prefix_chunk, ns)
+    if j == len(segs.blocks):
+        return segs.num_tokens * num_layers
+    return mode.worst_token_layers(fused_rest(segs, j, k), fusion, num_layers)
+
+
 def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: RequestStats, ns: str, chunk,
                     blocks) -> Steps[DecodeState]:
     """`mode.prefill_blocks` behind the exactly computed start of the conversation (see the module docstring)."""
     store, chunk_size = blocks.store, fusion.prefix_chunk
-    covered = cached_prefix_tokens(store, segs.all_ids(), chunk_size, engine.fingerprint, ns)
-    stored = [store.contains(blocks.key(b, NO_CONDITIONING, ns)) for b in segs.blocks]
-    j, n = exact_turns(segs, covered, stored), len(segs.blocks)
-    k = n  # blocks [j, k) are fused; those after the last stored one join the query
-    while k > j and not stored[k - 1]:
-        k -= 1
-    exact_ids = segs.prefix + [t for b in segs.blocks[:j] for t in b]
-    tail = [t for b in segs.blocks[k:] for t in b]
+    j, k = plan_history(blocks, engine.fingerprint, segs, chunk_size, ns)
+    n = len(segs.blocks)
+    rest = fused_rest(segs, j, k)
+    exact_ids = rest.prefix
     info = history_counts(segs, j, k)
-    info.update(exact_tokens=len(exact_ids) + len(tail) + len(segs.query), prefix_cached_tokens=0)
+    info.update(exact_tokens=len(exact_ids) + len(rest.query), prefix_cached_tokens=0)
     stats.extra["history"] = info
     if j == n:  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
+        before = stats.recomputed_tokens
         state = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, segs.all_ids(),
                                           chunk_size, capacity, stats, chunk)
+        # a mode that counts its own token-layers (blend) reads them here: each prefilled row through every layer
+        stats.recomputed_token_layers += (stats.recomputed_tokens - before) * engine.num_layers
         info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
         return state
     info["exact"] = False
-    rest = Segments(exact_ids, segs.blocks[j:k], tail + segs.query, history=True)
     if not exact_ids:  # the first turn was edited and there is no system message: all of it fused
         return (yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks))
     part = RequestStats(mode="prefix")

@@ -69,6 +69,7 @@ class PrefillUnits:
                 job.started = time.monotonic()
                 job.steps = job.start()
             job.units += 1
+            self.prefill_units += 1
             self._resume(job, None)
             self._staged = job.pending is not None
         self._account(job, (time.perf_counter() - t0) * 1000, stalled)

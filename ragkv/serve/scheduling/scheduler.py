@@ -99,6 +99,7 @@ class Scheduler(Admission, PrefillUnits):
         self.stall_ms_max = self.stall_ms_total = 0.0
         self.steps = self.batched_tokens = 0
         self.mixed_steps = self.mixed_rows = 0  # steps that ran prefill rows beside the decode rows; those rows
+        self.prefill_units = self.background_units = 0  # units run: generations' prefills, background jobs'
         self.stopping = threading.Event()
         self._thread = None
         if thread:
@@ -216,6 +217,7 @@ class Scheduler(Admission, PrefillUnits):
                     job.cancelled.is_set() else Cancelled("cancelled")
             if job.steps is None:
                 job.steps = job.start()
+            self.background_units += 1
             with self.lock:
                 next(job.steps)
             return True
@@ -313,6 +315,7 @@ class Scheduler(Admission, PrefillUnits):
                 "max_batch": self.max_batch, **self.kv.stats(), "kv_waiting": int(self.waiting is not None),
                 "decode_steps": self.steps, "batched_tokens": self.batched_tokens,
                 "mixed_steps": self.mixed_steps, "mixed_prefill_rows": self.mixed_rows,
+                "prefill_units": self.prefill_units, "background_units": self.background_units,
                 "mean_batch": round(self.batched_tokens / self.steps, 3) if self.steps else 0.0,
                 "prefill_stall_ms_max": round(self.stall_ms_max, 3),
                 "prefill_stall_ms_total": round(self.stall_ms_total, 3)}
