@@ -216,6 +216,11 @@ def test_a_sequence_reading_in_place_reserves_only_its_own_rows():
 
 
 def test_kv_layout_is_a_declared_option():
-    with pytest.raises(OptionError):
+    """Refused with its field and choices named; reached from an eval key as from the flag and the HTTP field."""
+    from ragkv.eval.modes import parse_mode_key
+
+    with pytest.raises(OptionError) as e:
         FusionOptions(mode="reuse", kv_layout="borrowed")
-    assert FusionOptions(mode="reuse", kv_layout="shared").kv_layout == "shared"
+    assert e.value.param == "kv_layout" and "copied" in str(e.value) and "shared" in str(e.value)
+    assert parse_mode_key("reuse:kv=shared", FusionOptions()).kv_layout == "shared"
+    assert parse_mode_key("reuse", FusionOptions()).kv_layout == "copied"  # the default: each request's own copy

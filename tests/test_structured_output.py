@@ -88,10 +88,6 @@ def _closed(schema):
 SCHEMAS = {name: _closed(schema) for name, schema in SCHEMAS.items()}
 
 
-def test_the_schema_set_is_large_enough():
-    assert len(SCHEMAS) >= 20
-
-
 def test_every_greedy_answer_is_valid_json_the_schema_accepts(default_engine):
     invalid = {}
     for name, schema in SCHEMAS.items():

@@ -1,4 +1,4 @@
-"""Tool calls (issue 50): the definitions in the system message and calls as <tool_call> blocks for any model
+"""Tool calls: the definitions in the system message and calls as <tool_call> blocks for any model
 (serve/tools.py); `tool_choice` required or named constrains the answer to valid calls (their arguments follow
 each function's schema); the answer's calls are parsed into OpenAI's `tool_calls`."""
 
@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 from tiny import default_model_available
 
-from ragkv.engine.decode.constrained import lark_grammar
+from ragkv.engine.decode.constrained import Constraint, lark_grammar
 from ragkv.engine.options import FusionOptions
 from ragkv.serve.tools import call_grammar, parse_calls, render_calls, tag_tokens, tools_system
 from ragkv.serve.schemas import ChatRequest, FieldError
@@ -78,14 +78,42 @@ def test_a_required_or_named_choice_gives_valid_calls_on_the_default_model(defau
         assert {c["function"]["name"] for c in calls} == {"add"}
 
 
-def test_the_call_grammar_compiles_for_one_several_and_parallel_functions():
+def _accepts(engine, grammar: str, text: str) -> bool:
+    """Whether the call grammar takes `text` whole (fed as the default model's tokens)."""
+    c = Constraint(grammar, engine.tokenizer, {engine.tokenizer.eos_token_id})
+    for t in engine.tokenizer.encode(text, add_special_tokens=False):
+        c.consume(t)
+        if c.matcher.is_error():
+            return False
+    return c.accepting
+
+
+def _calls(*calls) -> str:
+    return render_calls([{"name": n, "arguments": a} for n, a in calls])
+
+
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_the_call_grammar_takes_valid_calls_and_refuses_the_others(default_engine):
     # a function's local $refs point into its own parameters, wherever the grammar's body holds them
     refs = {"type": "function", "function": {"name": "route", "parameters": {
         "type": "object", "$defs": {"stop": {"type": "string", "maxLength": 20}},
         "properties": {"to": {"$ref": "#/$defs/stop"}, "via": {"$ref": "#"}}, "required": ["to"]}}}
-    for tools, name, parallel in (([WEATHER], None, False), ([WEATHER, ADD], None, True),
-                                  ([WEATHER, ADD], "add", True), ([refs], None, False), ([WEATHER, refs], None, True)):
-        assert lark_grammar(call_grammar(tools, name, parallel))
+    paris, two = ("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})
+    cases = [  # tools, named choice, parallel; texts it takes; texts it refuses
+        ([WEATHER], None, False, [_calls(paris)],
+         [_calls(two), _calls(("get_weather", {})), _calls(paris, paris), "Paris"]),
+        ([WEATHER, ADD], None, True, [_calls(paris), _calls(paris, two)],
+         [_calls(("add", {"a": "x", "b": 3})), _calls(("add", {"a": 2, "b": 3, "c": 1}))]),
+        ([WEATHER, ADD], "add", True, [_calls(two)], [_calls(paris)]),
+        ([refs], None, False, [_calls(("route", {"to": "x", "via": {"to": "y"}}))],
+         [_calls(("route", {"via": {"to": "y"}})), _calls(("route", {"to": "x" * 21}))]),
+    ]
+    for tools, name, parallel, good, bad in cases:
+        grammar = lark_grammar(call_grammar(tools, name, parallel))
+        for text in good:
+            assert _accepts(default_engine, grammar, text), (name, text)
+        for text in bad:
+            assert not _accepts(default_engine, grammar, text), (name, text)
 
 
 def test_a_call_is_read_by_a_json_decoder_so_the_closing_tag_inside_a_string_is_text():
