@@ -143,3 +143,18 @@ def test_the_engine_sub_packages_import_down_a_request_path():
     assert not bad, "upward or sideways imports inside the engine:\n" + "\n".join(bad)
     assert not engine_allowed("ragkv.engine.kv.state", "ragkv.engine.fusion.layout")
     assert not engine_allowed("ragkv.engine.decode.generate", "ragkv.engine.recompute.base")  # siblings
+
+
+def test_modules_fit_in_a_head_and_the_cli_is_thin():
+    """No module over 500 lines; no cli module over 300 and no cli function over 80 (flags -> configs only)."""
+    import ast
+
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"
+    cli = ROOT / "cli"
+    fat = {p.name: n for p in cli.glob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert not fat, f"cli modules over 300 lines: {fat}"
+    big = [f"{p.name}:{f.name} ({f.end_lineno - f.lineno + 1})" for p in cli.glob("*.py")
+           for f in ast.walk(ast.parse(p.read_text())) if isinstance(f, ast.FunctionDef)
+           and f.end_lineno - f.lineno + 1 > 80]
+    assert not big, f"cli functions over 80 lines: {big}"

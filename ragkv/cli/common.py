@@ -194,3 +194,8 @@ def finish_bench(args, result: dict, markdown: str) -> int:
     else:
         print((Path(args.output_dir) / markdown).read_text())
     return 0
+
+
+def mode_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of mode keys (empty items dropped)."""
+    return tuple(m for m in text.split(",") if m)

@@ -3,12 +3,13 @@ real retriever where asked), the engine, the labels of results files, progress l
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from ragkv.cli.common import fusion_from_args
+from ragkv.cli.common import add_fusion_args, add_model_args, floats, fusion_from_args, ints
 from ragkv.errors import RagkvError
-from ragkv.rag.order import order_passages
+from ragkv.rag.order import PASSAGE_ORDERS, order_passages
 
 
 def base_fusion(args):
@@ -86,3 +87,59 @@ def model_label(args) -> str:
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# -- the flags the eval commands share ---------------------------------------------------------------------
+
+def _floats(s: str) -> tuple[float, ...]:
+    return floats(s, "this option")
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return ints(s, "this option")
+
+
+def _data_args(p, default: str | None, limit: int | None) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=None, help=f"a named data set (default: {default})")
+    g.add_argument("--data-file", default=None, help="any file in one of the loader formats (with --format)")
+    g.add_argument("--format", default=None, help="cacheblend | hotpotqa | longbench | samsum | nq | kv")
+    g.add_argument("--limit", type=int, default=limit, help="first N examples" + (f" (default {limit})" if limit
+                                                                                    else " (default: all)"))
+    g.add_argument("--num-passages", type=int, default=None, help="nq: gold passage + N-1 distractors")
+    g.add_argument("--gold-position", type=int, default=None,
+                   help="nq with distractors (nq-distractors or --num-passages > 1): 0-based index of the gold "
+                   "passage (default: cycles over every position)")
+    g.add_argument("--split", default=None, help="samsum: test (default) | train | validation | all")
+    g.add_argument("--passage-order", default="as-given", choices=PASSAGE_ORDERS,
+                   help="as-given (the data set's layout, e.g. --gold-position) or each example's passages ranked "
+                        "by a real retriever (MiniLM cosine to the question) and put best-last (as ask and serve "
+                        "do) or best-first")
+    p.set_defaults(default_dataset=default)
+
+
+def _model_args(p) -> None:
+    add_model_args(p, decode_weights=False)
+
+
+def _fusion_args(p) -> None:
+    add_fusion_args(p, default_mode=None, title="defaults for bare mode keys (a key's own parameters win)")
+
+
+def _run_args(p, output_help: str) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (0: first token only)")
+    p.add_argument("--overwrite", action="store_true", help="replace a results file of another configuration")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--output", default=None, help=output_help)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`K/N` -> (K, N): the K-th of N interleaved parts of the examples, 1 <= K <= N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants K/N like 1/2, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"wants K/N with 1 <= K <= N, got {text!r}")
+    return k, n

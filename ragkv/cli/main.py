@@ -8,11 +8,11 @@ import logging
 import os
 import sys
 
-from ragkv.cli import ask, bench, eval as eval_cmds, finetune, generate, ingest, serve, store
+from ragkv.cli import ask, bench, calibrate, eval as eval_cmds, finetune, generate, ingest, report, serve, store
 from ragkv.errors import RagkvError
 from ragkv.settings import SettingsError, load_settings, normalize_key, settings_path
 
-COMMAND_MODULES = (generate, ask, bench, ingest, store, eval_cmds, finetune, serve)
+COMMAND_MODULES = (generate, ask, bench, ingest, store, eval_cmds, calibrate, report, finetune, serve)
 
 
 def build_parser(settings: dict | None = None) -> argparse.ArgumentParser:

@@ -84,6 +84,15 @@ def register(sub) -> None:
     a.add_argument("--api-keys", action="append", default=[], metavar="FILE",
                    help="a file of `KEY TENANT` lines (# comments)")
     a.add_argument("--metrics-need-key", action="store_true", help="/metrics needs a key too (default: open)")
+    _add_limits(p)
+    add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
+    add_model_args(p)
+    add_store_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _add_limits(p) -> None:
+    """The server's limits: each refusal names the one it hit."""
     lim = p.add_argument_group("limits (each refusal names its limit)")
     lim.add_argument("--max-body", type=int, default=SERVE.max_body_bytes, help="request body bytes (413 above)")
     lim.add_argument("--max-documents", type=int, default=SERVE.max_documents, help="documents per request")
@@ -118,10 +127,6 @@ def register(sub) -> None:
                         f"estimates they stated, in /metrics (ragkv_fidelity_*); 0: none (default {SERVE.shadow_fraction})")
     p.add_argument("--shadow-max-pending", type=int, default=SERVE.shadow_max_pending, metavar="N",
                    help="checks waiting at once; a sampled answer beyond it is skipped (and counted)")
-    add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
-    add_model_args(p)
-    add_store_args(p)
-    p.set_defaults(func=run_serve)
 
 
 def check_flags(args) -> None:

@@ -7,12 +7,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -22,7 +19,8 @@ from ragkv.engine.blocks.history import history_worst_token_layers, settle_histo
 from ragkv.engine.blocks.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.blocks.pool import BlockPool
 from ragkv.engine.blocks.prefix_cache import CHAIN, keep_chunks
-from ragkv.engine.decode.generate import Delta, Sequence, step_sequences
+from ragkv.engine.decode.answer import Answer, Run
+from ragkv.engine.decode.generate import Sequence, step_sequences
 from ragkv.engine.fusion.ape import DEFAULT_S, DEFAULT_T
 from ragkv.engine.fusion.calibration import DEFAULT_MAX_RISK, load_ape_params, load_auto_params
 from ragkv.engine.kv.kvcache import DECODE_HEADROOM
@@ -45,7 +43,7 @@ from ragkv.engine.request.segments import (
     tokenize,
 )
 from ragkv.errors import PromptTooLongError
-from ragkv.models.loader import LoadedModel, load_model
+from ragkv.models.loader import LoadedModel, eos_ids, load_model
 from ragkv.models.loop import outcome
 from ragkv.models.quant import EXACT_COPIES, INEXACT_PREFILL, PREFILL_COPIES, decode_copy, resolve_decode_weights
 from ragkv.ops import int8_kernel, prefill_kernel
@@ -57,49 +55,6 @@ from ragkv.store.memory import MemoryStore
 from ragkv.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Answer:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: RequestStats
-    first_logits: torch.Tensor  # [V] fp32, the first generated token's distribution
-    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when GenerationOptions.logprobs asked
-
-
-class Run:
-    """A request in flight: iterate for text deltas; `stats` and `generation` are complete afterwards."""
-
-    def __init__(self, deltas: Iterator[Delta], seq: Sequence):
-        self._deltas, self.generation, self.stats = deltas, seq.out, seq.stats
-        self.first_logits = seq.first_logits
-
-    def __iter__(self) -> Iterator[Delta]:
-        return self._deltas
-
-    def close(self) -> None:
-        """Stop decoding early (client gone, deadline passed) and release the model."""
-        self._deltas.close()
-
-    def answer(self) -> Answer:
-        for _ in self._deltas:
-            pass
-        g = self.generation
-        return Answer(g.text, g.token_ids, g.finish_reason, self.stats, self.first_logits, list(g.logprobs))
-
-
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    ids = set()
-    tok = loaded.tokenizer
-    if getattr(tok, "eos_token_id", None) is not None:
-        ids.add(tok.eos_token_id)
-    gen_cfg = loaded.path / "generation_config.json"
-    if gen_cfg.exists():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
 
 
 class Engine:
@@ -136,7 +91,7 @@ class Engine:
         self.block_pool = BlockPool(self.model, pool_bytes)
         self.namespace = namespace
         self.prompt_format = prompt_format
-        self.eos_ids = _eos_ids(loaded)
+        self.eos_ids = eos_ids(loaded)
         self.max_positions = loaded.args.max_positions
         self.ape_temperature, self.ape_scale, self.ape_source = ape_params
         self.auto_signal, self.auto_max_risk, self.auto_source = auto_params  # `auto`'s calibrated defaults

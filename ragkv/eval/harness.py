@@ -86,7 +86,7 @@ def _answer(engine, segs, fusion: FusionOptions, max_new_tokens: int, stop=()):
     if max_new_tokens:
         return engine.generate(segs, fusion, GenerationOptions(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                                                logprobs=2))  # the top 2 at each step: answer_steps
-    from ragkv.engine.engine import Answer  # first-token fidelity only: no decoding
+    from ragkv.engine.decode.answer import Answer  # first-token fidelity only: no decoding
 
     state, stats = engine.prefill(segs, fusion)
     return Answer("", [], "length", stats, state.logits)

@@ -149,3 +149,16 @@ def load_tokenizer(path: Path):
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer.model").exists()):
         raise ModelNotFoundError(f"{path} has no tokenizer (tokenizer.json); copy it into the model folder")
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_ids(loaded: LoadedModel) -> set[int]:
+    """The token ids that end an answer: the tokenizer's EOS and those the model's generation config names."""
+    ids = set()
+    tok = loaded.tokenizer
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(tok.eos_token_id)
+    gen_cfg = loaded.path / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

@@ -199,7 +199,7 @@ class RequestBuilder:
         given.setdefault("mode", default)
         try:  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...; then what needs the model
             fusion = replace(self.default_fusion, **given)
-            get_mode(fusion.mode).check(self.engine, fusion)
+            get_mode(fusion.mode).check(self.engine.mode_context, fusion)
         except OptionError as err:  # every extension field is named as the client wrote it: ragkv.<field>
             raise FieldError(f"ragkv.{err.param}", str(err)) from None
         return fusion

@@ -1,0 +1,195 @@
+"""`ragkv bench` for the server under load: serve (vs vLLM or llama.cpp), structured, chat. Flags -> each
+benchmark's config (ragkv.bench.*)."""
+
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from ragkv.cli.bench_replicas import (add_replica_args, run_replicas_bench)
+from ragkv.cli.common import (add_model_args, add_output_args, engine_from_args,
+                              finish_bench, floats, ints, say)
+from ragkv.errors import InvalidRequestError
+
+
+
+
+
+
+def register(bsub) -> None:
+    for add in (_add_serve, _add_structured, _add_chat):
+        add(bsub)
+
+
+def _add_serve(bsub) -> None:
+    v = bsub.add_parser("serve", help="load benchmark of `ragkv serve`: requests/s and TTFT per mode and "
+                                      "concurrency, optionally beside vLLM's CPU backend (--peer vllm-cpu) or "
+                                      "llama.cpp's server (--peer llama-cpp)")
+    v.add_argument("--url", action="append", default=None,
+                   help="a running server (default: start one here and stop it after); repeat it for servers "
+                        "sharing one store: requests go round-robin, only the first is warmed up, and the table "
+                        "shows each server's TTFT and hits")
+    v.add_argument("--modes", default="full,prefix,reuse,blend",
+                   help="ragkv modes or mode keys, comma-separated (reuse:kv=shared; empty with --peer: the "
+                        "peer only)")
+    v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
+    v.add_argument("--requests", type=int, default=32,
+                   help="requests per cell; a closed-loop cell sends at least --min-waves per client")
+    v.add_argument("--min-waves", type=int, default=3,
+                   help="a closed-loop cell sends at least this many requests per client (steady state, not the "
+                        "transient of one wave)")
+    v.add_argument("--request-rates", default="", metavar="R,R",
+                   help="open-loop cells too: --requests arrivals as a Poisson process at each rate (requests/s), "
+                        "with goodput at --slo-ttft / --slo-tpot")
+    v.add_argument("--slo-ttft", type=float, default=2.0, help="goodput's TTFT limit, seconds")
+    v.add_argument("--slo-tpot", type=float, default=0.15, help="goodput's time-per-output-token limit, seconds")
+    v.add_argument("--passages-per-request", type=int, default=4)
+    v.add_argument("--pool-size", type=int, default=40, help="MuSiQue passages shared by all requests")
+    v.add_argument("--passage-words", type=int, default=210, help="passages cut to this many words (~300 tokens)")
+    v.add_argument("--max-tokens", type=int, default=64, help="answer length limit (greedy, streamed)")
+    v.add_argument("--min-tokens", type=int, default=0,
+                   help="no answer ends before this many tokens (vLLM's min_tokens, sent to ragkv and vllm-cpu; "
+                        "llama-cpp ignores it): a decode-bound workload, e.g. --min-tokens 256 --max-tokens 256")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
+    v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
+    v.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
+    v.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the started servers, repeatable (e.g. --server-arg=--prefill-stall-ms "
+                        "--server-arg=2000)")
+    v.add_argument("--servers", type=int, default=1,
+                   help="start this many servers here, each on cores/N threads, sharing --server-store's shared "
+                        "tiers; requests go round-robin and only the first is warmed up")
+    v.add_argument("--shared-cluster", action="store_true",
+                   help="start a private Redis Cluster (3 masters + 3 replicas on 127.0.0.1) and give it to the "
+                        "started servers as their last store tier and their --library")
+    add_output_args(v)
+    add_replica_args(v)
+    from ragkv.bench.serve import DEFAULT_PEER_PYTHON, PEER_PACKAGE, PEERS
+    from ragkv.bench.serve.peer_vllm import DEFAULT_VLLM_PYTHON, VLLM_PACKAGE
+
+    g = v.add_argument_group("peer (the same requests to another OpenAI server, its cells interleaved with ragkv's)")
+    g.add_argument("--peer", choices=PEERS, default=None,
+                   help=f"vllm-cpu: vLLM's CPU backend ({VLLM_PACKAGE}) on the model's converted folder in "
+                        f"--dtype, prefix caching on; llama-cpp: llama.cpp's OpenAI server ({PEER_PACKAGE}) on "
+                        "the model's GGUF; llama-server: upstream llama.cpp's server on the model's GGUF, one slot "
+                        "per client, --cache-reuse 256 (build: bash scripts/install_llama_server.sh); openvino: "
+                        "OpenVINO GenAI's continuous-batching pipeline (prefix caching on) on the model exported "
+                        "to IR, computing in --dtype (install: bash scripts/install_openvino_peer.sh)")
+    g.add_argument("--peer-python", default=None,
+                   help=f"the peer's python (default: {DEFAULT_VLLM_PYTHON} with {VLLM_PACKAGE}, install: bash "
+                        f"scripts/install_vllm_peer.sh; {DEFAULT_PEER_PYTHON} with {PEER_PACKAGE}, install: bash "
+                        "scripts/install_peer.sh; .venv-ov/bin/python for openvino)")
+    g.add_argument("--peer-binary", default=None,
+                   help="--peer llama-server: the llama-server binary (default: the one scripts/"
+                        "install_llama_server.sh builds, else llama-server on PATH)")
+    g.add_argument("--peer-url", default=None, help="a running peer server (default: start one here)")
+    g.add_argument("--peer-gguf", default=None,
+                   help="the GGUF llama-cpp or llama-server loads (default: the model's own)")
+    g.add_argument("--peer-threads", type=int, default=None,
+                   help="the peer's compute threads (default: torch's thread count, as ragkv)")
+    g.add_argument("--peer-ctx", type=int, default=4096, help="the peer's context length (n_ctx, max-model-len)")
+    g.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the peer server, repeatable (e.g. --peer-arg=--flash_attn "
+                        "--peer-arg=True)")
+    add_model_args(v)
+    v.set_defaults(func=run_serve)
+
+
+def _add_structured(bsub) -> None:
+    so = bsub.add_parser("structured", help="decode tokens/s with and without response_format's constrained "
+                                            "decoding (the grammar mask's cost), per batch size")
+    so.add_argument("--batch-sizes", default="1,16")
+    so.add_argument("--tokens", type=int, default=48, help="tokens decoded per sequence")
+    so.add_argument("--repeats", type=int, default=3)
+    add_output_args(so)
+    add_model_args(so)
+    so.set_defaults(func=run_structured)
+
+
+def _add_chat(bsub) -> None:
+    h = bsub.add_parser("chat", help="a long stateless chat as it is, compacted and with a dropped exchange: TTFT "
+                                     "per turn of full, prefix and chat turns as blocks, with KL to full")
+    h.add_argument("--turns", type=int, default=20, help="user turns of the conversation")
+    h.add_argument("--edit-at", type=int, default=12, help="the turn at which the history is compacted or cut")
+    h.add_argument("--words", type=int, default=80, help="words of each user turn (a MuSiQue passage's start)")
+    h.add_argument("--paths", default="prefix,auto,blend:sel=query,r=0.3",
+                   help="mode keys beside full, the reference (comma-separated; a key keeps its own parameters)")
+    h.add_argument("--scenarios", default="unedited,compacted,dropped")
+    h.add_argument("--repeats", type=int, default=3, help="runs of each measured turn (the edit, the last), each "
+                                                          "from the same cache state; the median is reported")
+    add_output_args(h)
+    add_model_args(h)
+    h.set_defaults(func=run_chat)
+
+
+def run_structured(args) -> int:
+    from ragkv.bench.structured import StructuredBenchConfig, run_structured_bench
+
+    cfg = StructuredBenchConfig(batch_sizes=ints(args.batch_sizes, "--batch-sizes"), tokens=args.tokens,
+                                repeats=args.repeats)
+    return finish_bench(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
+                   "structured.md")
+
+
+def run_chat(args) -> int:
+    from ragkv.bench.chat import SCENARIOS, ChatBenchConfig, run_chat_bench
+    from ragkv.eval.modes import split_mode_list
+
+    scenarios = tuple(s for s in args.scenarios.split(",") if s)
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown or not scenarios:
+        raise InvalidRequestError(f"--scenarios takes {', '.join(SCENARIOS)}; got {args.scenarios!r}")
+    if not 2 <= args.edit_at <= args.turns:
+        raise InvalidRequestError(f"--edit-at must be in 2..--turns ({args.turns}), got {args.edit_at}")
+    cfg = ChatBenchConfig(turns=args.turns, edit_at=args.edit_at, words=args.words,
+                          paths=tuple(split_mode_list(args.paths)), scenarios=scenarios,
+                          repeats=max(1, args.repeats))
+    result = run_chat_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
+    return finish_bench(args, result, "chat.md")
+
+
+def run_serve(args) -> int:
+    if args.replicas > 1:
+        return run_replicas_bench(args)
+    from ragkv.bench.serve import ServeBenchConfig, ServerProcess, run_serve_bench
+    from ragkv.bench.serve.peer import make_peer
+
+    from ragkv.eval.modes import split_mode_list
+
+    cfg = ServeBenchConfig(modes=tuple(split_mode_list(args.modes)),
+                           concurrency=ints(args.concurrency, "--concurrency"),
+                           requests=args.requests, passages_per_request=args.passages_per_request,
+                           pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
+                           min_tokens=args.min_tokens, seed=args.seed, warmup=not args.no_warmup, peer=args.peer,
+                           min_waves=args.min_waves, rates=floats(args.request_rates, "--request-rates"),
+                           slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+    if args.servers < 1:
+        raise InvalidRequestError(f"--servers {args.servers}: start at least 1 server")
+    if args.url and (args.servers > 1 or args.shared_cluster):
+        raise InvalidRequestError("--servers and --shared-cluster start servers here; leave out --url (or start "
+                                  "the servers yourself and repeat --url)")
+    peer = None
+    if cfg.peer and not args.peer_url:  # fail before ragkv's cells run, not after
+        peer = make_peer(cfg.peer, args.model, args.dtype, args.peer_python, args.peer_threads, args.peer_ctx,
+                         args.peer_gguf, tuple(args.peer_arg), args.peer_binary, slots=max(cfg.concurrency))
+    with contextlib.ExitStack() as stack:
+        store, extra = args.server_store, ("--decode-weights", args.decode_weights, "--max-batch", str(args.max_batch),
+                                           *args.server_arg)
+        if args.shared_cluster:
+            from ragkv.bench.common import bench_dir
+            from ragkv.store.redis_cluster_server import private_redis_cluster
+
+            say("[serve bench] starting a private Redis Cluster (3 masters + 3 replicas)")
+            work = stack.enter_context(bench_dir("serve-cluster"))
+            cluster = stack.enter_context(private_redis_cluster(work))
+            store, extra = f"{store},{cluster.url}", (*extra, "--library", cluster.url)
+        threads = max(1, (os.cpu_count() or 1) // args.servers) if args.servers > 1 else None
+        servers = None if args.url or not cfg.modes else [
+            ServerProcess(args.model, args.dtype, args.device, store, extra=extra, threads=threads)
+            for _ in range(args.servers)]
+        result = run_serve_bench(cfg, args.url, Path(args.output_dir), say, servers, peer, args.peer_url,
+                                 model=args.model)
+    return finish_bench(args, result, "serve_bench.md")
