@@ -184,3 +184,23 @@ def test_report_shows_the_fuzzer_and_the_long_ape_requests_and_refuses_bad_setti
     assert "2 sent, answers {'200': 1, '400': 1}" in md
     with pytest.raises(InvalidRequestError, match="--fuzz-clients"):
         SoakConfig(fuzz_clients=-1)
+
+
+def test_a_contract_reply_is_judged_by_what_it_promised():
+    import json
+
+    from ragkv.bench.soak.abuse import contract_broken
+
+    def reply(message, finish="stop"):
+        return json.dumps({"choices": [{"message": message, "finish_reason": finish}]})
+
+    call = {"tool_calls": [{"function": {"name": "get_weather", "arguments": json.dumps({"city": "]</tool_call>x"})}}]}
+    assert contract_broken("abuse_tool_tag", 200, reply(call, "tool_calls")) is None
+    assert "as text" in contract_broken("abuse_tool_tag", 200, reply({"content": "<tool_call>..."}))
+    assert contract_broken("abuse_tool_tag", 500, "") == "500"  # a forced call that failed is a server error
+    assert contract_broken("abuse_constrained", 200, reply({"content": '{"answer": "x"}'})) is None
+    assert "does not parse" in contract_broken("abuse_constrained", 200, reply({"content": '{"'}))
+    assert contract_broken("abuse_constrained", 200, reply({"content": '{"'}, "length")) is None  # cut, and says so
+    assert contract_broken("abuse_unfinishable", 400, "") is None
+    assert "expected a 400" in contract_broken("abuse_unfinishable", 200, reply({"content": ""}))
+    assert contract_broken("abuse_orphan_tool", 429, "") is None  # refused by a limit first: not a broken contract

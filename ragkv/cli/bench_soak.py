@@ -93,6 +93,9 @@ def _add_soak(bsub) -> None:
     ab.add_argument("--abuse-word-chars", type=int, default=6000, help="letters of that word")
     ab.add_argument("--abuse-documents", type=int, default=6,
                     help="requests with the most inline documents the server accepts (every other one: one more)")
+    ab.add_argument("--abuse-contracts", type=int, default=10,
+                    help="requests of each kind whose reply has a contract (a forced call, a constrained answer, "
+                         "refused schemas and tool messages); a broken one is counted")
     ab.add_argument("--abuse-seconds", type=float, default=600.0, help="the phase stops sending after this long")
     ab.add_argument("--rss-slack", default="1GiB", help="RSS may rise by memory tier + KV limit + this")
     ab.add_argument("--rss-return-pct", type=float, default=10.0, help="RSS must come back within this %% of its "
@@ -152,6 +155,7 @@ def run_soak(args) -> int:
                      abuse_max_tokens=args.abuse_max_tokens, abuse_read_events=args.abuse_read_events,
                      abuse_salts=args.abuse_salts, abuse_long_words=args.abuse_long_words,
                      abuse_word_chars=args.abuse_word_chars, abuse_documents=args.abuse_documents,
+                     abuse_contracts=args.abuse_contracts,
                      abuse_max_s=args.abuse_seconds, rss_slack=args.rss_slack, rss_return_pct=args.rss_return_pct,
                      rss_return_s=args.rss_return_s, fuzz_clients=args.fuzz_clients,
                      fuzz_examples=args.fuzz_examples, long_ape_every_s=args.long_ape_every,

@@ -49,6 +49,7 @@ class SoakConfig:
     abuse_long_words: int = 4          # requests whose document is one long word
     abuse_word_chars: int = 6000
     abuse_documents: int = 6           # requests with as many inline documents as the server accepts (and one more)
+    abuse_contracts: int = 10          # of each reply with a contract (abuse.CONTRACT_KINDS): broken ones counted
     abuse_max_s: float = 600.0         # the phase stops sending after this long
     # hostile traffic during the faults (0: none): fuzzers against the server's OpenAPI schema, a tenant of their
     # own; one long `ape` request (documents x words) per interval from tenant A

@@ -86,6 +86,8 @@ def render_markdown(out: dict) -> str:
                   f"- {abuse['sent']}/{abuse['requests']} abuse requests sent in {abuse['wall_s']} s "
                   f"(n={cfg.get('abuse_n')}, max_tokens {cfg.get('abuse_max_tokens')}, {cfg.get('abuse_clients')} "
                   f"clients); answers by kind and status: {json.dumps(abuse['answers'])}",
+                  f"- replies with a contract: {abuse.get('contracts', 0)}, broken: {len(abuse.get('broken', []))}"
+                  + "".join(f"\n  - {b['kind']}: {b['why']}" for b in abuse.get("broken", [])[:10]),
                   f"- budget (MiB): {v['budget_mib']}; RSS over the run: soak.json `rss_series_mib`", ""]
     lines.append(f"- the leak detector's reach: responses holding their own tenant's marker, by kind: "
                  f"{out.get('own_marker_responses')}")
