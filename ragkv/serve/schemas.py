@@ -20,7 +20,7 @@ MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI and vLLM's defau
 MAX_N = 128        # choices per request (the server also keeps n within --max-batch)
 MAX_PROMPTS = 64   # prompts in one /v1/completions request (each is queued as its own generation)
 # messages in one chat request: cutting a chat into blocks renders the template once per message over the
-# conversation so far (quadratic: 1,000 messages took 84 s, issue 52); more is refused before any rendering
+# conversation so far (quadratic: 1,000 messages took 84 s); more is refused before any rendering
 MAX_MESSAGES = 256
 # characters an id must not contain: controls, format characters (zero-width space U+200B, joiners, bidi overrides,
 # the BOM) and line/paragraph separators; invisible, they would make two ids that look the same differ
