@@ -15,7 +15,7 @@ import torch
 
 from ragkv.config import dtype_name, resolve_device, resolve_dtype
 from ragkv.engine.blocks.encode import BlockCache, KeptBlocks, route_id
-from ragkv.engine.blocks.history import history_worst_token_layers, settle_history
+from ragkv.engine.blocks.history import settle_history
 from ragkv.engine.blocks.loading import LoadingPlanner, StoreProfiles
 from ragkv.engine.blocks.pool import BlockPool
 from ragkv.engine.blocks.prefix_cache import CHAIN, keep_chunks
@@ -31,6 +31,7 @@ from ragkv.engine.measure.risk import DEFAULT_SIGNAL, RecentShare
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.modes.context import ModeContext
+from ragkv.engine.modes.history import WithHistory
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request.segments import (
     Passage,
@@ -317,8 +318,7 @@ class Engine:
         turn computed exactly counts once, not as a block encoded and a query recomputed."""
         mode = get_mode(fusion.mode)
         if mode.takes_history(segs, fusion):
-            return history_worst_token_layers(mode, self.block_cache, self.fingerprint, segs, fusion,
-                                              namespace or self.namespace, self.num_layers)
+            return WithHistory(mode).worst_token_layers(self.mode_context, segs, fusion, namespace or self.namespace)
         return mode.worst_token_layers(segs, fusion, self.num_layers)
 
     def positions_needed(self, segs: Segments, fusion: FusionOptions = FusionOptions()) -> int:

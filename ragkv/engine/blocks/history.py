@@ -1,5 +1,5 @@
-"""Chat history as blocks: the longest start of a conversation that can be computed exactly, then the other turns
-fused at their new offsets by the request's block mode.
+"""Chat history as blocks: the longest start of a conversation that can be computed exactly (planned here), then the
+other turns fused at their new offsets by the request's block mode (engine/modes/history.py runs the two).
 
 A conversation sent statelessly (the whole `messages` list every turn) repeats its earlier turns. The turns the
 hash-chained prefix cache (engine/blocks/prefix_cache.py) already holds, and new turns right after them, are prefilled
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from ragkv.engine.blocks.encode import NO_CONDITIONING
 from ragkv.engine.blocks.prefix_cache import chunk_keys, prefill_prefix
-from ragkv.engine.kv.state import DecodeState
 from ragkv.engine.kv.stepwise import Steps
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.request.segments import Segments
@@ -93,58 +92,6 @@ def fused_rest(segs: Segments, j: int, k: int) -> Segments:
     exact_ids = segs.prefix + [t for b in segs.blocks[:j] for t in b]
     tail = [t for b in segs.blocks[k:] for t in b]
     return Segments(exact_ids, segs.blocks[j:k], tail + segs.query, history=True)
-
-
-def history_worst_token_layers(mode, blocks, fingerprint: str, segs: Segments, fusion, ns: str,
-                               num_layers: int) -> int:
-    """The most token-layers the history path runs for `segs` (cold cache for what it fuses): every row once when
-    nothing is fused (what `prefix` computes), else the mode's worst over the fused rest, its exact start counted
-    once. Planned with the store as it is at admission, as the prefill plans it when it starts."""
-    j, k = plan_history(blocks, fingerprint, segs, fusion.prefix_chunk, ns)
-    if j == len(segs.blocks):
-        return segs.num_tokens * num_layers
-    return mode.worst_token_layers(fused_rest(segs, j, k), fusion, num_layers)
-
-
-def prefill_history(mode, engine, segs: Segments, fusion, capacity: int, stats: RequestStats, ns: str, chunk,
-                    blocks) -> Steps[DecodeState]:
-    """`mode.prefill_blocks` behind the exactly computed start of the conversation (see the module docstring)."""
-    store, chunk_size = blocks.store, fusion.prefix_chunk
-    j, k = plan_history(blocks, engine.fingerprint, segs, chunk_size, ns)
-    n = len(segs.blocks)
-    rest = fused_rest(segs, j, k)
-    exact_ids = rest.prefix
-    info = history_counts(segs, j, k)
-    info.update(exact_tokens=len(exact_ids) + len(rest.query), prefix_cached_tokens=0)
-    stats.extra["history"] = info
-    if j == n:  # nothing worth fusing: exactly what `prefix` computes (its chunks stored)
-        before = stats.recomputed_tokens
-        state = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, segs.all_ids(),
-                                          chunk_size, capacity, stats, chunk)
-        # a mode that counts its own token-layers (blend) reads them here: each prefilled row through every layer
-        stats.recomputed_token_layers += (stats.recomputed_tokens - before) * engine.num_layers
-        info.update(exact=True, prefix_cached_tokens=stats.cached_tokens, exact_tokens=segs.num_tokens)
-        return state
-    info["exact"] = False
-    if not exact_ids:  # the first turn was edited and there is no system message: all of it fused
-        return (yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks))
-    part = RequestStats(mode="prefix")
-    exact = yield from prefill_prefix(engine.forward_model, store, engine.fingerprint, ns, exact_ids, chunk_size,
-                                      len(exact_ids), part, chunk)
-    state = yield from mode.prefill_blocks(engine, rest, fusion, capacity, stats, ns, chunk, blocks,
-                                           exact=exact.cache)
-    # the fused path counted the exact prefix as reused context: its prefilled rows were computed
-    prefilled = part.recomputed_tokens
-    stats.reused_tokens -= prefilled
-    stats.recomputed_tokens += prefilled
-    stats.recomputed_token_layers += prefilled * engine.num_layers
-    stats.cache_hits += part.cache_hits
-    stats.cache_misses += part.cache_misses
-    stats.cached_tokens += part.cached_tokens
-    stats.fetch_ms += part.fetch_ms
-    stats.query_prefill_ms += part.query_prefill_ms
-    info["prefix_cached_tokens"] = part.cached_tokens
-    return state
 
 
 def settle_history(model, blocks, fingerprint: str, segs: Segments, ns: str, prefix_chunk: int,

@@ -37,6 +37,18 @@ class RequestStats:
     recompute: "Recompute | None" = None  # what a selective recompute chose and read (blend, auto)
     extra: dict = field(default_factory=dict)  # what a mode or the store adds that no field names
 
+    def absorb_exact_prefix(self, part: "RequestStats", num_layers: int) -> None:
+        """Fold in the exact prefix a fused prefill was handed (`part`: its own prefill's figures): the fused path
+        counted it as reused context, but its prefilled rows were computed, each through every layer."""
+        self.reused_tokens -= part.recomputed_tokens
+        self.recomputed_tokens += part.recomputed_tokens
+        self.recomputed_token_layers += part.recomputed_tokens * num_layers
+        self.cache_hits += part.cache_hits
+        self.cache_misses += part.cache_misses
+        self.cached_tokens += part.cached_tokens
+        self.fetch_ms += part.fetch_ms
+        self.query_prefill_ms += part.query_prefill_ms
+
     @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.completion_tokens / self.decode_ms if self.decode_ms > 0 else 0.0

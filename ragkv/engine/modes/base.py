@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
 from ragkv.engine.blocks.encode import NO_CONDITIONING, BlockCache, EnsureResult, prefix_conditioning
-from ragkv.engine.blocks.history import prefill_history, with_exact_prefix
+from ragkv.engine.blocks.history import with_exact_prefix
 from ragkv.engine.fusion.layout import Layout, make_layout
 from ragkv.engine.fusion.shared_attention import keep_own_rows, prefill_shared
 from ragkv.engine.kv.state import DecodeState
@@ -24,6 +24,7 @@ from ragkv.engine.kv.stepwise import Steps, drain
 from ragkv.engine.measure.flops import head_flops, rows_flops
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes.context import ModeContext
+from ragkv.engine.modes.history import WithHistory
 from ragkv.engine.request.segments import Segments
 from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
@@ -148,7 +149,7 @@ class BlockMode(FusionMode):
     def prefill(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks):
         if self.takes_history(segs, fusion):
             # chat turns: the exactly computable start of the conversation first (engine/blocks/history.py)
-            return (yield from prefill_history(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks))
+            return (yield from WithHistory(self).prefill(ctx, segs, fusion, capacity, stats, ns, chunk, blocks))
         return (yield from self.prefill_blocks(ctx, segs, fusion, capacity, stats, ns, chunk, blocks))
 
     def prefill_blocks(self, ctx, segs, fusion, capacity, stats, ns, chunk, blocks, exact=None):
