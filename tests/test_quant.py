@@ -322,3 +322,33 @@ def test_int8_passes_kernel_equals_the_torch_path(monkeypatch):
             assert torch.equal(a, b), i
         else:
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), i
+
+
+def test_silu_mul_pass_equals_torchs_ops_and_serves_the_bf16_swiglu():
+    """int8_kernel.silu_mul: silu(gate) * up of a bf16 gate/up product in one pass, equal to torch's ops in fp32
+    rounded once (torch rounds silu(gate) to bf16 first: at most one bf16 step apart); OneDnnLinear's stock bf16
+    SwiGLU returns it."""
+    from ragkv.models.quant import OneDnnLinear, bf16_matrix_units
+    from ragkv.ops import int8_kernel
+
+    if int8_kernel.kernel() is None:
+        pytest.skip("the int8 passes kernel is not built here")
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(37, 2 * 40, generator=g) * 6).bfloat16()
+    gate, up = y.float().chunk(2, dim=-1)
+    fp32 = (torch.nn.functional.silu(gate) * up).bfloat16()
+    got = int8_kernel.silu_mul(y)
+    assert got.shape == (37, 40) and got.dtype == torch.bfloat16
+    assert (got.float() - fp32.float()).abs().max() <= fp32.float().abs().max() * 2 ** -7
+    assert (got != fp32).float().mean() < 0.01  # equal but for a rare rounding of the polynomial e^x
+    torch_ops = torch.nn.functional.silu(y[:, :40]) * y[:, 40:]
+    assert torch.allclose(got.float(), torch_ops.float(), rtol=2 ** -7, atol=1e-2)
+    assert int8_kernel.silu_mul(y.float()) is None  # fp32: torch's ops stay
+    if not bf16_matrix_units():
+        return
+    lin = [torch.nn.Linear(24, 40, bias=False).bfloat16() for _ in range(2)]
+    m = OneDnnLinear(lin)
+    m.kernels = ["stock"] * 5  # the chooser's stock product at every row count: then the one pass
+    x = torch.randn(64, 24, generator=g).bfloat16()
+    a, b = torch.nn.functional.linear(x, lin[0].weight), torch.nn.functional.linear(x, lin[1].weight)
+    torch.testing.assert_close(m.swiglu(x), int8_kernel.silu_mul(torch.cat([a, b], dim=-1)), rtol=0, atol=0)

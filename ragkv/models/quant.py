@@ -51,7 +51,7 @@ from torch import nn
 
 from ragkv.errors import InvalidRequestError
 from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser, row_class
-from ragkv.ops import gemv_kernel
+from ragkv.ops import gemv_kernel, int8_kernel
 from ragkv.ops.int8_kernel import dequantize, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -289,11 +289,16 @@ class OneDnnLinear(ExactCopyLinear):
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). At many rows in bf16, oneDNN applies silu to
         the gate's product and multiplies the up product by it as each is written (two products, no pass over a
-        [rows, 2I] output, silu in fp32); otherwise the joined product, then torch's ops."""
+        [rows, 2I] output, silu in fp32); otherwise the joined product, then silu(gate) * up in one pass where that
+        kernel is built (int8_kernel.silu_mul: torch's ops pass over [rows, I] three times), else torch's ops."""
         if len(self.parts) == 2 and self._fuses(x):
             gate = torch.ops.mkldnn._linear_pointwise(x, self.parts[0].weight, None, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.parts[1].weight, None, "mul")
-        gate, up = self(x).chunk(2, dim=-1)
+        y = self(x)
+        fused = int8_kernel.silu_mul(y) if len(self.parts) == 2 else None
+        if fused is not None:
+            return fused
+        gate, up = y.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
