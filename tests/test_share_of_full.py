@@ -40,10 +40,12 @@ def test_shares_per_set_and_pooled_with_intervals(tmp_path):
 
 
 def test_the_bar_needs_the_pooled_share_every_set_and_the_work():
-    ok = {"work": 0.2, "pooled": {"share": 0.985}, "sets": {"a": {"share": 0.96}, "b": {"share": 1.01}}}
+    ok = {"work": 0.2, "pooled": {"share": 0.985}, "sets": {"a": {"share": 0.96, "n": 60}, "b": {"share": 1.01, "n": 80}}}
     assert meets(ok)
     assert not meets({**ok, "work": 0.21})
-    assert not meets({**ok, "sets": {"a": {"share": 0.94}, "b": {"share": 1.03}}})
+    assert not meets({**ok, "sets": {"a": {"share": 0.94, "n": 60}, "b": {"share": 1.03, "n": 60}}})
+    few = {**ok, "sets": {"a": {"share": 0.96, "n": 12}, "b": {"share": 1.01, "n": 80}}}
+    assert not meets(few) and meets(few, min_n=0)  # 12 questions cannot claim the bar
 
 
 def test_no_full_records_is_an_error(tmp_path):

@@ -25,6 +25,7 @@ RESAMPLES = 4000
 TARGET_WORK = 0.2     # the papers' budget: at most a fifth of full's work
 TARGET_POOLED = 0.98  # and at least this share of full's score pooled
 TARGET_EACH = 0.95    # with no data set below this
+MIN_QUESTIONS = 60    # per data set, for the bar to be claimed
 
 
 def _set_label(config: dict) -> str:
@@ -91,11 +92,12 @@ def shares(sets: dict, keys: list[str], resamples: int = RESAMPLES, seed: int = 
     return per_key
 
 
-def meets(row: dict) -> bool:
-    """The papers' bar: at most a fifth of full's work, >= 98% of its score pooled, no set below 95%."""
+def meets(row: dict, min_n: int = MIN_QUESTIONS) -> bool:
+    """The papers' bar: at most a fifth of full's work, >= 98% of its score pooled, no set below 95%, each set on at
+    least `min_n` questions (fewer cannot tell 98% from 90%)."""
     pooled, work = row.get("pooled"), row.get("work")
     return bool(pooled and work is not None and work <= TARGET_WORK and pooled["share"] >= TARGET_POOLED
-                and all(s["share"] >= TARGET_EACH for s in row["sets"].values()))
+                and all(s["share"] >= TARGET_EACH and s["n"] >= min_n for s in row["sets"].values()))
 
 
 def share_of_full(paths: list[Path], png: Path | None = None, modes: list[str] | None = None) -> dict:
@@ -137,8 +139,8 @@ def _markdown(label: str, sets: dict, rows: dict) -> str:
     body.append(["full (mean score)", "100%"] + [_mean_score(sets[n], REFERENCE) for n in names] + ["100%", "-"])
     for k, row in rows.items():
         work = "-" if row["work"] is None else f"{100 * row['work']:.1f}%"
-        body.append([k, work] + [_cell(row["sets"].get(n)) for n in names] + [_cell(row.get("pooled")),
-                                                                             "yes" if meets(row) else "no"])
+        verdict = "yes" if meets(row) else f"not yet (n < {MIN_QUESTIONS})" if meets(row, min_n=0) else "no"
+        body.append([k, work] + [_cell(row["sets"].get(n)) for n in names] + [_cell(row.get("pooled")), verdict])
     return f"### {label}\n\nShare of `full`'s score (95% bootstrap by question); work = token-layers vs full.\n\n" + \
         markdown_table(head, body)
 
