@@ -130,13 +130,14 @@ def test_abuse_phase_verdict_on_rss():
 
 def test_abuse_tasks_and_answers_count_apart():
     """The configured mix, shuffled; a 4xx or 429 answering abuse is not counted as a failure, a 5xx is."""
-    from ragkv.bench.soak.abuse import ABUSE_KINDS, AbuseClients
+    from ragkv.bench.soak.abuse import ABUSE_KINDS, CONTRACT_KINDS, AbuseClients
 
     run = AbuseClients()
-    run.cfg = SoakConfig(abuse_streams=5, abuse_salts=3, abuse_long_words=2, abuse_documents=3)
+    run.cfg = SoakConfig(abuse_streams=5, abuse_salts=3, abuse_long_words=2, abuse_documents=3, abuse_contracts=2)
     tasks = run._abuse_tasks(random.Random(0))
     assert sorted(tasks) == sorted(["abuse_stream"] * 5 + ["abuse_salt"] * 3 + ["abuse_long_word"] * 2
-                                   + ["abuse_documents"] * 2 + ["abuse_too_many_documents"])
+                                   + ["abuse_documents"] * 2 + ["abuse_too_many_documents"]
+                                   + [k for k in CONTRACT_KINDS for _ in range(2)])
     assert set(tasks) <= set(ABUSE_KINDS)
     recs = [{"phase": "abuse", "kind": "abuse_too_many_documents", "status": 400, "latency_s": 0.1},
             {"phase": "abuse", "kind": "abuse_stream", "status": 429, "latency_s": 0.1},
