@@ -1,7 +1,13 @@
 """200 sampled (temperature 1.0) forced tool calls whose argument must hold `</tool_call>`, against a real
-`ragkv serve` on 127.0.0.1: each reply judged by bench/soak/abuse.contract_broken."""
-import json, subprocess, sys, time
+`ragkv serve` on 127.0.0.1 (the default model), each reply judged by ragkv/bench/soak/abuse.py `contract_broken`.
+Run from the repository root: `.venv/bin/python scripts/check_sampled_tool_calls.py` (about 5 minutes on 2 cores)."""
+
+import json
+import subprocess
+import time
+
 import httpx
+
 from ragkv.bench.soak.abuse import TAG_TOOL, contract_broken
 from ragkv.net import free_port
 
@@ -32,4 +38,5 @@ try:
     print(json.dumps({"sent": 200, "by_status_and_finish": counts, "broken": len(broken), "examples": broken[:5],
                       "seconds": round(time.time() - t0, 1)}, indent=1))
 finally:
-    proc.terminate(); proc.wait(30)
+    proc.terminate()
+    proc.wait(30)
