@@ -67,3 +67,14 @@ def test_the_suite_refuses_its_own_data_flags(capsys):
 
     assert main(["eval", "--suite", "papers", "--dataset", "musique"]) == 2
     assert "--suite names its own data sets" in capsys.readouterr().err
+
+
+def test_a_suite_set_is_read_by_the_metric_the_papers_print(tmp_path):
+    """HotpotQA's records name accuracy; the papers' table prints F1 for it (the suite's `metrics`)."""
+    f = ResultsFile(tmp_path / "h.jsonl", {"model": "m", "dtype": "float32", "dataset": "hotpotqa"})
+    for key, acc, f1 in (("full", 1.0, 0.8), ("blend", 1.0, 0.4)):
+        f.append({"example_id": "0", "mode_key": key, "metric": "accuracy", "scores": {"accuracy": acc, "f1": f1},
+                  "recompute_vs_full": 0.2})
+    papers = share_of_full([tmp_path / "h.jsonl"])["models"]["m float32"]["blend"]["sets"]["hotpotqa"]
+    own = share_of_full([tmp_path / "h.jsonl"], metrics={})["models"]["m float32"]["blend"]["sets"]["hotpotqa"]
+    assert (papers["metric"], papers["share"]) == ("f1", 0.5) and (own["metric"], own["share"]) == ("accuracy", 1.0)

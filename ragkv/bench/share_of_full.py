@@ -18,6 +18,7 @@ import numpy as np
 
 from ragkv.bench.common import markdown_table
 from ragkv.eval.results import read_runs
+from ragkv.eval.suite import PAPERS
 from ragkv.eval.summary import BOOTSTRAP_SEED, CONFIDENCE
 
 REFERENCE = "full"
@@ -32,15 +33,17 @@ def _set_label(config: dict) -> str:
     return config.get("dataset") or Path(config.get("data_file") or "?").stem
 
 
-def collect(paths: list[Path]) -> dict:
+def collect(paths: list[Path], metrics: dict | None = None) -> dict:
     """{(model, dtype): {data set: {"metric", "scores": {key: {example: score}}, "work": {key: [recompute_vs_full]}}}}
-    from the runs' records (the shards of one run merged)."""
+    from the runs' records (the shards of one run merged); `metrics`: data set -> the metric to read (a suite's),
+    else each record's own."""
     out: dict = {}
     for _, config, records in read_runs(paths):
         model = (config.get("model"), config.get("dtype"))
-        entry = out.setdefault(model, {}).setdefault(_set_label(config), {"metric": None, "scores": {}, "work": {}})
+        label = _set_label(config)
+        entry = out.setdefault(model, {}).setdefault(label, {"metric": None, "scores": {}, "work": {}})
         for r in records:
-            metric = r.get("metric")
+            metric = (metrics or {}).get(label) or r.get("metric")
             if metric is None or metric not in r.get("scores", {}):
                 continue
             entry["metric"] = entry["metric"] or metric
@@ -100,9 +103,11 @@ def meets(row: dict, min_n: int = MIN_QUESTIONS) -> bool:
                 and all(s["share"] >= TARGET_EACH and s["n"] >= min_n for s in row["sets"].values()))
 
 
-def share_of_full(paths: list[Path], png: Path | None = None, modes: list[str] | None = None) -> dict:
-    """Returns {"models": {label: {key: row}}, "markdown"}; writes the share-vs-work picture to `png`."""
-    data = collect(paths)
+def share_of_full(paths: list[Path], png: Path | None = None, modes: list[str] | None = None,
+                  metrics: dict | None = None) -> dict:
+    """Returns {"models": {label: {key: row}}, "markdown"}; writes the share-vs-work picture to `png`. `metrics`:
+    data set -> metric (default: the papers' suite's, eval/suite.py; a set it does not name: its records' own)."""
+    data = collect(paths, PAPERS.metrics if metrics is None else metrics)
     if not data:
         raise ValueError("no records with a task metric in the given files")
     models, parts = {}, []

@@ -13,7 +13,8 @@ from ragkv.errors import OptionError
 class Suite:
     name: str
     summary: str
-    datasets: tuple[str, ...]  # named data sets (eval/datasets.py); each record names its own metric
+    datasets: tuple[str, ...]  # named data sets (eval/datasets.py)
+    metrics: dict              # data set -> the metric the papers' table prints for it (else the records' own)
     modes: str                 # the mode keys run on every set, `full` first (the reference)
     limit: int = 60            # questions per set (all of a set that has fewer)
 
@@ -25,6 +26,9 @@ PAPERS = Suite(
     name="papers",
     summary="MuSiQue, HotpotQA dev, MultiNews, SAMSum (4-shot), NQ-10: each selection at r = 0.15 and 0.2",
     datasets=("musique", "hotpotqa", "multi_news", "samsum-icl-4", "nq-distractors"),
+    # QA by token F1 (CacheBlend and ProphetKV print F1 for MuSiQue and HotpotQA), summaries by Rouge-L, NQ by accuracy
+    metrics={"musique": "f1", "hotpotqa": "f1", "multi_news": "rouge_l", "samsum-icl-4": "rouge_l",
+             "nq-distractors": "accuracy"},
     modes=",".join(["full", "reuse"] + [f"blend:{sel}r={r}" for sel in ("", "sel=query,", "sel=recent,")
                                         for r in (0.15, 0.2)]),
 )
