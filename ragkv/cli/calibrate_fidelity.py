@@ -94,8 +94,8 @@ def run_fidelity_calibration(args) -> int:
         return 0
     print(render(result))
     if unjudged:
-        say(f"not saved, no held-out figure: {', '.join(unjudged)} (fewer than {2 * fidelity_fit.MIN_RECORDS} records "
-            "for two folds; replies of these keys state the population estimate)")
+        say(f"not saved, no held-out figure: {', '.join(unjudged)} (none in --test-records, or fewer than "
+            f"{2 * fidelity_fit.MIN_RECORDS} records for two folds; replies of these keys state the population estimate)")
     if result["kept"]:
         say(f"kept the earlier fits of {', '.join(result['kept'])} (not in these records)")
     say(f"saved to {save_to}; {model}'s approximate replies now state this per-reply estimate")
