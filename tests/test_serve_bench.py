@@ -109,6 +109,10 @@ def test_serve_bench_tiny_against_a_started_server(tmp_path):
     (rate,) = saved["rate_cells"]  # the open-loop cell: --requests Poisson arrivals
     assert rate["rate"] == 50.0 and rate["ok"] == rate["requests"] == 2 and 0 <= rate["good"] <= 2
     assert rate["goodput_per_s"] <= rate["requests_per_s"] and "Open loop" in (tmp_path / "serve_bench.md").read_text()
+    for when in ("probe_before", "probe_after"):  # the machine's rate around the cells, in the server's dtype
+        probe = saved["machine"][when]
+        assert probe["dtype"] == "float32" and probe["gemm_gflops"] > 0 and probe["copy_gb_per_s"] > 0
+    assert "Machine probe: before: float32" in (tmp_path / "serve_bench.md").read_text()
 
 
 def test_serve_bench_round_robins_over_servers_sharing_a_store(tmp_path, redis_url):

@@ -64,6 +64,32 @@ def real_passages(limit: int = 400):
     return out, [ex.question for ex in load_dataset("musique", limit=20)]
 
 
+def machine_probe(dtype_name: str = "float32", n: int = 1024, copy_mib: int = 256, rounds: int = 3) -> dict:
+    """What this machine gives right now: the best GFLOP/s of an n x n x n product in `dtype_name` and the GB/s of a
+    `copy_mib` tensor copy (read + write), best of `rounds`. Recorded before and after a benchmark's cells: these
+    machines' speed drifts within an hour, and a figure means little without the rate it was taken at."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    src = torch.empty(copy_mib << 18, dtype=torch.float32)  # copy_mib MiB of fp32
+    dst = torch.empty_like(src)
+    a @ b
+    dst.copy_(src)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    gemm = 2 * n ** 3 / best(lambda: a @ b) / 1e9
+    copy = 2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9
+    return {"dtype": dtype_name, "gemm_n": n, "gemm_gflops": round(gemm, 1), "copy_mib": copy_mib,
+            "copy_gb_per_s": round(copy, 2)}
+
+
 def save_json(path: Path, obj) -> Path:
     """Write a benchmark's result with the machine it ran on (`ragkv.config.machine`), added under "machine" to the
     result itself, so what the benchmark returns and prints names it too."""

@@ -133,4 +133,9 @@ def render_markdown(result: dict) -> str:
                      f"{p['sampling']}; prompt tokens of the first request {p['prompt_tokens_reported']} (server) "
                      f"vs {p['prompt_tokens_counted']} (tokenizer); its answer tokens are counted with the "
                      "model's tokenizer (its streams report no usage)")
+    probes = [(w, result.get("machine", {}).get(f"probe_{w}")) for w in ("before", "after")]
+    if any(p for _, p in probes):  # the rate the machine gave around the cells (its speed drifts)
+        lines += ["", "Machine probe: " + "; ".join(
+            f"{w}: {p['dtype']} {p['gemm_n']}^3 product {p['gemm_gflops']} GFLOP/s, {p['copy_mib']} MiB copy "
+            f"{p['copy_gb_per_s']} GB/s" for w, p in probes if p)]
     return "\n".join(lines)

@@ -30,12 +30,14 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
     within an hour (a peer measured after ragkv's whole run would be measured on another machine). Writes
     serve_bench.json, .png and .md under `out_dir`; returns the JSON object. `count` counts the peer's tokens
     (default: `token_counter` of the model)."""
-    from ragkv.bench.common import save_json
+    from ragkv.bench.common import machine_probe, save_json
 
     work = build_workload(cfg)
+    servers = server if isinstance(server, list) else [server]
+    probe_dtype = "bfloat16" if any(getattr(s, "dtype", None) == "bfloat16" for s in servers) else "float32"
     result = {"benchmark": "serve", "config": asdict(cfg), "url": None, "server": {},
-              "machine": machine(), "warmup": {}, "cells": [], "rate_cells": [],
-              "order": []}
+              "machine": {**machine(), "probe_before": machine_probe(probe_dtype)}, "warmup": {}, "cells": [],
+              "rate_cells": [], "order": []}
     with contextlib.ExitStack() as stack:
         ragkv_cells = None
         if cfg.modes:
@@ -67,6 +69,7 @@ def run_serve_bench(cfg: ServeBenchConfig, url: str | list[str] | None = None, o
     ragkv_only = [c for c in result["cells"] if c["system"] == "ragkv"]
     result["ratios_vs_full"] = slo_ratios(ragkv_only) if any(map(is_reference, cfg.modes)) else {}
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["machine"]["probe_after"] = machine_probe(probe_dtype)  # the servers are stopped: the machine's own rate
     save_json(out_dir / "serve_bench.json", result)
     plot_serve_bench(result["cells"], out_dir / "serve_bench.png")
     (out_dir / "serve_bench.md").write_text(render_markdown(result) + "\n")

@@ -139,7 +139,7 @@ class ServerProcess(ServerSubprocess):
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
                  store: str = "memory:2GiB", startup_s: float = 300.0, cache_dir: Path | None = None,
                  extra: tuple[str, ...] = (), threads: int | None = None, log_level: str = "warning"):
-        self.model = model
+        self.model, self.dtype = model, dtype
         self.threads = threads  # torch's threads in the server (None: its default, every core)
         self.cmd = [sys.executable, "-m", "ragkv.cli", "--log-level", log_level, "serve", "--model", model, "--dtype", dtype,
                     "--device", device, "--store", store, *extra]
