@@ -35,7 +35,7 @@ def register(sub) -> None:
                    "of two runs (e.g. two models, two passage orders), also the same key in the second minus the "
                    "first, and the second's gap to its full minus the first's")
     r.add_argument("--modes", default=None, metavar="KEYS",
-                   help="with --vs-work or --paired: only these mode keys (comma-separated, as in the records) "
+                   help="with --vs-work, --paired or --share-of-full: only these mode keys (comma-separated, as in the records) "
                    "beside full")
     r.add_argument("--replay-auto", metavar="RISK,BUDGET", default=None,
                    help="only `auto:r=0.15,sig=expected_kl,risk=RISK,budget=BUDGET` replayed from the runs' `full` and "
