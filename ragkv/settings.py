@@ -47,6 +47,10 @@ class ServeDefaults:
     # --max-num-batched-tokens (vLLM's name and meaning): rows of one forward, decode rows and prefill chunks
     # together; prefill units of several requests join the decode step while they fit (at least one always does)
     max_num_batched_tokens: int = 2048
+    # --max-prefills-per-tenant: a tenant's next request starts prefilling while every one of its prefills in
+    # flight has its forward staged for the next step (so it delays none of them) and the step has room; this caps
+    # how many (0: as many as the token budget holds; 1: one at a time, first come first served)
+    max_prefills_per_tenant: int = 0
     # --no-mixed-steps: prefill units run alone between decode steps (the measurement's other side)
     mixed_steps: bool = True
     # --batch-invariant: an answer never depends on what runs beside it (every decode step at max_batch rows,

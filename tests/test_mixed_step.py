@@ -2,6 +2,9 @@
 (models.loop.run_together) give every row what it gets alone, for every mode, and the scheduler mixes them."""
 
 import pytest
+import threading
+import time
+
 import torch
 from tiny import IdText, make_segs
 
@@ -193,6 +196,85 @@ def test_mixed_steps_keep_within_the_token_budget():
     mixed = [(d, rows) for d, rows in seen if rows]
     assert mixed and all(d + sum(rows) <= 40 for d, rows in mixed), seen
     assert any(len(rows) > 1 for _, rows in mixed), seen  # several requests' units in one forward
+
+
+class _RowsForward(Forward):
+    def __init__(self, rows, name):
+        super().__init__(None, torch.zeros(1, rows, 1), None)
+        self.name = name
+
+    def run(self):
+        return "alone"
+
+
+class _Seq:
+    def __init__(self, n, until=None):
+        self.finished, self.n, self.stats, self.until = False, n, None, until
+        self.out = type("Out", (), {"finish_reason": "length"})()
+
+    def advance(self):
+        self.n -= 1
+        self.finished = self.until.is_set() if self.until is not None else self.n <= 0
+        return []
+
+    def cancel(self, reason):
+        self.finished = True
+
+
+def _one_tenants_steps(cap, tenants=("t",) * 4, rows=(8, 8, 8, 8), budget=64):
+    """Steps of a scheduler serving one answer and, while it decodes, a burst of prefills of three units each:
+    which requests' forwards each step ran, and the order their prefills ended."""
+    seen, ended, burst_done = [], [], threading.Event()
+
+    def step(seqs, forwards=()):
+        seen.append([f.name for f in forwards])
+        return ["mixed"] * len(forwards)
+
+    def start(name, rows, units, tokens, until=None):
+        def begin():
+            for _ in range(units):
+                assert (yield _RowsForward(rows, name)) in ("alone", "mixed")
+            ended.append(name)
+            return _Seq(tokens, until), name
+        return begin
+
+    sched = Scheduler(step, max_batch=8, mixed=True, max_num_batched_tokens=budget, max_prefills_per_tenant=cap)
+    try:
+        first = sched.submit_generation(start("answer", 1, 1, 1, until=burst_done), tenant="x")
+        deadline = time.monotonic() + 10
+        while not sched.running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with sched.lock:  # the whole burst is queued before the worker admits any of it
+            jobs = [sched.submit_generation(start(f"r{i}", r, 3, 2), tenant=t)
+                    for i, (t, r) in enumerate(zip(tenants, rows))]
+        for job in jobs:
+            job.future.result(timeout=30)
+        burst_done.set()
+        first.future.result(timeout=30)
+    finally:
+        sched.stop()
+    return [[n for n in names if n != "answer"] for names in seen if set(names) - {"answer"}], ended[1:]
+
+
+def test_one_tenants_prefills_share_a_step_within_the_budget_and_end_in_order():
+    """One tenant's waiting requests start prefilling beside its own in flight once those have staged their
+    forwards, so their forwards share one pass (the lever for many clients of one tenant); the first admitted never
+    ends after a later one. `max_prefills_per_tenant=1` keeps one at a time."""
+    mixed, ended = _one_tenants_steps(cap=0)
+    assert max(len(names) for names in mixed) == 4, mixed
+    assert ended == ["r0", "r1", "r2", "r3"], ended
+    alone, ended = _one_tenants_steps(cap=1)
+    assert all(len(names) == 1 for names in alone) and ended == ["r0", "r1", "r2", "r3"], alone
+    capped, _ = _one_tenants_steps(cap=2)
+    assert max(len(names) for names in capped) == 2, capped
+
+
+def test_one_tenants_prefills_keep_within_the_budget_and_leave_room_for_another_tenant():
+    """A tenant's several prefills stay within max_num_batched_tokens, and a step's forwards go round-robin by
+    tenant: another tenant's prefill is not kept out of a step by the first tenant's second and third."""
+    mixed, _ = _one_tenants_steps(cap=0, tenants=("a", "a", "a", "b"), rows=(20, 20, 20, 20), budget=50)
+    assert all(len(names) <= 2 for names in mixed), mixed  # 1 decode row + two forwards of 20 rows
+    assert any("r3" in names and "r0" in names for names in mixed), mixed  # b's forward beside a's first
 
 
 def test_a_plan_that_fails_in_a_mixed_forward_fails_alone(tiny_engine):

@@ -46,6 +46,10 @@ def register(sub) -> None:
                    help="rows of one forward: every running answer's next token and prefill units of waiting "
                         "requests (each at most --prefill-chunk tokens) run in one pass over the layers while they "
                         "fit in N (one unit always runs); larger N: more prefill per step, longer steps")
+    p.add_argument("--max-prefills-per-tenant", type=int, default=SERVE.max_prefills_per_tenant, metavar="N",
+                   help="a tenant's waiting requests start prefilling beside its own in flight while their forwards "
+                        "share a step within --max-num-batched-tokens, at most N at once (0: as many as fit; 1: one "
+                        "at a time, first come first served)")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false", default=SERVE.mixed_steps,
                    help="run prefill units alone between decode steps, not in the decode step's forward (to "
                         "measure what one forward per step gains)")
@@ -152,6 +156,8 @@ def check_flags(args) -> None:
         raise InvalidRequestError(f"--shadow-fraction must be in [0, 1], got {args.shadow_fraction}")
     if args.shadow_max_pending < 1:
         raise InvalidRequestError(f"--shadow-max-pending must be >= 1, got {args.shadow_max_pending}")
+    if args.max_prefills_per_tenant < 0:
+        raise InvalidRequestError(f"--max-prefills-per-tenant must be >= 0, got {args.max_prefills_per_tenant}")
     if args.max_num_batched_tokens < 1:
         raise InvalidRequestError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
@@ -198,6 +204,7 @@ def build_server(args, worker_thread: bool = False, keys=None):
                   served_names=tuple(dict.fromkeys(args.served_model_name)), history_mode=args.history_mode,
                   batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms,
                   max_num_batched_tokens=args.max_num_batched_tokens, mixed_steps=args.mixed_steps,
+                  max_prefills_per_tenant=args.max_prefills_per_tenant,
                   shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
 
 

@@ -50,7 +50,8 @@ class Server:
                  served_names: tuple[str, ...] = (), history_mode: str = SERVE.history_mode,
                  batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms,
                  shadow_fraction: float = SERVE.shadow_fraction, shadow_max_pending: int = SERVE.shadow_max_pending,
-                 max_num_batched_tokens: int = SERVE.max_num_batched_tokens, mixed_steps: bool = SERVE.mixed_steps):
+                 max_num_batched_tokens: int = SERVE.max_num_batched_tokens, mixed_steps: bool = SERVE.mixed_steps,
+                 max_prefills_per_tenant: int = SERVE.max_prefills_per_tenant):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
         without them, `model_id` or the model's path."""
         self.engine, self.index_dir = engine, index_dir
@@ -72,7 +73,8 @@ class Server:
                                    thread=worker_thread, kv_budget=KVBudget(limits.kv_memory_bytes),
                                    prefill_stall_ms=prefill_stall_ms,
                                    mixed=mixed_steps and not batch_invariant,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_prefills_per_tenant=max_prefills_per_tenant)
         self._library, self._library_lock = None, threading.Lock()
         # shadow verification: sampled approximate answers re-run with `full` while idle, measured in /metrics
         self.shadow = ShadowChecks(engine, self.scheduler, shadow_fraction, prefill_chunk, shadow_max_pending)

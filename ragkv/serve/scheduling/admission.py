@@ -19,9 +19,7 @@ class Admission:
         place, waiting or prefilling)."""
         if (self.running or self.prefilling) and self.batch_size + len(self.prefilling) >= self.max_batch:
             return None
-        # a tenant with a prefill in flight waits for it (its own requests prefill in order) unless that one is
-        # long; another tenant's joins it
-        busy = frozenset(j.tenant for j in self.prefilling if not j.long)
+        busy = self._busy_tenants()
         head = self.waiting  # stays set until it leaves the line: stats() (other threads) never sees it vanish
         if head is not None and self._gone(head):
             self.waiting = head = None
@@ -53,6 +51,19 @@ class Admission:
             self.waiting, self._waiting_since = job, time.monotonic()  # first in line until enough is released
             return None
         return job
+
+    def _busy_tenants(self) -> frozenset:
+        """Tenants whose next request waits: one with a prefill in flight waits for it (its own requests prefill
+        in order) unless that one is long, or (mixed steps) unless every one of its prefills has its forward
+        staged for the next step, within the tenant's cap: the newcomer's forward then joins theirs in one pass
+        and delays none of them (the step's room is checked before a unit runs: `_room_to_stage`)."""
+        mine: dict[str, list[Job]] = {}
+        for j in self.prefilling:
+            if not j.long:
+                mine.setdefault(j.tenant, []).append(j)
+        cap = self.max_prefills_per_tenant
+        return frozenset(t for t, js in mine.items()
+                         if not self.mixed or any(j.pending is None for j in js) or (cap and len(js) >= cap))
 
     def _over_share(self, waiting_tenant: str) -> frozenset:
         """While a generation waits for KV: the other tenants already holding their share of the limit (the limit over

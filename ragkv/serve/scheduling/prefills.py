@@ -152,10 +152,16 @@ class PrefillUnits:
         return sum(j.pending.rows for j in self.prefilling if j.pending is not None)
 
     def _take_forwards(self) -> list[Job]:
-        """The prefills whose pending forwards run in this step, first admitted first, within the token budget beside
-        the decode rows (at least one); those whose client left or whose deadline passed end here."""
-        taken, rows = [], self.batch_size
-        for job in [j for j in self.prefilling if j.pending is not None]:
+        """The prefills whose pending forwards run in this step, within the token budget beside the decode rows (at
+        least one): round-robin by tenant, each tenant's first admitted first (one tenant's several prefills do not
+        keep another's out of the step); those whose client left or whose deadline passed end here."""
+        taken, rows, rank = [], self.batch_size, {}
+        staged = []
+        for j in self.prefilling:
+            if j.pending is not None:
+                rank[j.tenant] = rank.get(j.tenant, -1) + 1
+                staged.append((rank[j.tenant], len(staged), j))
+        for *_, job in sorted(staged, key=lambda s: s[:2]):
             if job.should_stop():
                 self._stop_prefill(job)
             elif not taken or rows + job.pending.rows <= self.max_num_batched_tokens:

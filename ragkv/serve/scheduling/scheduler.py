@@ -11,7 +11,9 @@ each batched step (throughput), while the running answers wait longer between to
 tokenized, its segments built by the caller's thread): the worker only runs the model.
 
 Fairness across tenants: waiting generations queue per tenant and are admitted round-robin by tenant; each tenant
-may have one generation prefilling at a time, and the units of the prefills in flight go round-robin, tenant by
+may have one generation prefilling at a time, or (mixed steps) several while each of them has its forward staged
+for the next step and the step's rows have room (their forwards then share one pass; the next starts only once the
+earlier ones wait for the step, so it delays none of them), and the units of the prefills in flight go round-robin, tenant by
 tenant, and within a tenant request by request (one tenant's long prefill, e.g. `ape` over 32K tokens, no longer
 holds the model until it ends: another tenant's request is admitted beside it and its units interleave). Within one
 tenant, generations prefill first come, first served, except that a `long` one (many units: Server.start marks
@@ -62,26 +64,32 @@ class Scheduler(Admission, PrefillUnits):
                  timeout_s: float = SERVE.timeout_s, max_batch: int = SERVE.max_batch,
                  on_finish: Callable | None = None, lock=None, thread: bool = True,
                  kv_budget: KVBudget | None = None, prefill_stall_ms: float = SERVE.prefill_stall_ms,
-                 mixed: bool = False, max_num_batched_tokens: int = SERVE.max_num_batched_tokens):
+                 mixed: bool = False, max_num_batched_tokens: int = SERVE.max_num_batched_tokens,
+                 max_prefills_per_tenant: int = SERVE.max_prefills_per_tenant):
         """`thread=False`: the caller runs `serve_forever()` itself, on the main thread (`ragkv serve` does:
         OpenMP kernels launched from a non-main thread ran 40% slower on CPU, measured on a decode step).
         `kv_budget`: the KV memory generations reserve (default: no limit). `prefill_stall_ms`: newcomers'
         prefill units run between two decode steps until this much time is spent (at least one unit).
         `mixed`: `step(seqs, forwards)` also runs prefill forwards (a prefill's units yield them) in the decode
         step's pass over the layers and returns their outputs; each step's rows, decode and prefill, stay within
-        `max_num_batched_tokens` (vLLM's knob: one forward per step) except that one forward always goes."""
+        `max_num_batched_tokens` (vLLM's knob: one forward per step) except that one forward always goes.
+        `max_prefills_per_tenant` (mixed only): how many of one tenant's prefills may share the steps (0: as many
+        as the budget holds)."""
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if prefill_stall_ms < 0:
             raise ValueError("prefill_stall_ms must be >= 0")
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if max_prefills_per_tenant < 0:
+            raise ValueError("max_prefills_per_tenant must be >= 0")
+        self.max_prefills_per_tenant = max_prefills_per_tenant
         self.mixed, self.max_num_batched_tokens = mixed, max_num_batched_tokens
         self._staged = False  # the last unit left its forward for the next step (it took the model no time)
         self.prefill_stall_ms = prefill_stall_ms
         self.step_fn, self.timeout_s, self.max_batch, self.on_finish = step, timeout_s, max_batch, on_finish
         self.lock = lock if lock is not None else threading.RLock()  # held while a prefill unit runs
-        self.prefilling: list[Job] = []  # admitted, mid-prefill: one per tenant (besides long ones), units
+        self.prefilling: list[Job] = []  # admitted, mid-prefill (per tenant: see Admission._busy_tenants), units
         self._turn = 0                    # round-robin by tenant, then by request within the tenant
         self._inner: dict[str, int] = {}
         self._long_credit_ms = 0.0  # earned by decode steps and short units, spent by long units (LONG_SHARE)
