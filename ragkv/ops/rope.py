@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ragkv.ops.rope_kernel import rope_pass
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -75,7 +77,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, D] (any dtype); cos/sin: [T, D] fp32. Rotates in fp32 and casts back once."""
+    """x: [..., T, D] (any dtype); cos/sin: [T, D] fp32. Rotates in fp32 and casts back once (on the CPU in one
+    pass, ops/rope_kernel.py, bitwise the same)."""
+    out = rope_pass(x, cos, sin)
+    if out is not None:
+        return out
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 

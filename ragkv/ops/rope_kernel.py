@@ -1,0 +1,110 @@
+"""RoPE in one pass over q or raw k on the CPU: x [B, H, T, D] in bf16 or fp32, cos/sin fp32, the result in x's dtype.
+
+torch's `xf * cos + rotate_half(xf) * sin` (ops/rope.py) makes six tensors per call (the fp32 copy, the two halves
+concatenated, two products, their sum) and a seventh for the cast: at 1.3K tokens ~3% of a bf16 prefill, every layer,
+and again for every stored block a later prompt re-rotates. This pass reads x once and writes the result once, with
+the same fp32 operations in the same order and one rounding (no fused multiply-add: each product is rounded to fp32
+as torch's are), so it returns torch's result bitwise (tests/test_rope_kernel.py). Plain C++ that the compiler
+vectorizes for this CPU; where it cannot be built (or RAGKV_NO_CPP_KERNELS=1) ops/rope.py keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.ops.cpp_build import LazyExtension
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+
+static inline float load(const float* p) { return *p; }
+static inline float load(const at::BFloat16* p) {
+  uint32_t u = (uint32_t)(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, float v) { *p = v; }
+static inline void store(at::BFloat16* p, float v) {  // round to nearest even, as torch's cast does
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  uint16_t h = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  *reinterpret_cast<uint16_t*>(p) = h;
+}
+
+// out = x * cos + rotate_half(x) * sin per row of D, in fp32: each product rounded before the sum (as torch's ops)
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+static void rotate(const T* x, const float* c, const float* s, T* out, int64_t D) {
+  int64_t half = D / 2;
+  float xf[512];
+  for (int64_t d = 0; d < D; ++d) xf[d] = load(x + d);
+  for (int64_t d = 0; d < half; ++d) {
+    float a = xf[d] * c[d], b = -xf[d + half] * s[d];
+    store(out + d, a + b);
+  }
+  for (int64_t d = half; d < D; ++d) {
+    float a = xf[d] * c[d], b = xf[d - half] * s[d];
+    store(out + d, a + b);
+  }
+}
+
+template <typename T>
+static void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3);
+  const T* xd = x.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  auto xs = x.strides(), os = out.strides(), cs = cos.strides(), ss = sin.strides();
+  at::parallel_for(0, B * H * L, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t b = r / (H * L), h = (r / L) % H, t = r % L;
+      rotate<T>(xd + b * xs[0] + h * xs[1] + t * xs[2], cd + b * cs[0] + h * cs[1] + t * cs[2],
+                sd + b * ss[0] + h * ss[1] + t * ss[2], od + b * os[0] + h * os[1] + t * os[2], D);
+    }
+  });
+}
+
+// x [B, H, T, D] (bf16 or fp32, unit stride on D); cos, sin fp32 broadcastable to it (unit stride on D)
+torch::Tensor apply(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 && x.size(3) <= 512, "x [B, H, T, D], D even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin in fp32");
+  auto c = cos.expand(x.sizes()), s = sin.expand(x.sizes());
+  TORCH_CHECK(c.stride(3) == 1 && s.stride(3) == 1, "cos/sin with unit stride on D");
+  auto out = torch::empty_like(x);  // x's own layout (q is a view of the fused projection's [B, T, H, D])
+  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, c, s, out);
+  else if (x.scalar_type() == at::kFloat) run<float>(x, c, s, out);
+  else TORCH_CHECK(false, "bf16 or fp32 only");
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("apply", &apply, py::call_guard<py::gil_scoped_release>());
+}
+"""
+
+kernel = LazyExtension("ragkv_rope_v1", _SOURCE, "RoPE pass")
+
+
+def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x rotated in one pass, or None where the pass does not apply (another device or dtype, a gradient wanted,
+    shapes it does not take, or no kernel here): the caller then runs torch's ops."""
+    if (x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.bfloat16, torch.float32)
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or x.shape[-1] % 2 or x.shape[-1] > 512
+            or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or x.numel() == 0
+            or (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad))):
+        return None
+    try:
+        if cos.shape != sin.shape or torch.broadcast_shapes(cos.shape, x.shape) != x.shape:
+            return None
+    except RuntimeError:
+        return None
+    k = kernel()
+    if k is None:
+        return None
+    with torch.profiler.record_function("ragkv::rope"):
+        return k.apply(x, cos, sin)
