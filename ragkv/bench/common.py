@@ -52,6 +52,23 @@ def median_ms(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
+def interleaved_ms(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Each callable's times over `repeats` rounds, one run of each per round in turn: a drift of the machine
+    (these cores are shared) then falls on every side of a ratio alike, not on whichever ran last."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync_device()
+            t0 = time.perf_counter()
+            fn()
+            sync_device()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    return times
+
+
 def real_passages(limit: int = 400):
     """Passages from the shared MuSiQue file (real text, ~415 words each)."""
     from ragkv.eval.datasets import load_dataset
