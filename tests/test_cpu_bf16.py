@@ -154,6 +154,29 @@ def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
         assert (lse - want_lse).abs().max() < 1e-3
 
 
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (6, 2, 128)])
+def test_scattered_recomputed_rows_attend_each_up_to_its_own_position_through_the_kernel(heads, kv_heads, dim):
+    """A selection's recomputed rows (scattered positions, then the query's) through the kernel with per-row limits
+    (`attend_selected`'s bf16 path) are as close to fp32 attention under the per-row causal mask as torch's masked
+    bf16 SDPA is, row for row."""
+    from ragkv.engine.recompute.rows import attend_selected
+    from ragkv.ops.attention import attention_with_lse
+
+    g = torch.Generator().manual_seed(dim)
+    S = 700
+    pos = torch.cat([torch.randperm(650, generator=g)[:180].sort().values, torch.arange(650, S)])
+    q = (torch.randn(1, len(pos), heads, dim, generator=g) * 2).bfloat16().transpose(1, 2)
+    k = (torch.randn(1, kv_heads, S, dim, generator=g) * 2).bfloat16()
+    v = torch.randn(1, kv_heads, S, dim, generator=g).bfloat16()
+    mask = torch.arange(S).unsqueeze(0) <= pos.unsqueeze(1)
+    want, _ = attention_with_lse(q.float(), k.float(), v.float(), mask=mask)
+    torch_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = attend_selected(q, k, v, pos)
+    err, torch_err = (got.float() - want).abs().max(), (torch_bf16.float() - want).abs().max()
+    assert got.shape == q.shape and err <= 2 * torch_err + 2 ** -7, (err, torch_err)
+
+
 TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin encompasses seven "
         "million square kilometres, of which five and a half million are covered by the rainforest. The region "
         "includes territory belonging to nine nations and 3,344 formally acknowledged indigenous territories. The "

@@ -6,7 +6,8 @@ both products with `vdpbf16ps`: Q K^T with K packed per KV head as [S/16][D/2][1
 broadcast pair of the query's dimensions), P V with V packed as [S/2][D][2] (a broadcast pair of probabilities).
 Scores, the running max and sum, and the output are fp32; the probabilities are rounded to bf16 for P V, as
 torch's bf16 kernel does. Every query head of a KV group reads the same packed K/V (grouped-query attention without
-copies). Rows see keys causally from `past` on (row i at position past + i sees keys 0..past + i), or every key.
+copies). Rows see keys causally from `past` on (row i at position past + i sees keys 0..past + i), or every key,
+or each up to its own position (`row_limits`: the scattered rows a selective recompute runs).
 Returns the output in bf16 and, if asked, each row's log-sum-exp (natural log) in fp32.
 
 Built where the compiler targets AVX-512 BF16; elsewhere, or with RAGKV_NO_CPP_KERNELS=1, `kernel()` is None and
@@ -129,7 +130,7 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
 
 template <int DP>
 static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
-                torch::Tensor& out, float* lse) {
+                const int64_t* row_limits, torch::Tensor& out, float* lse) {
   constexpr int D = 32 * DP, R = DP == 2 ? 4 : 2;
   int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
   int64_t Sp = (S + KB - 1) / KB * KB;
@@ -172,7 +173,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
       bool real = r < rows;
       qr[r] = reinterpret_cast<const uint32_t*>(real ? qd + hq * qsh + (i0 + r) * qsr : dummy_q);
       orow[r] = real ? od + hq * osh + (i0 + r) * osr : dummy_o;
-      limit[r] = real ? (causal ? past + i0 + r : S - 1) : -1;  // a padding row sees nothing
+      limit[r] = !real ? -1 : row_limits ? row_limits[i0 + r] : causal ? past + i0 + r : S - 1;  // padding: nothing
       if (limit[r] > S - 1) limit[r] = S - 1;
     }
     float lrow[R];
@@ -185,19 +186,24 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 #endif
 
 // q [1, Hq, T, D], k, v [1, Hkv, S, D] bf16 with unit stride on D -> (out [1, Hq, T, D] bf16, lse [1, Hq, T] fp32)
+// row_limits (int64 [T], or empty): row i sees keys 0..row_limits[i] (then `past` and `causal` are unused)
 std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t past, bool causal,
-                                     bool want_lse) {
+                                     bool want_lse, torch::Tensor row_limits) {
   TORCH_CHECK(available(), "built without AVX-512 BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.size(0) == 1 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "batch 1, D contiguous");
   int64_t Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const bool limited = row_limits.defined() && row_limits.numel() > 0;
+  TORCH_CHECK(!limited || (row_limits.scalar_type() == at::kLong && row_limits.is_contiguous() &&
+                           row_limits.numel() == T), "row_limits: int64 [T], contiguous");
+  const int64_t* lim = limited ? row_limits.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty({1, T, Hq, D}, q.options()).transpose(1, 2);  // [1, Hq, T, D] over [T, Hq, D] memory
   torch::Tensor lse = want_lse ? torch::empty({1, Hq, T}, q.options().dtype(at::kFloat)) : torch::Tensor();
 #ifdef __AVX512BF16__
   float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
-  if (D == 64) run<2>(q, k, v, past, causal, out, lp);
-  else if (D == 128) run<4>(q, k, v, past, causal, out, lp);
+  if (D == 64) run<2>(q, k, v, past, causal, lim, out, lp);
+  else if (D == 128) run<4>(q, k, v, past, causal, lim, out, lp);
   else TORCH_CHECK(false, "head dim 64 or 128 only");
 #endif
   return {out, lse};
@@ -211,7 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v3"
+_NAME = "ragkv_bf16_prefill_attention_v4"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
@@ -225,13 +231,15 @@ def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, causal: bool = True,
-                      want_lse: bool = False):
+                      want_lse: bool = False, row_limits: torch.Tensor | None = None):
     """q [1, Hq, T, D], k, v [1, Hkv, S, D] (S = past + T when causal) -> out [1, Hq, T, D] bf16, or (out, lse
-    [1, Hq, T] fp32) with `want_lse`."""
+    [1, Hq, T] fp32) with `want_lse`. `row_limits` [T]: row i sees keys 0..row_limits[i] instead (the recomputed
+    rows of a selection at their positions, cache index == position)."""
+    limits = torch.empty(0, dtype=torch.long) if row_limits is None else row_limits.to("cpu", torch.long).contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     with torch.profiler.record_function("ragkv::prefill_attention"):
-        out, lse = kernel().attention(q, k, v, int(past), bool(causal), bool(want_lse))
+        out, lse = kernel().attention(q, k, v, int(past), bool(causal), bool(want_lse), limits)
     return (out, lse) if want_lse else out

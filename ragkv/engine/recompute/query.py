@@ -42,7 +42,7 @@ from ragkv.engine.recompute.base import Selection, record_selection
 from ragkv.engine.recompute.registry import register
 from ragkv.engine.recompute.rows import SelectedRowsPlan, check_recomputable, choose_tokens, keep_count
 from ragkv.models.loop import Forward, computed
-from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.attention import causal_attention, prefill_mask
 
 
 class QueryAttentionRecorder:
@@ -57,7 +57,7 @@ class QueryAttentionRecorder:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, Hq, Tq, D]; k, v: [1, Hkv, N + Tq, D]
         Tq, total = q.shape[2], k.shape[2]
-        out = sdpa(q, k, v, mask=prefill_mask(Tq, total, None, q.device))
+        out = causal_attention(q, k, v, total - Tq, prefill_mask(Tq, total, None, q.device))
         if self.N:  # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
             Hkv, D = k.shape[1], q.shape[-1]
             qg = q.float().reshape(1, Hkv, -1, D)  # [1, Hkv, groups * Tq, D]
