@@ -88,7 +88,16 @@ def test_ask_states_how_close_to_full_each_answer_is(capsys):
     code, _, err = run(capsys, *common, "--mode", "full")
     assert code == 0 and "exact (equals full)" in err
     code, out, err = run(capsys, *common, "--mode", "blend", "--select", "query", "--ratio", "0.2")
-    assert code == 0 and "approximate, risk shift" in err
+    assert code == 0 and "[blend select=query r=0.2]" in err and "approximate: expected KL to full " in err
+    assert "first token as full's " in err and "risk shift" in err
+    code, out, err = run(capsys, *common, "--json")  # no --mode: the documents default, a mode key
+    fidelity = json.loads(out)["fidelity"]
+    assert code == 0 and fidelity["mode"] == "blend" and fidelity["select"] == "query", fidelity
+    assert fidelity["estimate"]["expected_kl"] is not None
+    code, out, err = run(capsys, *common, "--mode", "blend:sel=recent,r=0.1", "--json")
+    assert code == 0 and json.loads(out)["fidelity"]["select"] == "recent"
+    code, _, err = run(capsys, *common, "--mode", "blend:nope=1")
+    assert code == 2 and "nope" in err
     code, out, _ = run(capsys, *common, "--mode", "blend", "--select", "query", "--json")
     fidelity = json.loads(out)["fidelity"]
     assert fidelity["select"] == "query" and fidelity["exact"] is False and fidelity["signal"] >= 0

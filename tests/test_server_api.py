@@ -519,3 +519,33 @@ def test_a_chat_with_documents_keeps_its_turns_as_blocks_and_is_exact_once_settl
     h = r.json()["usage"]["history"]
     assert h["exact"] is True and h["turns"] == 4 and r.json()["usage"]["fidelity"]["exact"] is True, h
     idle(api)
+
+
+def test_a_request_with_documents_naming_no_mode_gets_the_cli_default_and_one_naming_blend_gets_cacheblend(
+        default_engine):
+    """`ragkv serve`'s --mode default (settings.DEFAULT_DOCUMENTS_MODE, a mode key: ProphetKV's query-aware selection
+    at r=0.15) answers a request with documents that names no mode; a request naming `blend` gets the flags'
+    parameters (CacheBlend's deviation selection), not the key's."""
+    from ragkv.cli.common import fusion_from_args
+    from ragkv.cli.main import build_parser
+    from ragkv.settings import DEFAULT_DOCUMENTS_MODE
+
+    args = build_parser().parse_args(["serve"])
+    assert args.mode == DEFAULT_DOCUMENTS_MODE == "blend:sel=query,r=0.15"
+    server = make_server(default_engine, default_fusion=fusion_from_args(args, key_params=False),
+                         documents_fusion=fusion_from_args(args))
+    docs = ["CacheBlend recomputes the KV of a few tokens of each block.", "APE scales attention to blocks."]
+    try:
+        with serving(server) as url:
+            def fidelity(ragkv):
+                r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                    "messages": [{"role": "user", "content": "What does CacheBlend recompute?"}], "max_tokens": 2,
+                    "ragkv": {"documents": docs, **ragkv}})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["fidelity"]
+            unnamed = fidelity({})
+            assert unnamed["mode"] == "blend" and unnamed["select"] == "query" and unnamed["exact"] is False, unnamed
+            assert fidelity({"mode": "blend"})["select"] == "deviation"
+            assert fidelity({"mode": "reuse"})["mode"] == "reuse"
+    finally:
+        server.scheduler.stop()

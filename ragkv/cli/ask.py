@@ -17,7 +17,7 @@ from ragkv.cli.common import (
 )
 from ragkv.errors import RagkvError
 from ragkv.rag.order import PASSAGE_ORDERS, order_passages
-from ragkv.settings import DEFAULT_PASSAGE_ORDER
+from ragkv.settings import DEFAULT_DOCUMENTS_MODE, DEFAULT_PASSAGE_ORDER
 
 DOC_SUFFIXES = (".txt", ".md")
 
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, help="replace the default instruction")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print answer and statistics as JSON")
-    add_fusion_args(p)
+    add_fusion_args(p, default_mode=DEFAULT_DOCUMENTS_MODE, mode_key=True)
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_ask)
@@ -92,7 +92,7 @@ def run_ask(args) -> int:
                 print(rec["answer"])
             if retrieved is not None:
                 print("sources: " + "; ".join(f"{s['title']} ({s['score']})" for s in rec["sources"]))
-            print(f"[{fusion.mode}] ttft {ans.stats.ttft_ms:.0f} ms, blocks hit {ans.stats.cache_hits}/"
+            print(f"[{mode_label(fusion)}] ttft {ans.stats.ttft_ms:.0f} ms, blocks hit {ans.stats.cache_hits}/"
                   f"{ans.stats.cache_hits + ans.stats.cache_misses}, reused {ans.stats.reused_tokens} tokens, "
                   f"recomputed {ans.stats.recomputed_tokens}; {describe_fidelity(ans.stats.fidelity)}",
                   file=sys.stderr)
@@ -101,12 +101,32 @@ def run_ask(args) -> int:
     return 0
 
 
+def mode_label(fusion) -> str:
+    """blend's selection and ratio beside its name (`blend select=query r=0.15`): the line says what ran."""
+    if fusion.mode in ("blend", "auto"):
+        return f"{fusion.mode} select={fusion.select} r={fusion.ratio:g}"
+    return fusion.mode
+
+
 def describe_fidelity(fidelity: dict) -> str:
-    """One phrase of the mode's own statement of how close to `full` the answer is."""
+    """One phrase of the mode's own statement of how close to `full` the answer is: its estimate (the expected KL
+    of the first token's distribution to full's, and how often that token is full's) and what the estimate rests on."""
     if fidelity.get("exact"):
         return "exact (equals full)"
     signal, name = fidelity.get("signal"), fidelity.get("signal_name")
-    return "approximate" + (f", risk {name} {signal:.3f}" if signal is not None else "")
+    est = fidelity.get("estimate") or {}
+    parts = []
+    if est.get("expected_kl") is not None:
+        parts.append(f"expected KL to full {est['expected_kl']:.3f}")
+    if est.get("expected_top1") is not None:
+        parts.append(f"first token as full's {est['expected_top1']:.0%}")
+    if parts:
+        basis = {"fitted": "fitted on this model", "extrapolated": "fitted, extrapolated",
+                 "none": "population figure, not fitted"}.get(est.get("calibration"), est.get("calibration"))
+        parts[-1] += f" ({basis})"
+    if signal is not None:
+        parts.append(f"risk {name} {signal:.3f}")
+    return "approximate" + (": " + ", ".join(parts) if parts else "")
 
 
 def retrieve_for(questions, args, engine):

@@ -93,13 +93,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reuse", title: str = "fusion") -> None:
+def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reuse", title: str = "fusion",
+                    mode_key: bool = False) -> None:
     """The fusion mode (unless `default_mode` is None) and every other field of FusionOptions, each flag derived
-    from the field's declaration (ragkv/engine/options.py), for ask, eval, serve and the benchmarks alike."""
+    from the field's declaration (ragkv/engine/options.py), for ask, eval, serve and the benchmarks alike.
+    `mode_key`: --mode takes a mode key too (`blend:sel=query,r=0.15`: the mode and its own parameters)."""
     g = p.add_argument_group(title)
     for spec in fusion_option_specs():
         if spec.name == "mode":
-            if default_mode is not None:
+            if default_mode is not None and mode_key:
+                g.add_argument("--mode", default=default_mode, metavar="MODE[:K=V,...]",
+                               help=f"{spec.help}: one of {', '.join(spec.choices)}, or a mode key with its own "
+                                    f"parameters, which win over the flags below (default: {default_mode})")
+            elif default_mode is not None:
                 g.add_argument("--mode", default=default_mode, choices=spec.choices, help=spec.help)
             continue
         shown = ",".join(map(str, spec.default)) if spec.type is tuple else spec.default
@@ -115,9 +121,19 @@ def add_fusion_args(p: argparse.ArgumentParser, default_mode: str | None = "reus
                            help=help_)
 
 
-def fusion_from_args(args, mode: str | None = None) -> FusionOptions:
-    """FusionOptions from the flags `add_fusion_args` declared; FusionOptions checks every value."""
-    values = {"mode": mode or getattr(args, "mode", None) or "full"}
+def fusion_from_args(args, mode: str | None = None, key_params: bool = True) -> FusionOptions:
+    """FusionOptions from the flags `add_fusion_args` declared; FusionOptions checks every value. A mode key
+    (`blend:sel=query,r=0.15`) sets its own parameters over the flags' (`key_params=False`: its mode only)."""
+    key = mode or getattr(args, "mode", None) or "full"
+    base = _flags_fusion(args, key.partition(":")[0])
+    if key_params and ":" in key:
+        from ragkv.eval.modes import parse_mode_key
+        return parse_mode_key(key, base)
+    return base
+
+
+def _flags_fusion(args, mode: str) -> FusionOptions:
+    values = {"mode": mode}
     for spec in fusion_option_specs()[1:]:
         raw = getattr(args, spec.name)
         if spec.word and str(raw) == spec.word[0]:

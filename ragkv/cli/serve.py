@@ -18,7 +18,7 @@ from ragkv.cli.common import (
 )
 from ragkv.errors import InvalidRequestError
 from ragkv.serve.replicas.policy import ROUTERS
-from ragkv.settings import SERVE
+from ragkv.settings import DEFAULT_DOCUMENTS_MODE, SERVE
 
 log = logging.getLogger("ragkv.serve")
 
@@ -89,7 +89,9 @@ def register(sub) -> None:
                    help="a file of `KEY TENANT` lines (# comments)")
     a.add_argument("--metrics-need-key", action="store_true", help="/metrics needs a key too (default: open)")
     _add_limits(p)
-    add_fusion_args(p, title="fusion defaults (for requests with documents; a request's own `ragkv` fields win)")
+    add_fusion_args(p, default_mode=DEFAULT_DOCUMENTS_MODE, mode_key=True,
+                    title="fusion defaults (--mode: for requests with documents that name no mode; the other flags "
+                          "for every request; a request's own `ragkv` fields win)")
     add_model_args(p)
     add_store_args(p)
     p.set_defaults(func=run_serve)
@@ -191,7 +193,8 @@ def build_server(args, worker_thread: bool = False, keys=None):
     from ragkv.serve.auth import ApiKeys
     from ragkv.serve.server import Limits, Server
 
-    fusion = fusion_from_args(args)
+    fusion = fusion_from_args(args, key_params=False)  # a request naming its mode gets the flags' parameters
+    documents = fusion_from_args(args)  # one naming none: --mode's key, its own parameters too
     keys = keys if keys is not None else ApiKeys.parse(args.api_key, args.api_keys)
     # the model loads only once every flag passed; a store tier down now (Redis) starts down and is retried, as
     # one failing mid-run is: a replica restarted during an outage serves instead of staying down
@@ -205,7 +208,8 @@ def build_server(args, worker_thread: bool = False, keys=None):
                   batch_invariant=args.batch_invariant, prefill_stall_ms=args.prefill_stall_ms,
                   max_num_batched_tokens=args.max_num_batched_tokens, mixed_steps=args.mixed_steps,
                   max_prefills_per_tenant=args.max_prefills_per_tenant,
-                  shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending)
+                  shadow_fraction=args.shadow_fraction, shadow_max_pending=args.shadow_max_pending,
+                  documents_fusion=documents)
 
 
 def run_serve(args) -> int:

@@ -108,7 +108,7 @@ class RequestBuilder:
 
     def __init__(self, engine, keys, limits, default_fusion: FusionOptions, max_batch: int,
                  library: Callable[[str], object], history_mode: str = SERVE.history_mode,
-                 budget: TenantBudget | None = None):
+                 budget: TenantBudget | None = None, documents_fusion: FusionOptions | None = None):
         self.engine, self.keys, self.limits = engine, keys, limits
         self.budget = budget if budget is not None else TenantBudget(None)
         # token-layers one request's prefill may cost (0: no limit)
@@ -117,6 +117,8 @@ class RequestBuilder:
             limit = int(SERVE.max_request_windows * engine.max_positions * engine.num_layers)
         self.max_request_cost = limit or None
         self.default_fusion = default_fusion  # the server's flags; a request's own `ragkv` fields override them
+        # a request with documents that names no mode: --mode's key (its own parameters too)
+        self.documents_fusion = documents_fusion if documents_fusion is not None else default_fusion
         self.max_batch, self.library = max_batch, library
         self.history_mode = history_mode  # a chat's turns as blocks, when the request names no mode
 
@@ -195,10 +197,13 @@ class RequestBuilder:
     def fusion(self, extras: RagkvExtras | None, has_blocks: bool, history: bool = False) -> FusionOptions:
         e = extras or RagkvExtras()
         given = e.fusion_fields()
-        default = self.history_mode if history else self.default_fusion.mode if has_blocks else "prefix"
-        given.setdefault("mode", default)
+        base = self.default_fusion
+        if "mode" not in given:
+            if has_blocks and not history:
+                base = self.documents_fusion
+            given["mode"] = self.history_mode if history else base.mode if has_blocks else "prefix"
         try:  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...; then what needs the model
-            fusion = replace(self.default_fusion, **given)
+            fusion = replace(base, **given)
             get_mode(fusion.mode).check(self.engine.mode_context, fusion)
         except OptionError as err:  # every extension field is named as the client wrote it: ragkv.<field>
             raise FieldError(f"ragkv.{err.param}", str(err)) from None

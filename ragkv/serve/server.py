@@ -51,9 +51,12 @@ class Server:
                  batch_invariant: bool = SERVE.batch_invariant, prefill_stall_ms: float = SERVE.prefill_stall_ms,
                  shadow_fraction: float = SERVE.shadow_fraction, shadow_max_pending: int = SERVE.shadow_max_pending,
                  max_num_batched_tokens: int = SERVE.max_num_batched_tokens, mixed_steps: bool = SERVE.mixed_steps,
-                 max_prefills_per_tenant: int = SERVE.max_prefills_per_tenant):
+                 max_prefills_per_tenant: int = SERVE.max_prefills_per_tenant,
+                 documents_fusion: FusionOptions | None = None):
         """served_names (--served-model-name): the names `model` may take, the first echoed in responses;
-        without them, `model_id` or the model's path."""
+        without them, `model_id` or the model's path. `default_fusion`: the parameters of a request that names its
+        mode; `documents_fusion`: the mode and parameters of a request with documents that names none (default:
+        `default_fusion`'s)."""
         self.engine, self.index_dir = engine, index_dir
         self.model_names = tuple(served_names) or (model_id,)
         self.model_id = self.model_names[0]
@@ -80,7 +83,7 @@ class Server:
         self.shadow = ShadowChecks(engine, self.scheduler, shadow_fraction, prefill_chunk, shadow_max_pending)
         self.metrics.registry.register(self.shadow)
         self.requests = RequestBuilder(engine, keys, limits, default_fusion, max_batch, self.library, history_mode,
-                                       TenantBudget(limits.tenant_budget))
+                                       TenantBudget(limits.tenant_budget), documents_fusion)
         in_flight = limits.tenant_in_flight_cost
         if in_flight is None:
             in_flight = int(SERVE.tenant_in_flight_windows * engine.max_positions * engine.num_layers)
