@@ -237,17 +237,18 @@ def test_auto_on_qwen_05bs_fit_over_the_threshold():
            f"None of the {len(lost)} is among the {len(over)} answers over the threshold ({len(escalated)} escalated")
 
 
-def test_serving_against_vllm_run_6():
+def test_serving_against_vllm_latest_zen4_run():
     from ragkv.bench.serve.peer import peer_ratios
 
-    run = json.loads((RESULTS / "cpu_bf16" / "serve_run6" / "serve_bench.json").read_text())
+    run = json.loads((RESULTS / "serve_vllm" / "zen4_row_kernel" / "serve_bench.json").read_text())
     ratios = peer_ratios(run["cells"], "vllm-cpu")
     assert ratios == run["ratios_vs_peer"]
     rps = {(m, c): f"{ratios[m][c]['requests_per_s']:.2f}x" for m in ratios for c in ratios[m]}
     ttft = f"{ratios['full']['1']['ttft_p50']:.2f}x"
     stated(README, f"`reuse` served {rps['reuse', '1']} its requests/s at one client and {rps['reuse', '16']} at 16, "
                    f"`blend` {rps['blend', '1']} and {rps['blend', '16']}, `full` {rps['full', '1']} and "
-                   f"{rps['full', '16']}, with a first token at {ttft} vLLM's")
+                   f"{rps['full', '16']}, with a first token at {ttft} vLLM's at one client; the query-aware r=0.3 "
+                   f"{rps['blend:sel=query,r=0.3', '1']} and {rps['blend:sel=query,r=0.3', '16']}")
     stated(REFERENCE, f"`reuse` served {rps['reuse', '1']} vLLM's requests/s at 1 client and {rps['reuse', '16']} at "
                       f"16, `blend` {rps['blend', '1']} and {rps['blend', '16']}, `full` {rps['full', '1']} and "
                       f"{rps['full', '16']}, with a first token at {ttft} vLLM's")
