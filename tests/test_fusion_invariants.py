@@ -13,7 +13,7 @@ from ragkv.engine.kv.state import decode_step
 from ragkv.engine.kv.stepwise import drain
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode
-from ragkv.engine.options import FusionOptions
+from ragkv.engine.options import FusionOptions, validate_fusion
 from ragkv.engine.request.segments import Segments
 from ragkv.engine.recompute import SELECTIONS, get_selection
 from ragkv.engine.recompute.base import Selection
@@ -116,7 +116,7 @@ def test_prefix_conditioned_reuse_with_one_block_equals_full(tiny_engine):
     _, stats = eng.prefill(segs, FusionOptions(mode="reuse", conditioning="prefix"))
     assert stats.cache_hits == 3 and stats.cache_misses == 0
     with pytest.raises(OptionError, match="conditioning"):
-        FusionOptions(mode="full", conditioning="prefix")
+        validate_fusion(FusionOptions(mode="full", conditioning="prefix"))
 
 
 @pytest.mark.parametrize("select", ["deviation", "query"])
@@ -575,8 +575,9 @@ def test_every_registered_selection_keeps_the_extremes(tiny_engine, select):
 
 
 def test_an_unknown_selection_names_the_field_and_the_choices():
+    """The record takes any name (it knows no registry); where options enter, the registered ones are checked."""
     with pytest.raises(OptionError) as e:
-        FusionOptions(mode="blend", select="bogus")
+        validate_fusion(FusionOptions(mode="blend", select="bogus"))
     assert e.value.param == "select" and all(s in str(e.value) for s in SELECTIONS)
 
 

@@ -67,7 +67,10 @@ def test_langchain_chat_model_second_ask_reads_the_blocks_from_the_cache(server)
     assert stats[0]["cache_misses"] == 2 and stats[0]["encode_ms"] > 0
     assert stats[1]["cache_misses"] == 0 and stats[1]["encode_ms"] == 0
     assert stats[1]["cache_hits"] == stats[0]["cache_hits"] + 2
-    assert second.usage_metadata["input_token_details"]["cache_read"] == stats[1]["reused_tokens"] > 0
+    # cache_read is OpenAI's cached_tokens: the prompt tokens found in the store (the server's default mode for
+    # documents recomputes some of them, so it reuses fewer)
+    assert second.usage_metadata["input_token_details"]["cache_read"] == stats[1]["cached_tokens"] > 0
+    assert stats[1]["cached_tokens"] >= stats[1]["reused_tokens"] > 0
     assert first.content.strip() and second.content.strip()
     assert [s["title"] for s in second.response_metadata["ragkv"]["sources"]] == ["Velmar", "Harbour"]
 

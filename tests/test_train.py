@@ -13,7 +13,7 @@ from tiny import make_segs, rand_ids
 
 from ragkv.engine.engine import Engine
 from ragkv.engine.kv.state import decode_step
-from ragkv.engine.options import FusionOptions
+from ragkv.engine.options import FusionOptions, validate_fusion
 from ragkv.engine.request.segments import Passage
 from ragkv.errors import InvalidRequestError
 from ragkv.eval.datasets import Example
@@ -116,7 +116,7 @@ def test_local_positions_restart_per_block_and_pads_follow():
     ex = example_from_segments(segs, [7, 2])
     assert local_positions(ex, 15).tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 9, 10, 11, 12, 13, 14]
     with pytest.raises(InvalidRequestError, match="applies to mode 'reuse' only"):
-        FusionOptions(mode="full", positions="local")
+        validate_fusion(FusionOptions(mode="full", positions="local"))
 
 
 def test_vanilla_training_forward_equals_full_inference(tiny_loaded):

@@ -102,8 +102,11 @@ def run_ask(args) -> int:
 
 
 def mode_label(fusion) -> str:
-    """blend's selection and ratio beside its name (`blend select=query r=0.15`): the line says what ran."""
-    if fusion.mode in ("blend", "auto"):
+    """A selection and its ratio beside the mode's name where the mode reads them (`blend select=query r=0.15`):
+    the line says what ran."""
+    from ragkv.engine.modes import get_mode
+
+    if "select" in get_mode(fusion.mode).option_fields:
         return f"{fusion.mode} select={fusion.select} r={fusion.ratio:g}"
     return fusion.mode
 

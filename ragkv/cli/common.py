@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ragkv.engine.options import FusionOptions, fusion_option_specs
+from ragkv.engine.options import FusionOptions, fusion_option_specs, validate_fusion
 from ragkv.errors import InvalidRequestError
 from ragkv.settings import (DEFAULT_BLOCK_POOL_BYTES, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_NAMESPACE,
                             default_index_dir, default_store_spec)
@@ -125,7 +125,7 @@ def fusion_from_args(args, mode: str | None = None, key_params: bool = True) -> 
     """FusionOptions from the flags `add_fusion_args` declared; FusionOptions checks every value. A mode key
     (`blend:sel=query,r=0.15`) sets its own parameters over the flags' (`key_params=False`: its mode only)."""
     key = mode or getattr(args, "mode", None) or "full"
-    base = _flags_fusion(args, key.partition(":")[0])
+    base = validate_fusion(_flags_fusion(args, key.partition(":")[0]))
     if key_params and ":" in key:
         from ragkv.eval.modes import parse_mode_key
         return parse_mode_key(key, base)

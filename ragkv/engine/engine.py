@@ -32,7 +32,7 @@ from ragkv.engine.measure.stats import RequestStats
 from ragkv.engine.modes import get_mode, mode_names
 from ragkv.engine.modes.context import ModeContext
 from ragkv.engine.modes.history import WithHistory
-from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.engine.options import FusionOptions, GenerationOptions, validate_fusion
 from ragkv.engine.request.segments import (
     Passage,
     PromptFormat,
@@ -226,7 +226,8 @@ class Engine:
                    namespace: str | None = None) -> list[CacheKey]:
         """The store entries `fusion.mode` reads for `segs` (block KV, the prefix as a block too; or hash-chained
         prefix chunks; none for full)."""
-        return get_mode(fusion.mode).cache_keys(self.mode_context, segs, fusion, namespace or self.namespace)
+        return get_mode(validate_fusion(fusion).mode).cache_keys(self.mode_context, segs, fusion,
+                                                                 namespace or self.namespace)
 
     def forget(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32) -> int:
         """Delete what any mode stored for `segs`, keeping its shared prefix (system prompt); returns the count."""
@@ -301,7 +302,7 @@ class Engine:
     def warm(self, segs: Segments, fusion: FusionOptions = FusionOptions(), namespace: str | None = None):
         """Precompute and store what `fusion.mode` would reuse for `segs` (its blocks, or its prefix chunks)
         without answering; returns the keys and what was encoded."""
-        return get_mode(fusion.mode).warm(self.mode_context, segs, fusion, namespace or self.namespace)
+        return get_mode(validate_fusion(fusion).mode).warm(self.mode_context, segs, fusion, namespace or self.namespace)
 
     def settle_history_steps(self, segs: Segments, namespace: str | None = None, prefix_chunk: int = 32,
                              chunk=None) -> Steps[dict]:
@@ -316,7 +317,7 @@ class Engine:
         """The most rows `segs`' prefill may run through a layer, summed over layers, on a cold cache: what a server
         admits it by. A chat on the history path is planned as that path runs it (engine/blocks/history.py): a
         turn computed exactly counts once, not as a block encoded and a query recomputed."""
-        mode = get_mode(fusion.mode)
+        mode = get_mode(validate_fusion(fusion).mode)
         if mode.takes_history(segs, fusion):
             return WithHistory(mode).worst_token_layers(self.mode_context, segs, fusion, namespace or self.namespace)
         return mode.worst_token_layers(segs, fusion, self.num_layers)
@@ -380,7 +381,7 @@ class Engine:
                        chunk, blocks: BlockCache) -> Steps:
         stats = RequestStats(mode=fusion.mode, prompt_tokens=segs.num_tokens)
         t_start = time.perf_counter()
-        mode = get_mode(fusion.mode)
+        mode = get_mode(validate_fusion(fusion).mode)
         mode.check(self.mode_context, fusion)
         if not segs.query:
             raise ValueError("a request needs a non-empty query segment")

@@ -1,95 +1,44 @@
-"""Per-request options: the fusion mode and its parameters (FusionOptions), and decoding (GenerationOptions, from
-engine/request/generation.py, which sits below the modes). Each field is declared once (engine/request/option_spec.py)."""
+"""Per-request options: the fusion mode and its parameters (FusionOptions, a plain record in
+engine/request/fusion.py), checked against the registered modes and selections here (`validate_fusion`, where
+options enter), and decoding (GenerationOptions, engine/request/generation.py). Each field is declared once
+(engine/request/option_spec.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
-from ragkv.engine.measure.risk import SIGNALS
 from ragkv.engine.modes import get_mode, mode_names
+from ragkv.engine.recompute import SELECTIONS
+from ragkv.engine.request.fusion import FusionOptions
 from ragkv.engine.request.generation import GenerationOptions
 from ragkv.engine.request.option_spec import OptionSpec, check_option, option, option_specs
-from ragkv.engine.recompute import SELECTIONS
 from ragkv.errors import OptionError
-
-
-@dataclass(frozen=True)
-class FusionOptions:
-    """How cached blocks become the KV the query attends to (ragkv/engine/modes: one module per mode)."""
-    mode: str = option("reuse", "fusion mode (ragkv/engine/modes)")
-    ratio: float = option(0.15, "blend: fraction of block tokens recomputed, in [0, 1] (r_min with auto_ratio)",
-                          ge=0.0, le=1.0, key="r", word=("auto", "auto_ratio"))
-    auto_ratio: bool = option(False, "blend: the loading controller raises r to what loading hides")
-    select: str = option("deviation", "blend: how the recomputed tokens are chosen: deviation (CacheBlend), query "
-                         "(ProphetKV: the query's attention over the reused cache), sinks (EPIC: each block's first "
-                         "sink_tokens only), recent (the last r of the block tokens, nearest the query)",
-                         choices=SELECTIONS, key="sel")
-    signal: str | None = option(None, "auto: the risk signal it escalates on: shift (how far the recompute moved the "
-                                "first token's distribution), entropy or margin (1 - top-1 minus top-2 "
-                                "probability) of the answer's first token, uncovered (the query's attention left "
-                                "on reused tokens) or expected_kl (the reply's fidelity estimate; max_risk is then "
-                                "a KL) (default: calibrated, else shift)",
-                                choices=SIGNALS, key="sig")
-    max_risk: float | None = option(None, "auto: recompute everything when the risk signal exceeds this (default: "
-                                    "calibrated by `ragkv calibrate --target auto`, else 0.05)",
-                                    ge=0.0, le=100.0, key="risk")
-    escalation_budget: float = option(1.0, "auto: escalate at most this share of the engine's last 100 auto answers "
-                                      "(1: no limit); an answer over the threshold beyond it keeps its cheap "
-                                      "recompute and says so", ge=0.0, le=1.0, key="budget")
-    check_layers: tuple[int, ...] = option((1,), "blend: increasing layers where deviation selects tokens "
-                                           "(gradual filtering if several)", ge=1, key="check", max_items=64)
-    deviation: str = option("v", "blend: deviation on V (CacheBlend's code) or post-RoPE K (LMCache)",
-                            choices=("v", "k"), key="dev")
-    gradual: bool = option(False, "blend: shrink the selection at each check layer (CacheBlend 4.3)", key="gradual")
-    sink_tokens: int = option(0, "blend: always recompute each block's first N tokens", ge=0, le=1 << 20,
-                              key="sink")
-    check_rows: str = option("selected", "blend: rows the check layer itself recomputes (all: every row, as "
-                             "CacheBlend's code)", choices=("selected", "all"), key="rows")
-    select_per_block: bool = option(False, "blend: keep the top r of each block, not of all blocks",
-                                    key="perblock")
-    draft_tokens: int = option(0, "blend select=query: also choose by the attention of a greedy draft of N tokens "
-                               "decoded over the reused cache (what the answer reads, not only the question)",
-                               ge=0, le=256, key="draft")
-    ape_temperature: float | None = option(None, "ape: temperature T (default: calibrated or 0.9)", gt=0, le=100,
-                                           key="T")
-    ape_scale: float | None = option(None, "ape: scale S (default: calibrated or 0.9)", gt=0, le=100, key="S")
-    prefix_chunk: int = option(32, "prefix: tokens per hash-chained chunk", ge=1, le=1 << 16, key="chunk")
-    positions: str = option("reencoded", "reuse: reencoded (each block re-rotated to its place) or local (each "
-                            "block keeps positions 0..n-1, an ablation)", choices=("reencoded", "local"), key="pos")
-    conditioning: str = option("none", "reuse, blend, auto: what each block attended to when encoded: none (itself "
-                               "alone, Block-Attention) or prefix (the prompt's system prefix first, as APE's blocks: "
-                               "no block starts a sequence of its own, and the first block is computed as in full)",
-                               choices=("none", "prefix"), key="cond")
-    kv_layout: str = option("copied", "reuse, ape, blend: copied (each block's K re-rotated into the request's own "
-                            "cache) or shared (blocks read in place from the engine's device-resident block pool, the "
-                            "query rotated per block: the same attention, no per-request copy; blend prefills as "
-                            "copied, then keeps only the rows it recomputed and decodes over the blocks in place)",
-                            choices=("copied", "shared"), key="kv")
-
-    def __post_init__(self):
-        get_mode(self.mode)  # unknown names: an error listing the registered modes
-        for spec in option_specs(FusionOptions)[1:]:
-            check_option(spec, getattr(self, spec.name))
-        # layer 0 has nothing to compare yet (every deviation is zero there): the first check layer is 1
-        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
-            raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
-                              f"{self.check_layers}")
-        for name in ("positions", "conditioning"):  # set away from its default for a mode that ignores it
-            value = getattr(self, name)
-            if value != _DEFAULTS[name] and name not in get_mode(self.mode).option_fields:
-                users = [m for m in mode_names() if name in get_mode(m).option_fields]
-                raise OptionError(name, f"{name}={value!r} applies to mode {' or '.join(map(repr, users))} only, "
-                                  f"not {self.mode!r}")
-
 
 _DEFAULTS = {f.name: f.default for f in fields(FusionOptions)}
 
 
+def validate_fusion(fusion: FusionOptions) -> FusionOptions:
+    """What the record cannot check alone: a registered mode and selection, and no field set away from its default
+    for a mode that ignores it. Returns `fusion`; raises OptionError naming the field."""
+    get_mode(fusion.mode)  # unknown names: an error listing the registered modes
+    if fusion.select not in SELECTIONS:
+        raise OptionError("select", f"select must be one of {', '.join(map(repr, SELECTIONS))}, got "
+                          f"{fusion.select!r}")
+    for name in ("positions", "conditioning"):
+        value = getattr(fusion, name)
+        if value != _DEFAULTS[name] and name not in get_mode(fusion.mode).option_fields:
+            users = [m for m in mode_names() if name in get_mode(m).option_fields]
+            raise OptionError(name, f"{name}={value!r} applies to mode {' or '.join(map(repr, users))} only, "
+                              f"not {fusion.mode!r}")
+    return fusion
+
+
 def fusion_option_specs() -> tuple[OptionSpec, ...]:
-    """FusionOptions' declared fields, `mode` with the registered names as its choices."""
+    """FusionOptions' declared fields, `mode` and `select` with the registered names as their choices."""
     specs = option_specs(FusionOptions)
-    return (replace(specs[0], choices=mode_names()),) + specs[1:]
+    return tuple(replace(s, choices=mode_names()) if s.name == "mode" else
+                 replace(s, choices=tuple(SELECTIONS)) if s.name == "select" else s for s in specs)
 
 
 __all__ = ["FusionOptions", "GenerationOptions", "OptionSpec", "check_option", "fusion_option_specs", "option",
-           "option_specs"]
+           "option_specs", "validate_fusion"]

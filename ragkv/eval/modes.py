@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ragkv.engine.modes import MODES, get_mode
-from ragkv.engine.options import FusionOptions, OptionSpec, fusion_option_specs
+from ragkv.engine.options import FusionOptions, OptionSpec, fusion_option_specs, validate_fusion
 from ragkv.errors import InvalidRequestError, RagkvError
 
 
@@ -107,7 +107,7 @@ def parse_mode_key(key: str, base: FusionOptions = FusionOptions(mode="full")) -
         except ValueError as e:
             raise ModeKeyError(f"bad value in mode key {key!r}: {pname}={val!r} ({e})") from None
     try:
-        return replace(base, **changes)
+        return validate_fusion(replace(base, **changes))
     except InvalidRequestError as e:
         raise ModeKeyError(f"mode key {key!r}: {e}") from None
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ragkv.engine.decode.constrained import check_finite, lark_grammar
 from ragkv.engine.modes import get_mode, mode_names
-from ragkv.engine.options import FusionOptions, GenerationOptions
+from ragkv.engine.options import FusionOptions, GenerationOptions, validate_fusion
 from ragkv.engine.request.segments import Passage, Segments
 from ragkv.serve.tools import call_grammar, render_calls, render_result, tag_tokens, tools_system
 from ragkv.errors import InvalidRequestError, OptionError, RagkvError
@@ -203,7 +203,7 @@ class RequestBuilder:
                 base = self.documents_fusion
             given["mode"] = self.history_mode if history else base.mode if has_blocks else "prefix"
         try:  # validates: unknown mode, r outside [0, 1], T or S <= 0, ...; then what needs the model
-            fusion = replace(base, **given)
+            fusion = validate_fusion(replace(base, **given))
             get_mode(fusion.mode).check(self.engine.mode_context, fusion)
         except OptionError as err:  # every extension field is named as the client wrote it: ragkv.<field>
             raise FieldError(f"ragkv.{err.param}", str(err)) from None

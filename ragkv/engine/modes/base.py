@@ -30,7 +30,7 @@ from ragkv.models.args import ModelArgs
 from ragkv.store.base import CacheKey
 
 if TYPE_CHECKING:  # annotations only: importing these at run time would be a circle (they import the modes)
-    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request.fusion import FusionOptions
 
 
 class FusionMode:

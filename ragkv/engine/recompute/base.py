@@ -37,7 +37,7 @@ from ragkv.models.args import ModelArgs
 from ragkv.models.loop import Forward, computed
 
 if TYPE_CHECKING:  # annotations only: the options import the selections
-    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request.fusion import FusionOptions
 
 
 class Selection:

@@ -32,7 +32,7 @@ from ragkv.engine.recompute.rows import RecomputedRows, check_recomputable, keep
 from ragkv.models.loop import Forward, computed
 
 if TYPE_CHECKING:  # annotations only: the options import the selections
-    from ragkv.engine.options import FusionOptions
+    from ragkv.engine.request.fusion import FusionOptions
 
 
 GRADUAL_SPREAD = 0.5  # gradual filtering starts at r + 0.5 min(r, 1 - r) and ends at r - 0.5 min(r, 1 - r)
