@@ -48,6 +48,15 @@ def test_the_bar_needs_the_pooled_share_every_set_and_the_work():
     assert not meets(few) and meets(few, min_n=0)  # 12 questions cannot claim the bar
 
 
+def test_the_table_says_whether_the_interval_clears_the_bar_or_only_the_point():
+    from ragkv.bench.share_of_full import _verdict
+
+    row = {"work": 0.2, "sets": {"a": {"share": 0.99, "n": 60}}}
+    assert _verdict({**row, "pooled": {"share": 0.99, "ci": [0.985, 1.0]}}) == "yes, interval above 98%"
+    assert _verdict({**row, "pooled": {"share": 0.986, "ci": [0.818, 1.16]}}) == "point only (interval from 82%)"
+    assert _verdict({**row, "pooled": {"share": 0.9, "ci": [0.8, 1.0]}}) == "no"
+
+
 def test_no_full_records_is_an_error(tmp_path):
     _write(tmp_path / "a.jsonl", "a", "f1", {"blend": [1.0]}, {"blend": 0.2})
     with pytest.raises(ValueError, match="no `full` records"):
