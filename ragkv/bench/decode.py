@@ -25,8 +25,8 @@ from ragkv.config import cpu_name
 @dataclass(frozen=True)
 class DecodeBenchConfig:
     model: str = "smollm2"
-    configs: tuple[tuple[str, str], ...] = (("float32", "exact"), ("bfloat16", "exact"), ("float32", "int8"),
-                                            ("float32", "int4"), ("bfloat16", "int4"))
+    configs: tuple[tuple[str, str], ...] = (("float32", "exact"), ("float32", "onednn"), ("bfloat16", "exact"),
+                                            ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "int4"))
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     steps: int = 32
     rounds: int = 3

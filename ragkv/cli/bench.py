@@ -6,11 +6,11 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from ragkv.cli.common import (MODEL_HELP, mode_list, add_fusion_args, add_model_args, add_output_args, engine_from_args,
-                              finish_bench, floats, fusion_from_args, ints, say)
-from ragkv.engine.modes import MODES
+from ragkv.cli.config_args import add_config_args, config_from_args
+from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
+                              finish_bench, floats, fusion_from_args, say)
 from ragkv.errors import InvalidRequestError, RagkvError
-from ragkv.settings import DEFAULT_MODEL, SERVE
+from ragkv.settings import DEFAULT_MODEL
 
 
 def register(sub) -> None:
@@ -31,11 +31,12 @@ def register(sub) -> None:
 
 
 def _add_ttft(bsub) -> None:
+    from ragkv.bench.ttft import TtftBenchConfig
+
     t = bsub.add_parser("ttft", help="TTFT and FLOPs to first token per mode and context length")
-    t.add_argument("--contexts", default="512,1024,2048,4096,8192")
-    t.add_argument("--modes", default=",".join(MODES))
-    t.add_argument("--query-tokens", type=int, default=50)
-    t.add_argument("--repeats", type=int, default=3)
+    add_config_args(t, TtftBenchConfig, skip=("fusion",), help={
+        "contexts": "context lengths (tokens)", "modes": "fusion modes timed", "query_tokens": "query tokens",
+        "repeats": "timed runs of each cell (the median counts)"})
     add_output_args(t)
     add_fusion_args(t, default_mode=None, title="mode parameters")
     add_model_args(t)
@@ -43,26 +44,29 @@ def _add_ttft(bsub) -> None:
 
 
 def _add_shared(bsub) -> None:
+    from ragkv.bench.shared_blocks import SharedBenchConfig
+
     sh = bsub.add_parser("shared", help="reuse with blocks copied per request vs read in place from the pool: TTFT "
                                         "and batched decode steps")
-    sh.add_argument("--passages", type=int, default=4, help="blocks per request")
-    sh.add_argument("--distinct", type=int, default=12, help="passages the requests draw from")
-    sh.add_argument("--requests", type=int, default=8, help="TTFT samples per layout")
-    sh.add_argument("--batch-sizes", default="1,4,16")
-    sh.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
-    sh.add_argument("--mode", default="reuse", choices=("reuse", "ape", "blend"), help="the requests' mode")
+    add_config_args(sh, SharedBenchConfig, help={
+        "passages": "blocks per request", "distinct": "passages the requests draw from",
+        "requests": "TTFT samples per layout", "batch_sizes": "batched decode sizes",
+        "steps": "decode steps timed per batch size", "seed": "the passages drawn",
+        "mode": "the requests' mode: reuse, ape or blend"})
     add_output_args(sh)
     add_model_args(sh)
     sh.set_defaults(func=run_shared)
 
 
 def _add_invariance(bsub) -> None:
+    from ragkv.bench.invariance import InvarianceBenchConfig
+
     iv = bsub.add_parser("invariance", help="greedy answers decoded in a batch vs alone, with free and fixed row "
                                             "counts (serve --batch-invariant), and the fixed count's cost")
-    iv.add_argument("--requests", type=int, default=8, help="requests decoded together")
-    iv.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
-    iv.add_argument("--passages", type=int, default=4, help="blocks per request")
-    iv.add_argument("--rows", type=int, default=SERVE.max_batch, help="the fixed row count (serve's --max-batch)")
+    add_config_args(iv, InvarianceBenchConfig, skip=("fusion",), help={
+        "requests": "requests decoded together", "tokens": "greedy tokens per request",
+        "passages": "blocks per request", "distinct": "passages the requests draw from",
+        "rows": "the fixed row count (serve's --max-batch)", "seed": "the passages drawn"})
     add_output_args(iv)
     add_fusion_args(iv, title="the requests' mode")
     add_model_args(iv)
@@ -70,13 +74,13 @@ def _add_invariance(bsub) -> None:
 
 
 def _add_engine(bsub) -> None:
+    from ragkv.bench.engine_vs_hf import EngineBenchConfig
+
     e = bsub.add_parser("engine", help="our full prefill vs transformers' forward on the same tokens")
-    e.add_argument("--lengths", default="512,1024,2048,4096")
-    e.add_argument("--dtypes", default="float32,bfloat16")
-    e.add_argument("--repeats", type=int, default=3)
-    e.add_argument("--weights", default="auto",
-                   help="decode copies whose prefill is timed, comma-separated (as --decode-weights: e.g. auto,w8a8)")
-    e.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    add_config_args(e, EngineBenchConfig, help={
+        "model": MODEL_HELP, "lengths": "prompt lengths (tokens)", "dtypes": "dtypes timed",
+        "repeats": "rounds, each side once per round in turn (the median counts)",
+        "weights": "decode copies whose prefill is timed (as --decode-weights: e.g. auto,w8a8)"})
     add_output_args(e)
     e.set_defaults(func=run_engine)
 
@@ -91,15 +95,14 @@ def _add_kernels(bsub) -> None:
 
 
 def _add_decode(bsub) -> None:
+    from ragkv.bench.decode import DecodeBenchConfig
+
     d = bsub.add_parser("decode", help="decode tokens/s (single and batched), its profile and fidelity cost")
-    d.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    d.add_argument("--configs", default="float32:exact,float32:onednn,bfloat16:exact,bfloat16:auto,float32:int8,"
-                                         "bfloat16:int4",
-                   help="comma-separated dtype:decode-weights pairs")
-    d.add_argument("--batch-sizes", default="1,4,16")
-    d.add_argument("--steps", type=int, default=32)
-    d.add_argument("--rounds", type=int, default=3)
-    d.add_argument("--fidelity-examples", type=int, default=8)
+    add_config_args(d, DecodeBenchConfig, help={
+        "model": MODEL_HELP, "configs": "dtype:decode-weights pairs", "batch_sizes": "batched decode sizes",
+        "steps": "decode steps timed per run", "rounds": "rounds over the configs, in turn",
+        "fidelity_examples": "prompts whose greedy answers are compared with fp32 exact (0: none)",
+        "passages": "blocks per prompt"})
     add_output_args(d)
     d.set_defaults(func=run_decode)
 
@@ -121,19 +124,19 @@ def _add_train_step(bsub) -> None:
 
 
 def _add_store(bsub) -> None:
+    from ragkv.bench.store import StoreBenchConfig
+
     s = bsub.add_parser("store", help="KV store: load GB/s per tier, TTFT with blocks in memory / disk / Redis")
-    s.add_argument("--context", type=int, default=4096, help="context tokens of the request")
-    s.add_argument("--modes", default="reuse,blend", help="fusion modes reading the blocks (reuse, ape, blend)")
-    s.add_argument("--query-tokens", type=int, default=50)
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server on "
-                   "a free port for the run; the Redis rows are skipped if redis-server is not installed)")
-    s.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary directory "
-                   "under $RAGKV_CACHE_DIR/bench, removed afterwards)")
-    s.add_argument("--compare-kv", default="", metavar="CODECS", help="instead of timing tiers, compare compressed "
-                   "stores (comma-separated: int8, int4, fp8) with the uncompressed one: bytes per token, "
-                   "first-token KL and top-1 on HotpotQA (writes store_compressed.md)")
-    s.add_argument("--examples", type=int, default=5, help="HotpotQA dev examples for --compare-kv")
+    add_config_args(s, StoreBenchConfig, skip=("model", "dtype", "device", "fusion"), help={
+        "context": "context tokens of the request", "modes": "fusion modes reading the blocks (reuse, ape, blend)",
+        "query_tokens": "query tokens", "repeats": "timed runs of each cell",
+        "redis": "Redis URL to use (default: a private redis-server on a free port for the run; the Redis rows are "
+                 "skipped if redis-server is not installed)",
+        "disk_dir": "directory of the disk tier (default: a temporary directory under $RAGKV_CACHE_DIR/bench, "
+                    "removed afterwards)",
+        "compare_kv": "instead of timing tiers, compare compressed stores (int8, int4, fp8) with the uncompressed "
+                      "one: bytes per token, first-token KL and top-1 on HotpotQA (writes store_compressed.md)",
+        "examples": "HotpotQA dev examples for --compare-kv"})
     add_output_args(s)
     add_fusion_args(s, default_mode=None, title="mode parameters")
     add_model_args(s, decode_weights=False)
@@ -169,8 +172,7 @@ def _add_controller(bsub) -> None:
 def run_ttft(args) -> int:
     from ragkv.bench.ttft import TtftBenchConfig, run_ttft_bench
 
-    cfg = TtftBenchConfig(contexts=ints(args.contexts, "--contexts"), modes=mode_list(args.modes),
-                          query_tokens=args.query_tokens, repeats=args.repeats, fusion=fusion_from_args(args))
+    cfg = config_from_args(TtftBenchConfig, args, fusion=fusion_from_args(args))
     result = run_ttft_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
     return finish_bench(args, result, "ttft.md")
 
@@ -178,8 +180,9 @@ def run_ttft(args) -> int:
 def run_shared(args) -> int:
     from ragkv.bench.shared_blocks import SharedBenchConfig, run_shared_bench
 
-    cfg = SharedBenchConfig(passages=args.passages, distinct=args.distinct, requests=args.requests,
-                            batch_sizes=ints(args.batch_sizes, "--batch-sizes"), steps=args.steps, mode=args.mode)
+    if args.mode not in ("reuse", "ape", "blend"):
+        raise InvalidRequestError(f"--mode takes reuse, ape or blend, got {args.mode!r}")
+    cfg = config_from_args(SharedBenchConfig, args)
     return finish_bench(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
 
 
@@ -189,8 +192,7 @@ def run_invariance(args) -> int:
     if args.rows < args.requests:
         raise RagkvError(f"--rows ({args.rows}) must be at least --requests ({args.requests}): the batch is "
                          "compared at one fixed row count")
-    cfg = InvarianceBenchConfig(requests=args.requests, tokens=args.tokens, passages=args.passages, rows=args.rows,
-                                fusion=fusion_from_args(args))
+    cfg = config_from_args(InvarianceBenchConfig, args, fusion=fusion_from_args(args))
     return finish_bench(args, run_invariance_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
                    "invariance.md")
 
@@ -200,12 +202,10 @@ def run_engine(args) -> int:
 
     from ragkv.models.quant import WEIGHT_CHOICES
 
-    weights = tuple(w for w in args.weights.split(",") if w)
-    bad = [w for w in weights if w not in WEIGHT_CHOICES]
-    if bad or not weights:
+    cfg = config_from_args(EngineBenchConfig, args)
+    bad = [w for w in cfg.weights if w not in WEIGHT_CHOICES]
+    if bad or not cfg.weights:
         raise InvalidRequestError(f"--weights: {bad or args.weights!r} not among {', '.join(WEIGHT_CHOICES)}")
-    cfg = EngineBenchConfig(args.model, ints(args.lengths, "--lengths"), tuple(args.dtypes.split(",")), args.repeats,
-                            weights)
     return finish_bench(args, run_engine_bench(cfg, Path(args.output_dir), say), "engine_vs_hf.md")
 
 
@@ -219,11 +219,9 @@ def run_kernels(args) -> int:
 def run_decode(args) -> int:
     from ragkv.bench.decode import DecodeBenchConfig, run_decode_bench
 
-    configs = tuple(tuple(c.split(":")) for c in args.configs.split(",") if c)
-    if not configs or any(len(c) != 2 for c in configs):
+    cfg = config_from_args(DecodeBenchConfig, args)
+    if not cfg.configs:
         raise RagkvError(f"--configs wants dtype:weights pairs like float32:int4, got {args.configs!r}")
-    cfg = DecodeBenchConfig(model=args.model, configs=configs, batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
-                            steps=args.steps, rounds=args.rounds, fidelity_examples=args.fidelity_examples)
     return finish_bench(args, run_decode_bench(cfg, Path(args.output_dir), say), "decode.md")
 
 
@@ -247,10 +245,8 @@ def run_train_step(args) -> int:
 def run_store(args) -> int:
     from ragkv.bench.store import StoreBenchConfig, run_store_bench
 
-    cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, context=args.context,
-                           modes=mode_list(args.modes), query_tokens=args.query_tokens, repeats=args.repeats,
-                           fusion=replace(fusion_from_args(args), mode="full"), redis=args.redis,
-                           disk_dir=args.disk_dir, compare_kv=mode_list(args.compare_kv), examples=args.examples)
+    cfg = config_from_args(StoreBenchConfig, args, model=args.model, dtype=args.dtype, device=args.device,
+                           fusion=replace(fusion_from_args(args), mode="full"))
     return finish_bench(args, run_store_bench(cfg, Path(args.output_dir), say),
                    "store_compressed.md" if cfg.compare_kv else "store_bench.md")
 

@@ -7,41 +7,44 @@ from __future__ import annotations
 from pathlib import Path
 
 from ragkv.cli.common import add_model_args, add_output_args, engine_from_args, finish_bench, ints, say
+from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.errors import InvalidRequestError
 
 
 def register(bsub) -> None:
+    from ragkv.bench.ceiling import CeilingBenchConfig
+    from ragkv.bench.lookahead import LookaheadBenchConfig
+    from ragkv.bench.prefill_profile import ProfileBenchConfig
+
     la = bsub.add_parser("lookahead", help="time to the whole answer of blend:sel=query,draft=N with the draft's "
                                            "rows taken as the answer's start and without, alternated per question")
     la.add_argument("--dataset", default="nq-distractors", help="an NQ set with distractors")
     la.add_argument("--gold-position", type=int, default=0, help="index of the gold passage among the 10")
     la.add_argument("--first", type=int, default=0, help="first question (0-based)")
     la.add_argument("--limit", type=int, default=8, help="questions up to this index (exclusive)")
-    la.add_argument("--ratio", type=float, default=0.15, help="the selection's r")
-    la.add_argument("--draft-tokens", type=int, default=16, help="the draft's length N")
-    la.add_argument("--max-new-tokens", type=int, default=32)
+    add_config_args(la, LookaheadBenchConfig, help={"ratio": "the selection's r", "draft_tokens": "the draft's "
+                    "length N", "max_new_tokens": "tokens of each answer"})
     add_output_args(la)
     add_model_args(la)
     la.set_defaults(func=run_lookahead)
 
     ce = bsub.add_parser("ceiling", help="a full prefill under torch's profiler against this machine's sgemm "
                                          "peak, and batched decode steps' GFLOP/s and weight GB/s")
-    ce.add_argument("--tokens", type=int, default=2400, help="the full prompt's length")
-    ce.add_argument("--batch-sizes", default="1,4,16")
-    ce.add_argument("--sgemm-sizes", default="2048,3072,4096", help="square products timed for the peak")
-    ce.add_argument("--rounds", type=int, default=2, help="timed runs of each (the best counts)")
+    add_config_args(ce, CeilingBenchConfig, help={
+        "tokens": "the full prompt's length", "batch_sizes": "batched decode sizes",
+        "sgemm_sizes": "square products timed for the peak", "rounds": "timed runs of each (the best counts)"})
     add_output_args(ce)
     add_model_args(ce)
     ce.set_defaults(func=run_ceiling)
 
     pr = bsub.add_parser("profile", help="where one mode's warm prefill spends its time (statistics and torch's "
                                          "profile), a question over MuSiQue passages")
-    pr.add_argument("--mode", default="reuse", help="a mode key, e.g. reuse:kv=shared or blend:sel=query,r=0.15")
+    add_config_args(pr, ProfileBenchConfig, help={
+        "mode": "a mode key, e.g. reuse:kv=shared or blend:sel=query,r=0.15", "repeats": "warm prefills timed",
+        "top": "ops listed"})
     pr.add_argument("--passages", type=int, default=4, help="blocks of the prompt")
     pr.add_argument("--passage-words", type=int, default=0,
                     help="passages cut to this many words (bench serve: 210; default 0: whole, ~415 words)")
-    pr.add_argument("--repeats", type=int, default=5)
-    pr.add_argument("--top", type=int, default=25, help="ops listed")
     add_output_args(pr)
     add_model_args(pr)
     pr.set_defaults(func=run_profile)
@@ -72,7 +75,7 @@ def run_lookahead(args) -> int:
     examples = load_dataset(args.dataset, limit=args.limit, num_passages=10,
                             gold_position=args.gold_position)[args.first:]
     questions = [(ex.id, engine.segments(ex.question, ex.passages)) for ex in examples]
-    cfg = LookaheadBenchConfig(ratio=args.ratio, draft_tokens=args.draft_tokens, max_new_tokens=args.max_new_tokens)
+    cfg = config_from_args(LookaheadBenchConfig, args)
     return finish_bench(args, run_lookahead_bench(engine, cfg, questions, Path(args.output_dir), say), "lookahead.md")
 
 
@@ -91,8 +94,7 @@ def _musique(engine, passages: int, prompts: int, words: int | None = None) -> l
 def run_ceiling(args) -> int:
     from ragkv.bench.ceiling import CeilingBenchConfig, run_ceiling_bench
 
-    cfg = CeilingBenchConfig(tokens=args.tokens, batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
-                             sgemm_sizes=ints(args.sgemm_sizes, "--sgemm-sizes"), rounds=max(1, args.rounds))
+    cfg = config_from_args(CeilingBenchConfig, args, rounds=max(1, args.rounds))
     engine = engine_from_args(args)
     n, long = 4, _musique(engine, 4, 1)[0]
     while long.num_tokens < cfg.tokens and n < 64:  # passages enough for --tokens
@@ -108,7 +110,7 @@ def run_profile(args) -> int:
     from ragkv.eval.modes import parse_mode_key
 
     parse_mode_key(args.mode)  # a bad key fails before the model loads
-    cfg = ProfileBenchConfig(mode=args.mode, repeats=max(1, args.repeats), top=args.top)
+    cfg = config_from_args(ProfileBenchConfig, args, repeats=max(1, args.repeats))
     engine = engine_from_args(args)
     segs = _musique(engine, args.passages, 1, args.passage_words)[0]
     return finish_bench(args, run_profile_bench(engine, cfg, segs, Path(args.output_dir), say), "profile.md")

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from ragkv.cli.bench_replicas import (add_replica_args, run_replicas_bench)
+from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.cli.common import (add_model_args, add_output_args, engine_from_args,
                               finish_bench, floats, ints, say)
 from ragkv.errors import InvalidRequestError
@@ -99,27 +100,32 @@ def _add_serve(bsub) -> None:
 
 
 def _add_structured(bsub) -> None:
+    from ragkv.bench.structured import StructuredBenchConfig
+
     so = bsub.add_parser("structured", help="decode tokens/s with and without response_format's constrained "
                                             "decoding (the grammar mask's cost), per batch size")
-    so.add_argument("--batch-sizes", default="1,16")
-    so.add_argument("--tokens", type=int, default=48, help="tokens decoded per sequence")
-    so.add_argument("--repeats", type=int, default=3)
+    add_config_args(so, StructuredBenchConfig, help={
+        "batch_sizes": "batched decode sizes", "tokens": "tokens decoded per sequence",
+        "repeats": "timed runs of each (the median counts)"})
     add_output_args(so)
     add_model_args(so)
     so.set_defaults(func=run_structured)
 
 
 def _add_chat(bsub) -> None:
+    from ragkv.bench.chat import ChatBenchConfig
+
     h = bsub.add_parser("chat", help="a long stateless chat as it is, compacted and with a dropped exchange: TTFT "
                                      "per turn of full, prefix and chat turns as blocks, with KL to full")
-    h.add_argument("--turns", type=int, default=20, help="user turns of the conversation")
-    h.add_argument("--edit-at", type=int, default=12, help="the turn at which the history is compacted or cut")
-    h.add_argument("--words", type=int, default=80, help="words of each user turn (a MuSiQue passage's start)")
-    h.add_argument("--paths", default="prefix,auto,blend:sel=query,r=0.3",
+    # paths are mode keys, whose own parameters hold commas (split_mode_list reads them); the system prompt is fixed
+    add_config_args(h, ChatBenchConfig, skip=("paths", "system"), help={
+        "turns": "user turns of the conversation", "edit_at": "the turn at which the history is compacted or cut",
+        "words": "words of each user turn (a MuSiQue passage's start)",
+        "scenarios": "unedited, compacted and/or dropped",
+        "repeats": "runs of each measured turn (the edit, the last), each from the same cache state; the median is "
+                   "reported"})
+    h.add_argument("--paths", default=",".join(ChatBenchConfig().paths),
                    help="mode keys beside full, the reference (comma-separated; a key keeps its own parameters)")
-    h.add_argument("--scenarios", default="unedited,compacted,dropped")
-    h.add_argument("--repeats", type=int, default=3, help="runs of each measured turn (the edit, the last), each "
-                                                          "from the same cache state; the median is reported")
     add_output_args(h)
     add_model_args(h)
     h.set_defaults(func=run_chat)
@@ -128,8 +134,7 @@ def _add_chat(bsub) -> None:
 def run_structured(args) -> int:
     from ragkv.bench.structured import StructuredBenchConfig, run_structured_bench
 
-    cfg = StructuredBenchConfig(batch_sizes=ints(args.batch_sizes, "--batch-sizes"), tokens=args.tokens,
-                                repeats=args.repeats)
+    cfg = config_from_args(StructuredBenchConfig, args)
     return finish_bench(args, run_structured_bench(engine_from_args(args), cfg, Path(args.output_dir), say),
                    "structured.md")
 
@@ -138,15 +143,13 @@ def run_chat(args) -> int:
     from ragkv.bench.chat import SCENARIOS, ChatBenchConfig, run_chat_bench
     from ragkv.eval.modes import split_mode_list
 
-    scenarios = tuple(s for s in args.scenarios.split(",") if s)
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown or not scenarios:
+    cfg = config_from_args(ChatBenchConfig, args, skip=("system",), paths=tuple(split_mode_list(args.paths)),
+                           repeats=max(1, args.repeats))
+    unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
+    if unknown or not cfg.scenarios:
         raise InvalidRequestError(f"--scenarios takes {', '.join(SCENARIOS)}; got {args.scenarios!r}")
-    if not 2 <= args.edit_at <= args.turns:
-        raise InvalidRequestError(f"--edit-at must be in 2..--turns ({args.turns}), got {args.edit_at}")
-    cfg = ChatBenchConfig(turns=args.turns, edit_at=args.edit_at, words=args.words,
-                          paths=tuple(split_mode_list(args.paths)), scenarios=scenarios,
-                          repeats=max(1, args.repeats))
+    if not 2 <= cfg.edit_at <= cfg.turns:
+        raise InvalidRequestError(f"--edit-at must be in 2..--turns ({cfg.turns}), got {cfg.edit_at}")
     result = run_chat_bench(engine_from_args(args), cfg, Path(args.output_dir), say)
     return finish_bench(args, result, "chat.md")
 
