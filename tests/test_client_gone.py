@@ -58,8 +58,9 @@ def test_a_client_that_leaves_mid_prefill_stops_its_work_within_one_unit(server,
     client = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    # two units in: the prompt is being prefilled
-    wait_for(server, lambda h: h["prefilling"] == 1 and h["prefill_units"] >= before["prefill_units"] + 2)
+    # two units in: the prompt is being prefilled (a unit took over 60 s on 2 cores shared with a build and an eval:
+    # the claim is about units, not time)
+    wait_for(server, lambda h: h["prefilling"] == 1 and h["prefill_units"] >= before["prefill_units"] + 2, 240.0)
     left = health(server)
     client.shutdown(socket.SHUT_RDWR)
     client.close()
