@@ -180,8 +180,9 @@ def run_ttft(args) -> int:
 def run_shared(args) -> int:
     from ragkv.bench.shared_blocks import SharedBenchConfig, run_shared_bench
 
-    if args.mode not in ("reuse", "ape", "blend"):
-        raise InvalidRequestError(f"--mode takes reuse, ape or blend, got {args.mode!r}")
+    shared_modes = ("reuse", "ape", "blend")  # the modes that read pooled blocks
+    if args.mode not in shared_modes:
+        raise InvalidRequestError(f"--mode takes {', '.join(shared_modes)}, got {args.mode!r}")
     cfg = config_from_args(SharedBenchConfig, args)
     return finish_bench(args, run_shared_bench(engine_from_args(args), cfg, Path(args.output_dir), say), "shared.md")
 
