@@ -8,12 +8,8 @@ import argparse
 import typing
 from dataclasses import MISSING, fields
 
-from ragkv.cli.common import floats, ints
+from ragkv.cli.common import _flag, floats, ints
 from ragkv.errors import InvalidRequestError
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _kind(hint) -> tuple[object, bool]:
