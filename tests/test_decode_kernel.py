@@ -69,3 +69,42 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one():
     code = "from ragkv.ops.decode_kernel import kernel; assert kernel() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
     assert not os.path.exists(stale)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (12, 2, 128), (8, 2, 48), (16, 1, 64)])
+def test_several_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, d):
+    """`decode_attention_many` runs B sequences of different lengths in one call (bf16: one parallel loop); each
+    sequence's rows equal its own call's bitwise (batch invariance), and SDPA's to bf16 rounding. The shapes cover
+    the AVX-512 BF16 path's instantiations (group sizes 1-8, head dims 64 and 128) and the generic path beside it
+    (head dim 48, a group of 16)."""
+    from ragkv.ops.decode_kernel import decode_attention_many_cpu
+
+    g = torch.Generator().manual_seed(d)
+    lengths = [1, 7, 300, 2418, 17]
+    ks = [torch.randn(1, hkv, n + 5, d, generator=g).bfloat16()[:, :, :n] for n in lengths]
+    vs = [torch.randn(1, hkv, n + 5, d, generator=g).bfloat16()[:, :, :n] for n in lengths]
+    q = (torch.randn(len(lengths), hq, 1, d, generator=g) * 3).bfloat16()
+    many = decode_attention_many_cpu(q, ks, vs)
+    assert many.shape == q.shape and many.dtype == q.dtype
+    for b in range(len(lengths)):
+        one = decode_attention_cpu(q[b:b + 1], ks[b], vs[b])
+        assert torch.equal(one, many[b:b + 1])
+        ref = F.scaled_dot_product_attention(q[b:b + 1].float(), ks[b].float(), vs[b].float(), enable_gqa=True)
+        rounding = (ref.bfloat16().float() - ref).abs().max().item()  # what the bf16 output itself costs
+        assert (one.float() - ref).abs().max().item() <= 3 * rounding + 1e-6
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,split", [(14, 2, 64, 700), (12, 2, 128, 1), (9, 3, 64, 1299)])
+def test_two_segments_read_in_place_equal_one_buffer_bitwise(dtype, hq, hkv, d, split):
+    """A shared prompt prefix and a choice's own rows, read in place as two segments, give bitwise the answer of
+    one buffer holding both (the same arithmetic row by row, whichever path the dtype and shape take)."""
+    g = torch.Generator().manual_seed(split)
+    k = torch.randn(1, hkv, 1300, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, 1300, d, generator=g).to(dtype)
+    q = (torch.randn(1, hq, 1, d, generator=g) * 3).to(dtype)
+    whole = decode_attention_cpu(q, k, v)
+    parts = decode_attention_cpu(q, k[:, :, :split], v[:, :, :split], k[:, :, split:].contiguous(),
+                                 v[:, :, split:].contiguous())
+    assert torch.equal(whole, parts)

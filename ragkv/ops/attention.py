@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.ops import prefill_kernel
-from ragkv.ops.decode_kernel import decode_attention_cpu
+from ragkv.ops.decode_kernel import decode_attention_cpu, decode_attention_many_cpu
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         if out is not None:
             return out
     return _torch_decode_attention(q, k, v)
+
+
+def decode_attention_many(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """`decode_attention` of B sequences at once: q [B, Hq, 1, D], keys[b] / values[b] [1, Hkv, S_b, D] -> [B, Hq,
+    1, D]. Row b is what `decode_attention(q[b:b+1], keys[b], values[b])` gives, bitwise; where the C++ kernel is
+    the path, one call runs them all (one parallel loop per layer, not one per sequence)."""
+    if q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16) \
+            and kernel_wins(q[:1], keys[0], values[0]):
+        out = decode_attention_many_cpu(q, keys, values)
+        if out is not None:
+            return out
+    return torch.cat([decode_attention(q[b:b + 1], k, v) for b, (k, v) in enumerate(zip(keys, values))])
 
 
 def _torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from ragkv.engine.kv.kvcache import KVCache
 from ragkv.models.loop import Forward
-from ragkv.ops.attention import decode_attention, decode_attention_parts
+from ragkv.ops.attention import decode_attention_many, decode_attention_parts
 
 # (layer, q [1,Hq,T,D], all K, all V) -> attention output; None means plain attention over the whole cache.
 AttentionPolicy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -87,7 +87,7 @@ class DecodePlan:
         return [s.cache.append_parts(layer, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(self.states)]
 
     def attend(self, layer, q, kv):
-        outs, grouped = [], {}
+        outs, grouped, plain = [], {}, []
         for b, (s, parts) in enumerate(zip(self.states, kv)):
             qb = q[b:b + 1]
             if len(parts) > 1:  # a choice over its prompt's shared rows
@@ -105,7 +105,14 @@ class DecodePlan:
             else:
                 if self.window is not None:  # sequential layouts: cache index == position
                     keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
-                outs.append(decode_attention(qb, keys, values))
+                plain.append((b, keys, values))
+                outs.append(None)
+        if plain:  # the plain sequences in one call (each row's numbers are those it gets alone)
+            idx = [b for b, _, _ in plain]
+            qs = q[idx[0]:idx[0] + 1] if len(idx) == 1 else q[idx]
+            got = decode_attention_many(qs, [k for _, k, _ in plain], [v for _, _, v in plain])
+            for i, b in enumerate(idx):
+                outs[b] = got[i:i + 1]
         for batch, members in grouped.items():
             for (b, _), out in zip(members, batch(layer, [row for _, row in members])):
                 outs[b] = out
