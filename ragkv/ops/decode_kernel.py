@@ -3,7 +3,10 @@
 PyTorch's CPU matmuls are slow for this shape (3 query rows per KV head against thousands of keys): measured
 ~300 us per layer at 2.5K keys, about 6 GB/s, and a copy of K to make it contiguous, while the machine reads
 ~30 GB/s. This kernel streams K and V once per KV head, in fp32 math (bf16 inputs widened on load), with the
-keys split into chunks across threads and merged through their log-sum-exps (flash-decoding).
+keys split into chunks across threads and merged through their log-sum-exps (flash-decoding). In bf16 on AVX-512
+BF16 the scores of 16 keys come from `vdpbf16ps` reduced together and the rows are prefetched ahead: at 2.4K keys
+per sequence, a 16-sequence decode step's attention took 80 ms in the generic loop and 17 ms in this one (Zen 5).
+`decode_attention_many` runs every plain sequence of a step in one call.
 
 Built on first use with torch.utils.cpp_extension (cached under ~/.cache/torch_extensions); where that fails
 (no compiler) or RAGKV_NO_CPP_KERNELS=1, `decode_attention` keeps its pure-torch path. Tested against SDPA.
