@@ -54,7 +54,7 @@ echo "== preparing the default model (converted once into ~/.cache/ragkv/models)
 # (AVX-512 BF16 CPUs) build for the tests here, else on first bf16 use (about a minute, once)
 if [ "$FOR_TESTS" = 1 ]; then
     echo "== building the C++ kernels (once; cached in ~/.cache/torch_extensions; the bf16 ones only on AVX-512 BF16 CPUs)"
-    .venv/bin/python -c "from ragkv.ops import decode_kernel, gemv_kernel, prefill_kernel as p; [m.kernel() for m in (decode_kernel, gemv_kernel, p)]"
+    .venv/bin/python -c "from ragkv.ops import decode_kernel, gemv_kernel, norm_kernel, prefill_kernel as p, rope_kernel; [m.kernel() for m in (decode_kernel, gemv_kernel, p, rope_kernel, norm_kernel)]"
 else
     echo "== building the decode-attention kernel (once; cached in ~/.cache/torch_extensions)"
     .venv/bin/python -c "from ragkv.ops import decode_kernel; decode_kernel.kernel()"

@@ -19,7 +19,7 @@ CHEAP = {"max_tokens": 2, "max_completion_tokens": 2, "min_tokens": 0, "n": 2}
 
 @dataclass(frozen=True)
 class FuzzConfig:
-    examples: int = 60     # per route
+    examples: int = 500    # per route (the suite's test runs 60)
     url: str | None = None
     model: str = "smollm2"
     seed: int | None = 0   # None: a new draw each run (the suite's run is the same every time)

@@ -108,12 +108,14 @@ def _add_decode(bsub) -> None:
 
 
 def _add_train_step(bsub) -> None:
+    from ragkv.bench.train_step import TrainStepBenchConfig
+
     f = bsub.add_parser("train-step", help="one fine-tuning example's forward + backward: causal vs Block-Attention "
                                            "mask (dense, and block by block)")
-    f.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    f.add_argument("--examples", type=int, default=4, help="HotpotQA train examples (10 passages each)")
-    f.add_argument("--rounds", type=int, default=3, help="passes over the examples, the variants' order rotating")
-    f.add_argument("--max-length", type=int, default=2048)
+    add_config_args(f, TrainStepBenchConfig, skip=("bf16", "device"), help={
+        "model": MODEL_HELP, "examples": "HotpotQA train examples (10 passages each)",
+        "rounds": "passes over the examples, the variants' order rotating",
+        "max_length": "tokens per example, at most"})
     f.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast with fp32 weights, as `ragkv finetune` (default: where the hardware runs bf16 "
                         "fast)")
@@ -144,29 +146,32 @@ def _add_store(bsub) -> None:
 
 
 def _add_controller(bsub) -> None:
+    from ragkv.bench.controller.config import ControllerBenchConfig
+
     c = bsub.add_parser("controller", help="blend's loading controller vs every fixed (r, tier) choice: TTFT and "
                                            "first-token KL, blocks spread over memory, disk, Redis and a throttled "
                                            "tier")
-    c.add_argument("--context", type=int, default=3072, help="context tokens of the request")
-    c.add_argument("--query-tokens", type=int, default=50)
-    c.add_argument("--ratios", default="0.05,0.15,0.3,0.5", help="the fixed choices' r, comma-separated")
-    c.add_argument("--repeats", type=int, default=3, help="timed round-robin rounds")
-    c.add_argument("--throttle", choices=("latency", "bandwidth"), default="latency",
-                   help="throttled tier: a fixed delay per block and layer read, or a bandwidth limit")
-    c.add_argument("--throttle-ms", type=float, default=None, help="latency: the delay (default: auto, see "
-                   "--throttle-factor)")
-    c.add_argument("--throttle-mbps", type=float, default=None, help="bandwidth: MB/s (default: auto)")
-    c.add_argument("--throttle-factor", type=float, default=2.0, help="auto throttle: the blocks held only by the "
-                   "throttled tier load in this x the recompute at r_min per layer")
-    c.add_argument("--target", type=float, default=1.10, help="controller TTFT / best fixed TTFT at equal KL")
+    add_config_args(c, ControllerBenchConfig, skip=CONTROLLER_BUILT, help={
+        "context": "context tokens of the request", "query_tokens": "query tokens",
+        "ratios": "the fixed choices' r", "repeats": "timed round-robin rounds",
+        "throttle": "throttled tier: latency (a fixed delay per block and layer read) or bandwidth (a limit)",
+        "throttle_ms": "latency: the delay (default: auto, see --throttle-factor)",
+        "throttle_mbps": "bandwidth: MB/s (default: auto)",
+        "throttle_factor": "auto throttle: the blocks held only by the throttled tier load in this x the recompute "
+                           "at r_min per layer",
+        "target": "controller TTFT / best fixed TTFT at equal KL",
+        "redis": "Redis URL to use (default: a private redis-server)",
+        "disk_dir": "disk tiers' parent directory (default: temporary)"})
     c.add_argument("--keep-profile", action="store_true", help="use a saved recompute profile instead of "
                    "re-measuring it under this run's threads")
-    c.add_argument("--redis", default=None, metavar="URL", help="Redis to use (default: a private redis-server)")
-    c.add_argument("--disk-dir", default=None, help="disk tiers' parent directory (default: temporary)")
     add_output_args(c)
     add_fusion_args(c, default_mode=None, title="blend parameters (--ratio: the controller's r_min)")
     add_model_args(c, decode_weights=False)
     c.set_defaults(func=run_controller)
+
+
+# the controller bench's fields the CLI builds itself: the model flags, blend's options and --keep-profile
+CONTROLLER_BUILT = ("model", "dtype", "device", "r_min", "refresh_profile", "fusion")
 
 
 def run_ttft(args) -> int:
@@ -238,8 +243,7 @@ def run_train_step(args) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     bf16 = resolve_autocast(args.bf16, device)
-    cfg = TrainStepBenchConfig(model=args.model, examples=args.examples, rounds=args.rounds,
-                               max_length=args.max_length, bf16=bf16, device=str(device))
+    cfg = config_from_args(TrainStepBenchConfig, args, bf16=bf16, device=str(device))
     return finish_bench(args, run_train_step_bench(cfg, Path(args.output_dir), say), "train_step.md")
 
 
@@ -256,11 +260,7 @@ def run_controller(args) -> int:
     from ragkv.bench.controller import ControllerBenchConfig, run_controller_bench
 
     fusion = fusion_from_args(args, mode="blend")
-    cfg = ControllerBenchConfig(model=args.model, dtype=args.dtype, device=args.device, context=args.context,
-                                query_tokens=args.query_tokens, ratios=floats(args.ratios, "--ratios"),
-                                r_min=fusion.ratio, repeats=args.repeats, throttle=args.throttle,
-                                throttle_ms=args.throttle_ms, throttle_mbps=args.throttle_mbps,
-                                throttle_factor=args.throttle_factor, target=args.target,
-                                refresh_profile=not args.keep_profile,
-                                fusion=replace(fusion, auto_ratio=False), redis=args.redis, disk_dir=args.disk_dir)
+    cfg = config_from_args(ControllerBenchConfig, args, model=args.model, dtype=args.dtype, device=args.device,
+                           r_min=fusion.ratio, refresh_profile=not args.keep_profile,
+                           fusion=replace(fusion, auto_ratio=False))
     return finish_bench(args, run_controller_bench(cfg, Path(args.output_dir), say), "controller_bench.md")

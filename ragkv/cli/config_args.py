@@ -32,29 +32,33 @@ def _text(value) -> str:
     return ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
 
 
-def add_config_args(p: argparse.ArgumentParser, cls, help: dict[str, str], skip: tuple[str, ...] = ()) -> None:
-    """A flag for every field of `cls` but `skip`, with `help[field]` (every derived flag needs one)."""
+def add_config_args(p, cls, help: dict[str, str], skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                    flags: dict[str, str] | None = None) -> None:
+    """A flag for every field of `cls` but `skip` (or only those in `only`: a group's share), with `help[field]`
+    (every derived flag needs one). `flags` names a field's flag where it is not the field's name (a unit suffix
+    the flag leaves out: `fault_interval_s` -> `--fault-interval`); `p` is a parser or an argument group."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         if f.name not in help:
             raise KeyError(f"{cls.__name__}.{f.name} has no help for its flag")
         kind, _ = _kind(hints[f.name])
         default = f.default if f.default is not MISSING else None
+        flag = _flag((flags or {}).get(f.name, f.name))
         if kind is bool:
-            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=help[f.name])
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=help[f.name])
         elif _item(kind) is not None:
             text = _text(default or ())
-            p.add_argument(_flag(f.name), default=text, metavar="A,B",
+            p.add_argument(flag, dest=f.name, default=text, metavar="A,B",
                            help=f"{help[f.name]} (comma-separated; default: {text or 'none'})")
         else:
             shown = "" if default is None else f" (default: {default})"
-            p.add_argument(_flag(f.name), type=kind, default=default, help=help[f.name] + shown)
+            p.add_argument(flag, dest=f.name, type=kind, default=default, help=help[f.name] + shown)
 
 
-def _parse(name: str, item, raw: str) -> tuple:
-    flag = _flag(name)
+def _parse(flag: str, item, raw: str) -> tuple:
     if item is int:
         return ints(raw, flag)
     if item is float:
@@ -69,7 +73,7 @@ def _parse(name: str, item, raw: str) -> tuple:
     return tuple(parts)
 
 
-def config_from_args(cls, args, skip: tuple[str, ...] = (), **given):
+def config_from_args(cls, args, skip: tuple[str, ...] = (), flags: dict[str, str] | None = None, **given):
     """`cls` from the flags `add_config_args` declared; `given` sets the fields the CLI builds itself (the skipped
     ones), and a skipped field not given keeps its default."""
     hints = typing.get_type_hints(cls)
@@ -80,5 +84,6 @@ def config_from_args(cls, args, skip: tuple[str, ...] = (), **given):
         raw = getattr(args, f.name)
         kind, _ = _kind(hints[f.name])
         item = _item(kind)
-        values[f.name] = _parse(f.name, item, raw) if item is not None and raw is not None else raw
+        flag = _flag((flags or {}).get(f.name, f.name))
+        values[f.name] = _parse(flag, item, raw) if item is not None and raw is not None else raw
     return cls(**values)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ragkv.models.args import ModelArgs
 from ragkv.models.loop import CausalPlan, Forward
+from ragkv.ops.norm_kernel import rms_norm_pass
 from ragkv.ops.rope import RotaryTable, apply_rope
 
 
@@ -23,8 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:  # one op instead of seven (decode); fp32 math inside
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype:  # one pass where the kernel is built, else torch's op (seven inside)
+            out = rms_norm_pass(x, self.weight, self.eps)
+            return out if out is not None else F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()  # variance in fp32, as HF does
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
