@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.cli.common import (MODEL_HELP, add_fusion_args, add_model_args, add_output_args, engine_from_args,
-                              finish_bench, floats, fusion_from_args, say)
+                              finish_bench, fusion_from_args, say)
 from ragkv.errors import InvalidRequestError, RagkvError
 from ragkv.settings import DEFAULT_MODEL
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from ragkv.cli.bench_replicas import (add_replica_args, run_replicas_bench)
 from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.cli.common import (add_model_args, add_output_args, engine_from_args,
-                              finish_bench, floats, ints, say)
+                              finish_bench, say)
 from ragkv.errors import InvalidRequestError
 
 
