@@ -21,6 +21,7 @@ from ragkv.bench.lookahead import LookaheadBenchConfig
 from ragkv.bench.prefill_profile import ProfileBenchConfig
 from ragkv.bench.store import StoreBenchConfig
 from ragkv.bench.train_step import TrainStepBenchConfig
+from ragkv.bench.weights import WeightsBenchConfig
 from ragkv.bench.ttft import TtftBenchConfig
 from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.cli.main import build_parser
@@ -33,7 +34,7 @@ DERIVED = [("ttft", TtftBenchConfig, ("fusion",)), ("engine", EngineBenchConfig,
            ("invariance", InvarianceBenchConfig, ("fusion",)), ("structured", StructuredBenchConfig, ()),
            ("chat", ChatBenchConfig, ("paths", "system")), ("fuzz", FuzzConfig, ("seed",)),
            ("shadow", ShadowBenchConfig, ()), ("fairness", FairnessConfig, ("server_args",)),
-           ("train-step", TrainStepBenchConfig, ("bf16", "device")),
+           ("train-step", TrainStepBenchConfig, ("bf16", "device")), ("weights", WeightsBenchConfig, ("modes",)),
            ("controller", ControllerBenchConfig, ("model", "dtype", "device", "r_min", "refresh_profile", "fusion"))]
 
 

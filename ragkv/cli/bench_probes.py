@@ -4,9 +4,10 @@ lookahead, the compute ceiling, one mode's prefill profile, decode weights again
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from ragkv.cli.common import add_model_args, add_output_args, engine_from_args, finish_bench, ints, say
+from ragkv.cli.common import add_model_args, add_output_args, engine_from_args, finish_bench, say
 from ragkv.cli.config_args import add_config_args, config_from_args
 from ragkv.errors import InvalidRequestError
 
@@ -51,15 +52,17 @@ def register(bsub) -> None:
 
     w = bsub.add_parser("weights", help="prefills and decode steps on engines that differ only in "
                                         "--decode-weights, alternated in one process")
-    w.add_argument("--weights", default="exact,onednn", help="decode weights compared (the first is the base)")
-    w.add_argument("--modes", default="full,reuse,blend:r=0.15,blend:sel=query,r=0.15",
+    from ragkv.bench.weights import WeightsBenchConfig
+
+    w.add_argument("--modes", default=",".join(WeightsBenchConfig.modes),
                    help="mode keys timed warm (their blocks stored first)")
-    w.add_argument("--no-cold", action="store_true", help="leave out the cold reuse (blocks encoded in the run)")
+    add_config_args(w, WeightsBenchConfig, skip=("modes",), help={
+        "weights": "decode weights compared (the first is the base)",
+        "cold": "also a `reuse` whose blocks are encoded in the timed run", "batch_sizes": "decode batch sizes",
+        "rounds": "timed rounds, after one that warms every path",
+        "greedy_steps": "fidelity against the first weights: greedy tokens compared per prompt (`full`, every "
+                        "prompt)"})
     w.add_argument("--passages", type=int, default=4, help="blocks per prompt")
-    w.add_argument("--batch-sizes", default="1,4,16")
-    w.add_argument("--rounds", type=int, default=3)
-    w.add_argument("--greedy-steps", type=int, default=16,
-                   help="fidelity against the first weights: greedy tokens compared per prompt (`full`, every prompt)")
     add_output_args(w)
     add_model_args(w, decode_weights=False)
     w.set_defaults(func=run_weights)
@@ -81,7 +84,6 @@ def run_lookahead(args) -> int:
 
 def _musique(engine, passages: int, prompts: int, words: int | None = None) -> list:
     """`prompts` prompts of `passages` MuSiQue passages each (cut to `words`), each its own question."""
-    from dataclasses import replace
 
     from ragkv.bench.common import real_passages
 
@@ -121,15 +123,14 @@ def run_weights(args) -> int:
     from ragkv.engine.engine import Engine
     from ragkv.eval.modes import parse_mode_key, split_mode_list
 
-    weights = tuple(w for w in args.weights.split(",") if w)
-    if len(weights) < 2 or len(set(weights)) != len(weights):
-        raise InvalidRequestError(f"--weights wants two or more different kinds, got {args.weights!r}")
     modes = tuple(split_mode_list(args.modes))
     for k in modes:
         parse_mode_key(k)
-    cfg = WeightsBenchConfig(weights=weights, modes=modes, cold=not args.no_cold,
-                             batch_sizes=ints(args.batch_sizes, "--batch-sizes"), rounds=max(1, args.rounds),
-                             greedy_steps=max(0, args.greedy_steps))
+    cfg = config_from_args(WeightsBenchConfig, args, modes=modes)
+    cfg = replace(cfg, rounds=max(1, cfg.rounds), greedy_steps=max(0, cfg.greedy_steps))
+    weights = cfg.weights
+    if len(weights) < 2 or len(set(weights)) != len(weights):
+        raise InvalidRequestError(f"--weights wants two or more different kinds, got {args.weights!r}")
     # one model per weights: oneDNN joins q/k/v and gate/up of the weights it runs on
     engines = {w: Engine.load(args.model, dtype=args.dtype, device=args.device, decode_weights=w) for w in weights}
     segs = _musique(engines[weights[0]], args.passages, max(cfg.batch_sizes))
