@@ -55,7 +55,8 @@ def add_config_args(p, cls, help: dict[str, str], skip: tuple[str, ...] = (), on
                            help=f"{help[f.name]} (comma-separated; default: {text or 'none'})")
         else:
             shown = "" if default is None else f" (default: {default})"
-            p.add_argument(flag, dest=f.name, type=kind, default=default, help=help[f.name] + shown)
+            p.add_argument(flag, dest=f.name, type=kind, default=default, metavar=flag[2:].replace("-", "_").upper(),
+                           help=help[f.name] + shown)
 
 
 def _parse(flag: str, item, raw: str) -> tuple:
