@@ -96,3 +96,24 @@ static inline __m512 exp2_neg(__m512 x) {
 }
 
 """
+
+
+# C++ for kernels that read and write bf16 or fp32 one value at a time (RoPE, RMSNorm): `load` widens to fp32, `store`
+# rounds to nearest even as torch's cast does (NaN stays NaN). Spliced into their sources after the includes
+# (<cstdint>, <cstring>, torch/extension.h).
+SCALAR_IO = r"""
+// one value of a bf16 or fp32 tensor read as fp32, and an fp32 written back rounded to nearest even (torch's cast)
+static inline float load(const float* p) { return *p; }
+static inline float load(const at::BFloat16* p) {
+  uint32_t u = (uint32_t)(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, float v) { *p = v; }
+static inline void store(at::BFloat16* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  *reinterpret_cast<uint16_t*>(p) = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+"""

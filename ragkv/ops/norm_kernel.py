@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -22,20 +22,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
-static inline float load(const float* p) { return *p; }
-static inline float load(const at::BFloat16* p) {
-  uint32_t u = (uint32_t)(*reinterpret_cast<const uint16_t*>(p)) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline void store(float* p, float v) { *p = v; }
-static inline void store(at::BFloat16* p, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  *reinterpret_cast<uint16_t*>(p) = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
+""" + SCALAR_IO + r"""
 template <typename T>
 static void run(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
   const int64_t D = x.size(-1), R = x.numel() / D;

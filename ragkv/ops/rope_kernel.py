@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -20,21 +20,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
-static inline float load(const float* p) { return *p; }
-static inline float load(const at::BFloat16* p) {
-  uint32_t u = (uint32_t)(*reinterpret_cast<const uint16_t*>(p)) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline void store(float* p, float v) { *p = v; }
-static inline void store(at::BFloat16* p, float v) {  // round to nearest even, as torch's cast does
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  uint16_t h = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  *reinterpret_cast<uint16_t*>(p) = h;
-}
-
+""" + SCALAR_IO + r"""
 // out = x * cos + rotate_half(x) * sin per row of D, in fp32: each product rounded before the sum (as torch's ops)
 template <typename T>
 __attribute__((optimize("fp-contract=off")))
