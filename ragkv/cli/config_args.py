@@ -32,6 +32,11 @@ def _text(value) -> str:
     return ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
 
 
+def _flag_of(name: str, flags: dict[str, str] | None) -> str:
+    """The flag of field `name`: its own name, or the one `flags` gives it."""
+    return _flag((flags or {}).get(name, name))
+
+
 def add_config_args(p, cls, help: dict[str, str], skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
                     flags: dict[str, str] | None = None) -> None:
     """A flag for every field of `cls` but `skip` (or only those in `only`: a group's share), with `help[field]`
@@ -45,7 +50,7 @@ def add_config_args(p, cls, help: dict[str, str], skip: tuple[str, ...] = (), on
             raise KeyError(f"{cls.__name__}.{f.name} has no help for its flag")
         kind, _ = _kind(hints[f.name])
         default = f.default if f.default is not MISSING else None
-        flag = _flag((flags or {}).get(f.name, f.name))
+        flag = _flag_of(f.name, flags)
         if kind is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                            help=help[f.name])
@@ -85,6 +90,5 @@ def config_from_args(cls, args, skip: tuple[str, ...] = (), flags: dict[str, str
         raw = getattr(args, f.name)
         kind, _ = _kind(hints[f.name])
         item = _item(kind)
-        flag = _flag((flags or {}).get(f.name, f.name))
-        values[f.name] = _parse(flag, item, raw) if item is not None and raw is not None else raw
+        values[f.name] = _parse(_flag_of(f.name, flags), item, raw) if item is not None and raw is not None else raw
     return cls(**values)

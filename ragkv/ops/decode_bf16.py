@@ -148,10 +148,7 @@ static void decode_bf16(const std::vector<SeqView>& seqs, int64_t Hkv, float sca
   });
   for (int64_t i = 0; i < B; ++i) {  // item order within a sequence is (head, chunk), as merge_chunks reads it
     const int64_t at = first[i] * G;
-    const std::vector<float> m(pmax.begin() + at, pmax.begin() + at + Hkv * nchunks[i] * G),
-        sm(psum.begin() + at, psum.begin() + at + Hkv * nchunks[i] * G),
-        o(pout.begin() + at * D, pout.begin() + (at + Hkv * nchunks[i] * G) * D);
-    merge_chunks(m, sm, o, Hkv, nchunks[i], G, D, seqs[i].out);
+    merge_chunks(pmax.data() + at, psum.data() + at, pout.data() + at * D, Hkv, nchunks[i], G, D, seqs[i].out);
   }
 }
 

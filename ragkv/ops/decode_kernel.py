@@ -94,8 +94,8 @@ struct Rows {
 
 // The chunks' partials (per KV head, chunk, group row: max, sum, unnormalized output) merged through their
 // log-sum-exps into out [Hq, D] (flash-decoding's reduction).
-static void merge_chunks(const std::vector<float>& pmax, const std::vector<float>& psum, const std::vector<float>& pout,
-                         int64_t Hkv, int64_t nchunks, int64_t G, int64_t D, float* op) {
+static void merge_chunks(const float* pmax, const float* psum, const float* pout, int64_t Hkv, int64_t nchunks,
+                         int64_t G, int64_t D, float* op) {
   for (int64_t h = 0; h < Hkv; ++h)
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
@@ -107,7 +107,7 @@ static void merge_chunks(const std::vector<float>& pmax, const std::vector<float
         const int64_t slot = (h * nchunks + c) * G + g;
         const float w = std::exp(pmax[slot] - m);
         total += w * psum[slot];
-        const float* po = pout.data() + slot * D;
+        const float* po = pout + slot * D;
         for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= total;
@@ -159,7 +159,7 @@ static void decode_attn_impl(const at::Tensor& q, const Rows<T>& kr_, const Rows
         std::memcpy(pout.data() + ((h * nchunks + c) * G + g) * D, acc.data() + g * D, D * sizeof(float));
     }
   });
-  merge_chunks(pmax, psum, pout, Hkv, nchunks, G, D, op);
+  merge_chunks(pmax.data(), psum.data(), pout.data(), Hkv, nchunks, G, D, op);
 }
 
 static void check_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
