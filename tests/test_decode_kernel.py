@@ -94,6 +94,34 @@ def test_several_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, 
         assert (one.float() - ref).abs().max().item() <= 3 * rounding + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (8, 2, 48)])
+def test_new_rows_written_and_attended_in_one_call_equal_a_write_then_attention(dtype, hq, hkv, d):
+    """`append_attention_many` writes each sequence's new row at its length, in its own cache buffer (nothing else
+    changes), and attends over the grown rows: bitwise what writing the row, then `decode_attention_many` over
+    the views, gives."""
+    from ragkv.ops.decode_kernel import append_attention_many_cpu, decode_attention_many_cpu
+
+    g = torch.Generator().manual_seed(hq + d)
+    lengths = [0, 6, 1299, 40]
+    bufs = [(torch.randn(1, hkv, n + 3, d, generator=g).to(dtype), torch.randn(1, hkv, n + 3, d, generator=g)
+             .to(dtype)) for n in lengths]
+    q = (torch.randn(len(lengths), hq, 1, d, generator=g) * 3).to(dtype)
+    # the new rows as the model makes them: a transposed view, not contiguous
+    k_new = torch.randn(len(lengths), 1, hkv, d, generator=g).to(dtype).transpose(1, 2)
+    v_new = torch.randn(len(lengths), 1, hkv, d, generator=g).to(dtype).transpose(1, 2)
+    want_bufs = [(k.clone(), v.clone()) for k, v in bufs]
+    for b, n in enumerate(lengths):
+        want_bufs[b][0][:, :, n] = k_new[b, :, 0]
+        want_bufs[b][1][:, :, n] = v_new[b, :, 0]
+    want = decode_attention_many_cpu(q, [k[:, :, :n + 1] for (k, _), n in zip(want_bufs, lengths)],
+                                     [v[:, :, :n + 1] for (_, v), n in zip(want_bufs, lengths)])
+    got = append_attention_many_cpu(q, k_new, v_new, [k for k, _ in bufs], [v for _, v in bufs], lengths)
+    assert torch.equal(got, want)
+    for (k, v), (wk, wv) in zip(bufs, want_bufs):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d,split", [(14, 2, 64, 700), (12, 2, 128, 1), (9, 3, 64, 1299)])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.ops import prefill_kernel
-from ragkv.ops.decode_kernel import decode_attention_cpu, decode_attention_many_cpu
+from ragkv.ops.decode_kernel import append_attention_many_cpu, decode_attention_cpu, decode_attention_many_cpu
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,19 @@ def decode_attention_many(q: torch.Tensor, keys: list[torch.Tensor], values: lis
             return out
     return torch.cat([decode_attention(q[b:b + 1], k, v) for b, (k, v) in enumerate(zip(keys, values))])
 
+
+
+def append_attention_many(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                          key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor],
+                          lengths: list[int]) -> torch.Tensor | None:
+    """A decode step's new rows written into B caches and attended in one call: k_new, v_new [B, Hkv, 1, D] go to
+    row lengths[b] of key_buffers[b] / value_buffers[b] [1, Hkv, capacity, D], then row b is
+    `decode_attention(q[b:b+1], keys[:lengths[b] + 1], values[:lengths[b] + 1])`, bitwise. None where the C++
+    kernel is not the path (nothing written): the caller writes and attends as usual."""
+    if q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16) \
+            and k_new.dtype == q.dtype and kernel_wins(q[:1], key_buffers[0][:, :, :1], value_buffers[0][:, :, :1]):
+        return append_attention_many_cpu(q, k_new, v_new, key_buffers, value_buffers, lengths)
+    return None
 
 def _torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[0] == 1:

@@ -224,6 +224,40 @@ at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::
   return out;
 }
 
+// A decode step's plain sequences in one call, their new rows written first: k_new / v_new [B, Hkv, D] go to row
+// lengths[b] of each cache's buffers kbufs[b] / vbufs[b] [1, Hkv, capacity, D] (capacity > lengths[b]), then each
+// sequence attends over its lengths[b] + 1 rows, as `decode_attention_many` over those views would (bitwise). One
+// call a layer instead of two slice copies and two views a sequence from Python.
+at::Tensor append_attention_many(at::Tensor q, at::Tensor k_new, at::Tensor v_new, std::vector<at::Tensor> kbufs,
+                                 std::vector<at::Tensor> vbufs, std::vector<int64_t> lengths, double scale) {
+  const int64_t B = q.size(0);
+  TORCH_CHECK((int64_t)kbufs.size() == B && (int64_t)vbufs.size() == B && (int64_t)lengths.size() == B &&
+              k_new.dim() == 3 && k_new.size(0) == B && v_new.sizes() == k_new.sizes(), "B rows, B caches");
+  TORCH_CHECK(k_new.scalar_type() == q.scalar_type() && v_new.scalar_type() == q.scalar_type() &&
+              k_new.stride(2) == 1 && v_new.stride(2) == 1, "new rows in q's dtype, unit stride along D");
+  const int64_t Hkv = k_new.size(1), D = k_new.size(2), es = k_new.element_size();
+  std::vector<at::Tensor> ks, vs;
+  ks.reserve(B);
+  vs.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    at::Tensor kb = kbufs[b].select(0, 0), vb = vbufs[b].select(0, 0);  // [Hkv, capacity, D]
+    TORCH_CHECK(kb.dim() == 3 && vb.sizes() == kb.sizes() && lengths[b] >= 0 && lengths[b] < kb.size(1) &&
+                kb.size(0) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.stride(2) == 1 &&
+                kb.scalar_type() == q.scalar_type() && vb.scalar_type() == q.scalar_type(),
+                "a cache buffer [1, Hkv, capacity, D] in q's dtype with room for its row");
+    for (const auto& [dst, src] : {std::pair<const at::Tensor&, const at::Tensor&>(kb, k_new),
+                                   std::pair<const at::Tensor&, const at::Tensor&>(vb, v_new)}) {
+      char* d = static_cast<char*>(dst.data_ptr()) + lengths[b] * dst.stride(1) * es;
+      const char* from = static_cast<const char*>(src.data_ptr()) + b * src.stride(0) * es;
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(d + h * dst.stride(0) * es, from + h * src.stride(1) * es, D * es);
+    }
+    ks.push_back(kb.narrow(1, 0, lengths[b] + 1));
+    vs.push_back(vb.narrow(1, 0, lengths[b] + 1));
+  }
+  return decode_attention_many(q, ks, vs, scale);
+}
+
 at::Tensor decode_attention2(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k2, at::Tensor v2, double scale) {
   return attend(q, k, v, &k2, &v2, scale);
 }
@@ -386,11 +420,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention2", &decode_attention2, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_many", &decode_attention_many, py::call_guard<py::gil_scoped_release>());
+  m.def("append_attention_many", &append_attention_many, py::call_guard<py::gil_scoped_release>());
   m.def("parts_attention", &parts_attention, py::call_guard<py::gil_scoped_release>());
 }
 """
 
-_NAME = "ragkv_decode_attention_v13"
+_NAME = "ragkv_decode_attention_v14"
 # the compiled module, or None where it cannot be built (then callers use their torch path); -ffast-math lets the
 # compiler vectorize the fp32 dot-product reductions
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
@@ -427,6 +462,22 @@ def decode_attention_many_cpu(q: torch.Tensor, keys: list[torch.Tensor],
                                         1.0 / D ** 0.5)
     return out.to(q.dtype).reshape(B, Hq, T, D)
 
+
+
+def append_attention_many_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, key_buffers: list[torch.Tensor],
+                              value_buffers: list[torch.Tensor], lengths: list[int]) -> torch.Tensor | None:
+    """q [B, Hq, 1, D]; k_new, v_new [B, Hkv, 1, D] (this step's rows); key_buffers[b], value_buffers[b]: cache
+    buffers [1, Hkv, capacity, D] holding lengths[b] rows, with room for one more -> [B, Hq, 1, D] in q's dtype, or
+    None (no kernel). Writes each new row at lengths[b], then equals `decode_attention_many_cpu` over the first
+    lengths[b] + 1 rows, bitwise."""
+    mod = kernel()
+    if mod is None:
+        return None
+    B, Hq, T, D = q.shape
+    with torch.profiler.record_function("ragkv::decode_attention"):
+        out = mod.append_attention_many(q.reshape(B, Hq, D), k_new[:, :, 0], v_new[:, :, 0], key_buffers,
+                                        value_buffers, lengths, 1.0 / D ** 0.5)
+    return out.to(q.dtype).reshape(B, Hq, T, D)
 
 def parts_attention_cpu(q_rows: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         row_part: torch.Tensor, row_scale: torch.Tensor, row_seq: torch.Tensor,

@@ -103,6 +103,12 @@ class KVCache:
         self.values[layer][:, :, self.length - o:end - o] = v
         return end
 
+    def reserve(self, need: int) -> None:
+        """Room for `need` rows in every layer (grown as `append` would grow it)."""
+        if any(k.shape[2] < need - self.offset for k in self.keys):
+            for layer in range(len(self.keys)):
+                self._ensure(layer, need)
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, T, D] after the committed tokens; return views of all tokens so far (joined into one
         tensor when the cache reads a shared prefix: decoding uses `append_parts` instead)."""

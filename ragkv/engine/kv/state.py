@@ -10,7 +10,7 @@ import torch
 
 from ragkv.engine.kv.kvcache import KVCache
 from ragkv.models.loop import Forward
-from ragkv.ops.attention import decode_attention_many, decode_attention_parts
+from ragkv.ops.attention import append_attention_many, decode_attention_many, decode_attention_parts
 
 # (layer, q [1,Hq,T,D], all K, all V) -> attention output; None means plain attention over the whole cache.
 AttentionPolicy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,34 +79,47 @@ class DecodePlan:
         self.states, self.window, self.fixed = states, window, rows is not None
         self.pad = rows - len(states) if rows is not None else 0
         self.positions = torch.tensor([[s.next_position] for s in states] + [[0]] * self.pad, device=device)
+        # plain sequences (own buffer, no policy, inside any window): their row is written and attended in one
+        # call a layer (ops.attention.append_attention_many), room for it made here once for every layer
+        self.direct = [b for b, s in enumerate(states) if s.attention is None and s.cache.prefix is None
+                       and (window is None or s.cache.length + 1 <= window)]
+        for b in self.direct:
+            states[b].cache.reserve(states[b].cache.length + 1)
+        self._direct_set, self._new = set(self.direct), None
 
     def begin(self, layer, decoder_layer, x):
         return x
 
     def store(self, layer, raw_k, k, v):
-        return [s.cache.append_parts(layer, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(self.states)]
+        self._new = (k, v)  # the direct sequences' rows: written by `attend`
+        return [None if b in self._direct_set else s.cache.append_parts(layer, k[b:b + 1], v[b:b + 1])
+                for b, s in enumerate(self.states)]
 
     def attend(self, layer, q, kv):
-        outs, grouped, plain = [], {}, []
+        outs, grouped, plain = [None] * len(self.states), {}, []
+        if self.direct:
+            got = self._attend_direct(layer, q, kv, outs)
+            if got is not None and len(self.direct) == len(self.states):  # every row: the call's output as it is
+                return got if not self.pad else torch.cat([got, q.new_zeros((self.pad,) + q.shape[1:])])
         for b, (s, parts) in enumerate(zip(self.states, kv)):
+            if parts is None:  # attended above
+                continue
             qb = q[b:b + 1]
             if len(parts) > 1:  # a choice over its prompt's shared rows
                 if s.attention is None and self.window is None:
-                    outs.append(decode_attention_parts(qb, parts))
+                    outs[b] = decode_attention_parts(qb, parts)
                     continue
                 parts = [(torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))]
             keys, values = parts[0]
             batch = None if self.fixed else getattr(s.attention, "attend_batch", None)
             if batch is not None:  # policies that read shared blocks: one call for all their sequences, below
                 grouped.setdefault(batch, []).append((b, (s.attention, qb, keys, values)))
-                outs.append(None)
             elif s.attention is not None:
-                outs.append(s.attention(layer, qb, keys, values))
+                outs[b] = s.attention(layer, qb, keys, values)
             else:
                 if self.window is not None:  # sequential layouts: cache index == position
                     keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
                 plain.append((b, keys, values))
-                outs.append(None)
         if plain:  # the plain sequences in one call (each row's numbers are those it gets alone)
             idx = [b for b, _, _ in plain]
             qs = q[idx[0]:idx[0] + 1] if len(idx) == 1 else q[idx]
@@ -119,6 +132,22 @@ class DecodePlan:
         if self.pad:
             outs.append(q.new_zeros((self.pad,) + q.shape[1:]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _attend_direct(self, layer, q, kv, outs):
+        """The direct sequences' new rows written and attended in one call (returned, rows in `direct`'s order);
+        where the kernel is not the path, written here for the others' path (kv gets their parts), and None."""
+        idx, (k, v) = self.direct, self._new
+        caches = [self.states[b].cache for b in idx]
+        pick = (lambda t: t[idx[0]:idx[0] + 1]) if len(idx) == 1 else (lambda t: t[idx])
+        got = append_attention_many(pick(q), pick(k), pick(v), [c.keys[layer] for c in caches],
+                                    [c.values[layer] for c in caches], [c.length for c in caches])
+        if got is not None:
+            for i, b in enumerate(idx):
+                outs[b] = got[i:i + 1]
+            return got
+        for b, c in zip(idx, caches):
+            kv[b] = c.append_parts(layer, k[b:b + 1], v[b:b + 1])
+        return None
 
 
 @torch.inference_mode()
