@@ -16,7 +16,7 @@ def _write(path, dataset, metric, scores: dict[str, list[float]], work: dict[str
     for key, xs in scores.items():
         for i, x in enumerate(xs):
             f.append({"example_id": str(i), "mode_key": key, "metric": metric, "scores": {metric: x, "other": 9.0},
-                      "recompute_vs_full": work[key]})
+                      "recompute_vs_full": work[key], "fidelity": {"first_token_kl": work[key] * i}})
 
 
 def test_shares_per_set_and_pooled_with_intervals(tmp_path):
@@ -37,6 +37,8 @@ def test_shares_per_set_and_pooled_with_intervals(tmp_path):
     assert rows["reuse"]["sets"]["a"]["share"] == pytest.approx(1 / 3, abs=1e-4) and lo < 1 / 3 < hi
     assert not meets(blend)  # 95% pooled: below the 98% bar
     assert (tmp_path / "p.png").stat().st_size > 0 and "| blend | 19.0% |" in out["markdown"]
+    # first-token KL: each set's mean (a: 0.18 x mean(0..3) = 0.27; b: 0.2 x 0.5 = 0.1), the sets weighing alike
+    assert blend["kl"] == pytest.approx((0.27 + 0.1) / 2, abs=1e-4) and "| 0.185 |" in out["markdown"]
 
 
 def test_the_bar_needs_the_pooled_share_every_set_and_the_work():

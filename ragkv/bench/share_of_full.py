@@ -34,14 +34,15 @@ def _set_label(config: dict) -> str:
 
 
 def collect(paths: list[Path], metrics: dict | None = None) -> dict:
-    """{(model, dtype): {data set: {"metric", "scores": {key: {example: score}}, "work": {key: [recompute_vs_full]}}}}
+    """{(model, dtype): {data set: {"metric", "scores": {key: {example: score}}, "work": {key: [recompute_vs_full]},
+    "kl": {key: [first-token KL to full]}}}}
     from the runs' records (the shards of one run merged); `metrics`: data set -> the metric to read (a suite's),
     else each record's own."""
     out: dict = {}
     for _, config, records in read_runs(paths):
         model = (config.get("model"), config.get("dtype"))
         label = _set_label(config)
-        entry = out.setdefault(model, {}).setdefault(label, {"metric": None, "scores": {}, "work": {}})
+        entry = out.setdefault(model, {}).setdefault(label, {"metric": None, "scores": {}, "work": {}, "kl": {}})
         for r in records:
             metric = (metrics or {}).get(label) or r.get("metric")
             if metric is None or metric not in r.get("scores", {}):
@@ -50,6 +51,9 @@ def collect(paths: list[Path], metrics: dict | None = None) -> dict:
             entry["scores"].setdefault(r["mode_key"], {})[r["example_id"]] = float(r["scores"][metric])
             if r.get("recompute_vs_full") is not None:
                 entry["work"].setdefault(r["mode_key"], []).append(float(r["recompute_vs_full"]))
+            kl = (r.get("fidelity") or {}).get("first_token_kl")
+            if kl is not None:
+                entry["kl"].setdefault(r["mode_key"], []).append(float(kl))
     return out
 
 
@@ -92,6 +96,9 @@ def shares(sets: dict, keys: list[str], resamples: int = RESAMPLES, seed: int = 
                                     "ci": _interval(pooled[~np.isnan(pooled)]), "sets": len(got)}
         work = [np.mean(entry["work"][k]) for entry in sets.values() if entry["work"].get(k)]
         per_key[k]["work"] = round(float(np.mean(work)), 4) if work else None  # each set weighs the same
+        # the first token's KL to full's, per record: at n = 60 it tells keys apart where the task score cannot
+        kls = [np.mean(entry["kl"][k]) for entry in sets.values() if entry.get("kl", {}).get(k)]
+        per_key[k]["kl"] = round(float(np.mean(kls)), 4) if kls else None
     return per_key
 
 
@@ -148,14 +155,19 @@ def _verdict(row: dict) -> str:
 
 def _markdown(label: str, sets: dict, rows: dict) -> str:
     names = sorted(sets)
-    head = ["key", "work"] + [f"{n} ({sets[n]['metric']})" for n in names] + ["pooled", "meets 98% at <= 20%"]
+    head = ["key", "work"] + [f"{n} ({sets[n]['metric']})" for n in names] + ["pooled", "first-token KL",
+                                                                              "meets 98% at <= 20%"]
     body = []
-    body.append(["full (mean score)", "100%"] + [_mean_score(sets[n], REFERENCE) for n in names] + ["100%", "-"])
+    body.append(["full (mean score)", "100%"] + [_mean_score(sets[n], REFERENCE) for n in names] + ["100%", "0",
+                                                                                                  "-"])
     for k, row in rows.items():
         work = "-" if row["work"] is None else f"{100 * row['work']:.1f}%"
         verdict = _verdict(row)
-        body.append([k, work] + [_cell(row["sets"].get(n)) for n in names] + [_cell(row.get("pooled")), verdict])
-    return f"### {label}\n\nShare of `full`'s score (95% bootstrap by question); work = token-layers vs full.\n\n" + \
+        kl = "-" if row.get("kl") is None else f"{row['kl']:.3f}"
+        body.append([k, work] + [_cell(row["sets"].get(n)) for n in names] + [_cell(row.get("pooled")), kl, verdict])
+    return f"### {label}\n\nShare of `full`'s score (95% bootstrap by question); work = token-layers vs full; " \
+        "first-token KL: the mean over each set's records of KL(full || key) of the answer's first token, the sets " \
+        "weighing alike.\n\n" + \
         markdown_table(head, body)
 
 
