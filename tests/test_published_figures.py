@@ -356,3 +356,25 @@ def test_the_quality_suites_table_is_what_its_records_give():
     assert len(rows) >= 10
     for row in rows:
         stated("docs/results/quality_suite/README.md", row)
+
+
+def test_the_screens_table_is_what_its_records_give():
+    """docs/results/quality_suite/screens/README.md: each key's mean first-token KL per file, as its row states."""
+    folder = RESULTS / "quality_suite" / "screens"
+    files = ["screen-nq-distractors-qwen2.5-coder-0.5b.jsonl", "screen-hotpotqa-qwen2.5-coder-0.5b.jsonl",
+             "screen-nq-distractors-qwen2.5-coder-1.5b.jsonl"]
+    kl: dict = {}
+    for i, name in enumerate(files):
+        for _, _, records in read_runs([folder / name]):
+            for r in records:
+                kl.setdefault(r["mode_key"], [[] for _ in files])[i].append(r["fidelity"]["first_token_kl"])
+    rows = {"reuse": "| reuse |", "reuse:cond=prefix": "| reuse, blocks conditioned",
+            "blend:sel=query,r=0.15": "| query-aware r=0.15 (the default)",
+            "blend:sel=query,r=0.15,cond=prefix": "| **query-aware r=0.15, `cond=prefix`**",
+            "blend:sel=recent,r=0.18": "| `recent` r=0.18 |", "blend:sel=recent,r=0.18,cond=prefix": "| `recent` r=0.18, "}
+    lines = (folder / "README.md").read_text().splitlines()
+    for key, label in rows.items():
+        row = next(line for line in lines if line.startswith(label))
+        cells = [c.strip(" *") for c in row.split("|")[3:6]]
+        want = [f"{statistics.mean(x):.3f}" if x else "-" for x in kl[key]]
+        assert cells == want, (key, cells, want)
