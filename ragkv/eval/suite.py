@@ -24,13 +24,16 @@ class Suite:
 # Each selection at r = 0.15 and 0.2, the exact baselines and `reuse` as the floor.
 PAPERS = Suite(
     name="papers",
-    summary="MuSiQue, HotpotQA dev, MultiNews, SAMSum (4-shot), NQ-10: each selection at r = 0.15 and 0.2",
+    summary="MuSiQue, HotpotQA dev, MultiNews, SAMSum (4-shot), NQ-10: each selection at r = 0.15 and 0.2, the "
+            "query-aware r=0.15 over prefix-conditioned blocks too",
     datasets=("musique", "hotpotqa", "multi_news", "samsum-icl-4", "nq-distractors"),
     # QA by token F1 (CacheBlend and ProphetKV print F1 for MuSiQue and HotpotQA), summaries by Rouge-L, NQ by accuracy
     metrics={"musique": "f1", "hotpotqa": "f1", "multi_news": "rouge_l", "samsum-icl-4": "rouge_l",
              "nq-distractors": "accuracy"},
+    # and the query-aware r=0.15 over blocks encoded after the system prompt (the closest first token at that work
+    # in the screens, docs/results/quality_suite/screens)
     modes=",".join(["full", "reuse"] + [f"blend:{sel}r={r}" for sel in ("", "sel=query,", "sel=recent,")
-                                        for r in (0.15, 0.2)]),
+                                        for r in (0.15, 0.2)] + ["blend:sel=query,r=0.15,cond=prefix"]),
 )
 
 SUITES = {s.name: s for s in (PAPERS,)}
