@@ -87,6 +87,39 @@ def test_batched_logits_match_alone_tightly(tiny_engine):
         assert (e - g).abs().max().item() <= 1e-4
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_one_call_row_write_and_the_torch_path_give_the_same_batch(dtype, tiny_engine, tiny_bf16_engine,
+                                                                       monkeypatch):
+    """A step's plain sequences write their rows and attend in one kernel call; where that kernel is not the path
+    (RAGKV_DECODE_ATTENTION=torch) each row is written from Python and attended by torch: the same tokens, the
+    logits within 1e-3 (fp32) / bf16 rounding, and every cache one row longer either way."""
+    from ragkv.ops import attention, decode_kernel
+
+    if decode_kernel.kernel() is None:
+        pytest.skip("no C++ decode kernel here: the torch path is the only one")
+    eng = tiny_engine("llama") if dtype == "float32" else tiny_bf16_engine
+    segs = [make_segs(**shape) for shape in SHAPES[:4]]
+    runs, calls, one_call = {}, [], attention.append_attention_many_cpu
+    monkeypatch.setattr(attention, "append_attention_many_cpu", lambda *a: calls.append(1) or one_call(*a))
+    for path in ("kernel", "torch"):
+        calls.clear()
+        monkeypatch.setenv("RAGKV_DECODE_ATTENTION", path)
+        monkeypatch.setattr(attention, "_KERNEL_WINS", {})
+        states = [eng.prefill(s, FusionOptions(mode="full"))[0] for s in segs]
+        lengths = [st.cache.length for st in states]
+        tokens, seen = [7, 19, 101, 250], []
+        for _ in range(3):
+            logits = decode_batch(eng.model, states, tokens)
+            seen.append(logits.float())
+            tokens = logits.argmax(-1).tolist()
+        assert [st.cache.length for st in states] == [n + 3 for n in lengths]
+        assert len(calls) == (3 * eng.model.args.num_layers if path == "kernel" else 0)  # one call a layer
+        runs[path] = seen
+    tol = 1e-3 if dtype == "float32" else 0.1
+    for a, b in zip(runs["kernel"], runs["torch"]):
+        assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max().item() <= tol
+
 @pytest.mark.model
 @pytest.mark.skipif(not default_model_available(), reason="default model not converted")
 def test_engine_step_batches_real_requests_like_alone(default_engine):

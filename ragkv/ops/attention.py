@@ -199,7 +199,6 @@ def decode_attention_many(q: torch.Tensor, keys: list[torch.Tensor], values: lis
     return torch.cat([decode_attention(q[b:b + 1], k, v) for b, (k, v) in enumerate(zip(keys, values))])
 
 
-
 def append_attention_many(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor],
                           lengths: list[int]) -> torch.Tensor | None:
@@ -211,6 +210,7 @@ def append_attention_many(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
             and k_new.dtype == q.dtype and kernel_wins(q[:1], key_buffers[0][:, :, :1], value_buffers[0][:, :, :1]):
         return append_attention_many_cpu(q, k_new, v_new, key_buffers, value_buffers, lengths)
     return None
+
 
 def _torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[0] == 1:
