@@ -1,10 +1,10 @@
-"""Kernels chosen by measuring the machine (ragkv.models.kernel_choice): the choice follows the measurements (a fake
+"""Kernels chosen by measuring the machine (ragkv.ops.kernel_choice): the choice follows the measurements (a fake
 timer), is cached per machine, and every kernel it may pick computes the product the model's own linear does."""
 
 import pytest
 import torch
 
-from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser, machine_key, row_class
+from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, machine_key, row_class
 from ragkv.ops import gemv_kernel
 
 native_bf16 = pytest.mark.skipif(not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()),
@@ -33,8 +33,8 @@ def test_the_chooser_picks_the_fastest_measured_kernel_per_row_class_and_caches_
                          else None)(name) for name in costs}
     chooser = KernelChooser(tmp_path / "k.json", timer=clock)
     choice = chooser.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn")
-    # 1 row: gemv 0.1; 4: gemv 0.4; 16: onednn 0.66 < gemv 1.6; 128: onednn 1.78 > stock 1.128; 512: stock
-    assert choice == ["gemv", "gemv", "onednn", "stock", "stock"] and chooser.measured == 1
+    # 1 row: gemv 0.1; 4: gemv 0.4; 16: onednn 0.66 < gemv 1.6; 128: onednn 1.78 > stock 1.128; 512, 1536: stock
+    assert choice == ["gemv", "gemv", "onednn", "stock", "stock", "stock"] and chooser.measured == 1
     chooser.save()
     again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
     assert again.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn") == choice and again.measured == 0
@@ -52,18 +52,18 @@ def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_eve
     candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("stock", "onednn")}
     choice = KernelChooser(tmp_path / "k.json", timer=clock).choose("plain big", torch.bfloat16, 10**8, candidates,
                                                                    "onednn")
-    assert choice[:1] == ["stock"] and choice[-1] == "onednn"  # 512 rows x 1e8 MACs: not probed
-    assert [row_class(r) for r in (1, 2, 4, 5, 16, 17, 128, 129, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert choice[:1] == ["stock"] and choice[-1] == "onednn"  # 1536 rows x 1e8 MACs: not probed
+    assert [row_class(r) for r in (1, 2, 4, 5, 16, 17, 128, 129, 512, 513, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [row_class(r) for r in PROBE_ROWS] == list(range(len(PROBE_ROWS)))
 
 
 @native_bf16
 @pytest.mark.parametrize("op", ["plain", "swiglu", "add"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 40, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 600, 1100])
 def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_path):
-    """gemv (few rows), oneDNN in place (with its fused SwiGLU and residual add) and torch's stock product give the
-    model's own bf16 linear's result to bf16 rounding at every row class."""
-    from ragkv.models.quant import OneDnnLinear
+    """gemv (few rows), oneDNN in place (with its fused SwiGLU and residual add, whole or in 512-row tiles) and
+    torch's stock product give the model's own bf16 linear's result to bf16 rounding at every row class."""
+    from ragkv.models.quant import TILE_ROWS, OneDnnLinear
 
     torch.manual_seed(0)
     parts = [torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16) for _ in range(2 if op == "swiglu" else 1)]
@@ -72,11 +72,14 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
     res = torch.randn(1, rows, m.out_features, dtype=torch.bfloat16)
     y = [torch.nn.functional.linear(x.float(), p.weight.float()) for p in parts]
     want = torch.nn.functional.silu(y[0]) * y[1] if op == "swiglu" else res.float() + y[0] if op == "add" else y[0]
-    kernels = ["onednn", "stock"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else [])
+    kernels = ["onednn", "stock"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else []) \
+        + (["tiles"] if rows > TILE_ROWS else [])
     for kernel in kernels:
         m.kernels = [kernel] * len(PROBE_ROWS)
+        assert m.kernel_for(x) == kernel
         with torch.inference_mode():
             got = m.swiglu(x) if op == "swiglu" else m.add_to(res, x) if op == "add" else m(x)
+        assert got.shape == want.shape
         assert (got.float() - want).abs().max() <= 0.02 * want.abs().max() + 0.02, kernel
 
 
@@ -97,3 +100,49 @@ def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tm
     again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
     decode_copy(model, "onednn", again)
     assert again.measured == 0
+
+
+def test_prefill_attention_follows_its_measurement_and_both_paths_agree(tmp_path, monkeypatch):
+    """The causal attention of a prefill takes whichever of ragkv's kernel and SDPA was measured faster for its
+    heads and row class (a fake timer here), and where the kernel is built both give SDPA-in-fp32's result."""
+    from ragkv.ops import attention, prefill_kernel
+
+    monkeypatch.setattr(attention, "_PREFILL_CHOICE", {})
+    costs = {"kernel": lambda r: 1.0 if r <= 128 else 3.0, "sdpa": lambda r: 2.0}
+    clock = FakeClock(costs)
+    ran = []
+    monkeypatch.setattr(prefill_kernel, "applies", lambda q, k: q.shape[2] > 16)
+    chooser = KernelChooser(tmp_path / "k.json", timer=clock)
+    real_choose = chooser.choose
+
+    def choose(product, dtype, macs, candidates, default):  # the real probes' calls, costed by the fake clock
+        fake = {n: (lambda n, make: lambda rows: (make(rows) and clock.kernel(n, rows)))(n, make)
+                for n, make in candidates.items()}
+        return real_choose(product, dtype, macs, fake, default)
+    monkeypatch.setattr(chooser, "choose", choose)
+    choice = attention.choose_prefill_attention(chooser, torch.bfloat16, 4, 2, 64)
+    assert choice == ["sdpa", "sdpa", "sdpa", "kernel", "sdpa", "sdpa"]  # the kernel cannot take <= 16 rows
+    monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda q, k, v, past: ran.append("kernel") or q)
+    q = torch.randn(1, 4, 100, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16)
+    attention.causal_attention(q, k, k, 0, None)
+    assert ran == ["kernel"]
+    out = attention.causal_attention(torch.randn(1, 4, 300, 64, dtype=torch.bfloat16), *[torch.randn(
+        1, 2, 300, 64, dtype=torch.bfloat16)] * 2, 0, None)
+    assert ran == ["kernel"] and out.shape == (1, 4, 300, 64)  # 300 rows: SDPA, as measured
+
+
+@native_bf16
+def test_the_prefill_kernel_and_sdpa_give_the_same_causal_attention():
+    """Either choice of choose_prefill_attention computes fp32 SDPA's causal attention to bf16 rounding."""
+    from ragkv.ops import prefill_kernel
+    from ragkv.ops.attention import sdpa
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 14, 300, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 2, 300, 64, dtype=torch.bfloat16)
+    want = sdpa(q.float(), k.float(), v.float(), causal=True)
+    got_sdpa = sdpa(q, k, v, causal=True).float()
+    assert (got_sdpa - want).abs().max() < 0.02
+    if prefill_kernel.kernel() is not None:
+        assert (prefill_kernel.prefill_attention(q, k, v, past=0).float() - want).abs().max() < 0.02

@@ -1,5 +1,5 @@
 """`ragkv bench kernels`: every candidate kernel of every bf16 product of a model, timed per row class on this
-machine (ragkv.models.kernel_choice), and the one the engine uses; JSON + markdown."""
+machine (ragkv.ops.kernel_choice), and the one the engine uses; JSON + markdown."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     import torch
 
     from ragkv.bench.common import markdown_table, save_json
-    from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser
+    from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser
     from ragkv.models.loader import load_model
     from ragkv.models.quant import decode_copy, onednn_refusal
 
@@ -25,17 +25,25 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     progress(f"[bench kernels] timing every product of {loaded.name} at {list(PROBE_ROWS)} rows "
              f"({'measuring' if refresh else 'cache first'})")
     decode_copy(loaded.model, "onednn", chooser)
-    rows = []
+    rows, attention = [], []
     products = [e for e in chooser.table.values() if e["machine"].endswith("bfloat16")]
     for e in products:
         for probe, ms, choice in zip(e["probe_rows"], e["ms"], e["choice"]):
-            rows.append([e["product"], probe, *(ms.get(k, "-") for k in ("gemv", "onednn", "stock")), choice,
-                         f"{min(ms.values()) / ms['onednn']:.2f}x" if ms.get("onednn") else "-"])
+            if e["product"].startswith("causal attention"):
+                attention.append([e["product"], probe, ms.get("kernel", "-"), ms.get("sdpa", "-"), choice,
+                                  f"{min(ms.values()) / ms['sdpa']:.2f}x" if ms.get("sdpa") else "-"])
+                continue
+            rows.append([e["product"], probe, *(ms.get(k, "-") for k in ("gemv", "onednn", "stock", "tiles")),
+                         choice, f"{min(ms.values()) / ms['onednn']:.2f}x" if ms.get("onednn") else "-"])
     result = {"benchmark": "kernels", "model": loaded.name, "machine": machine(), "cache": str(chooser.path),
               "measured": chooser.measured, "products": products}
     save_json(out_dir / "kernels.json", result)
     md = (f"Kernels per product and row class on {machine()['cpu']} (bf16, median ms of 5 after one untimed call; "
           "the chosen one is the fastest; last column: its time over oneDNN's):\n\n"
-          + markdown_table(["product", "rows", "gemv ms", "onednn ms", "stock ms", "chosen", "vs onednn"], rows))
+          + markdown_table(["product", "rows", "gemv ms", "onednn ms", "stock ms", "tiles ms", "chosen", "vs onednn"],
+                           rows)
+          + "\n\nPrefill attention (square causal rows; kernel: ragkv's AVX-512 BF16 kernel, sdpa: torch's; last "
+          "column: the chosen one's time over SDPA's):\n\n"
+          + markdown_table(["attention", "rows", "kernel ms", "sdpa ms", "chosen", "vs sdpa"], attention))
     (out_dir / "kernels.md").write_text(md + "\n")
     return result

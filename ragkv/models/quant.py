@@ -50,8 +50,9 @@ import torch
 from torch import nn
 
 from ragkv.errors import InvalidRequestError
-from ragkv.models.kernel_choice import PROBE_ROWS, KernelChooser, row_class
+from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, row_class
 from ragkv.ops import gemv_kernel, int8_kernel
+from ragkv.ops.attention import choose_prefill_attention
 from ragkv.ops.int8_kernel import dequantize, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ EXACT_COPIES = ("transposed", "onednn")  # paths whose weights are the model's o
 INEXACT_PREFILL = ("w8a8",)  # copies whose prefill, so the first token too, is not the exact weights'
 PREFILL_COPIES = EXACT_COPIES + INEXACT_PREFILL  # copies every forward runs on, prefill included (Engine.forward_model)
 FEW_ROWS = 512  # an exact copy's kernels beat MKL's up to about this many rows (Zen 3); more are sliced or go to MKL
+TILE_ROWS = 512  # the "tiles" kernel's tile: where oneDNN's bf16 product held its rate on an AMX Xeon (kernel_choice)
 PACK_ROWS = 16  # the rows oneDNN's bf16 reorder is tuned for: as fast as 1 at decode, 1.7x faster than 1 at 512 rows
 INT4_GROUP = 32
 
@@ -261,8 +263,10 @@ class OneDnnLinear(ExactCopyLinear):
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16:  # one kernel for any rows: bf16 GEMMs need no slicing
+        if self.weight.dtype == torch.bfloat16:
             kernel = self.kernel_for(x)
+            if kernel == "tiles":
+                return self._in_tiles(self.few_rows, x)
             if kernel == "gemv":
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
             if kernel == "stock":  # torch's own product (oneDNN picks AMX by itself where there is one)
@@ -271,11 +275,14 @@ class OneDnnLinear(ExactCopyLinear):
         return super().forward(x)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """bf16: "gemv" (ragkv's product kernel, few rows), "onednn" (oneDNN on W in place) or "stock" (F.linear):
-        what `choose_kernels` measured fastest for this many rows, else gemv wherever it takes the rows."""
+        """bf16: "gemv" (ragkv's product kernel, few rows), "onednn" (oneDNN on W in place), "stock" (F.linear) or
+        "tiles" (oneDNN on W in place over TILE_ROWS-row tiles, more rows only): what `choose_kernels` measured
+        fastest for this many rows, else gemv wherever it takes the rows."""
         if self.kernels is not None:
-            kernel = self.kernels[row_class(x.numel() // self.in_features)]
-            if (kernel != "gemv" or self._few(x)) and not (kernel == "stock" and self.weight.is_mkldnn):
+            rows = x.numel() // self.in_features
+            kernel = self.kernels[row_class(rows)]
+            if (kernel != "gemv" or self._few(x)) and not (kernel == "stock" and self.weight.is_mkldnn) \
+                    and not (kernel == "tiles" and (rows <= TILE_ROWS or self.weight.is_mkldnn)):
                 return kernel
         return "gemv" if self._few(x) else "onednn"
 
@@ -284,7 +291,17 @@ class OneDnnLinear(ExactCopyLinear):
 
     def _fuses(self, x: torch.Tensor) -> bool:
         """Whether oneDNN's post-ops take this product: bf16 on the model's own weights, oneDNN's kernel chosen."""
-        return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn and self.kernel_for(x) == "onednn"
+        return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn and self.kernel_for(x) in ("onednn",
+                                                                                                      "tiles")
+
+    def _in_tiles(self, op, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`op` (a product, with the residual it adds) over TILE_ROWS-row tiles of x, joined: each tile at the size
+        oneDNN's kernel is fast at, whatever the total."""
+        x2 = x.reshape(-1, self.in_features)
+        r2 = residual.reshape(x2.shape[0], -1) if residual is not None else None
+        tiles = [op(x2[a:a + TILE_ROWS]) if r2 is None else op(x2[a:a + TILE_ROWS], r2[a:a + TILE_ROWS])
+                 for a in range(0, x2.shape[0], TILE_ROWS)]
+        return torch.cat(tiles).reshape(*x.shape[:-1], -1)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). At many rows in bf16, oneDNN applies silu to
@@ -292,8 +309,9 @@ class OneDnnLinear(ExactCopyLinear):
         [rows, 2I] output, silu in fp32); otherwise the joined product, then silu(gate) * up in one pass where that
         kernel is built (int8_kernel.silu_mul: torch's ops pass over [rows, I] three times), else torch's ops."""
         if len(self.parts) == 2 and self._fuses(x):
-            gate = torch.ops.mkldnn._linear_pointwise(x, self.parts[0].weight, None, "swish", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.parts[1].weight, None, "mul")
+            if self.kernel_for(x) == "tiles":
+                return self._in_tiles(self._fused_swiglu, x)
+            return self._fused_swiglu(x)
         y = self(x)
         fused = int8_kernel.silu_mul(y) if len(self.parts) == 2 else None
         if fused is not None:
@@ -304,8 +322,17 @@ class OneDnnLinear(ExactCopyLinear):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T (+ b): at many rows in bf16 oneDNN adds the residual as it writes the product."""
         if len(self.parts) == 1 and self._fuses(x) and residual.dtype == x.dtype and residual.is_contiguous():
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+            if self.kernel_for(x) == "tiles":
+                return self._in_tiles(self._fused_add, x, residual)
+            return self._fused_add(x, residual)
         return residual + self(x)
+
+    def _fused_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.parts[0].weight, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.parts[1].weight, None, "mul")
+
+    def _fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -362,7 +389,7 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
 
 # the op each product feeds (what is timed: oneDNN fuses SwiGLU and the residual add into its own product)
 PRODUCT_OPS = {"gate_up_proj": "swiglu", "o_proj": "add", "down_proj": "add"}
-KERNELS = ("gemv", "onednn", "stock")
+KERNELS = ("gemv", "onednn", "stock", "tiles")
 
 
 def _onednn_linears(module: nn.Module, name: str = ""):
@@ -381,7 +408,7 @@ def _probe(m: OneDnnLinear, op: str, kernel: str):
     def make(rows: int):
         if kernel == "gemv" and (m.gemv is None or rows > gemv_kernel.MAX_ROWS):
             return None
-        if kernel == "stock" and m.weight.is_mkldnn:
+        if kernel in ("stock", "tiles") and m.weight.is_mkldnn or kernel == "tiles" and rows <= TILE_ROWS:
             return None
         x = torch.randn(1, rows, m.in_features, dtype=m.weight.dtype)
         res = torch.randn(1, rows, m.out_features, dtype=m.weight.dtype)
@@ -399,7 +426,7 @@ def _probe(m: OneDnnLinear, op: str, kernel: str):
 
 def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
     """Each bf16 product of a `onednn` copy gets the kernel measured fastest per row class on this machine (one
-    measurement per weight shape and op, cached by `chooser`)."""
+    measurement per weight shape and op, cached by `chooser`), and so does its prefills' causal attention."""
     choices: dict[str, list[str]] = {}
     for attr, m in _onednn_linears(copy_):
         op = "swiglu" if attr == "gate_up_proj" and len(m.parts) == 2 else PRODUCT_OPS.get(attr, "plain")
@@ -409,6 +436,9 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
             choices[product] = chooser.choose(product, m.weight.dtype, m.in_features * m.out_features,
                                               {k: _probe(m, op, k) for k in KERNELS}, "onednn")
         m.kernels = choices[product]
+    args = getattr(copy_, "args", None)
+    if args is not None:  # and the causal attention of its prefills (ragkv's kernel or SDPA)
+        choose_prefill_attention(chooser, torch.bfloat16, args.num_heads, args.num_kv_heads, args.head_dim)
     if chooser.measured:
         chooser.save()
         log.info("kernels measured for %d products on this machine (%s)", chooser.measured, chooser.path)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ragkv.ops import prefill_kernel
 from ragkv.ops.decode_kernel import append_attention_many_cpu, decode_attention_cpu, decode_attention_many_cpu
+from ragkv.ops.kernel_choice import KernelChooser, row_class
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,50 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
                      mask: torch.Tensor | None) -> torch.Tensor:
     """Rows attending causally after `past` cached keys and to nothing else: ragkv's bf16 kernel where it applies
-    (ops/prefill_kernel.py), else SDPA with `mask` (None: the square causal case)."""
-    if prefill_kernel.applies(q, k):
+    (ops/prefill_kernel.py) and was not measured slower than SDPA here (choose_prefill_attention), else SDPA with
+    `mask` (None: the square causal case)."""
+    if prefill_kernel.applies(q, k) and prefill_attention_choice(q, k) == "kernel":
         return prefill_kernel.prefill_attention(q, k, v, past=past)
     return sdpa(q, k, v, mask=mask, causal=mask is None)
+
+
+# (dtype, query heads, KV heads, head dim) -> "kernel" or "sdpa" per row class (kernel_choice.ROW_CLASSES). On an
+# AMX Xeon torch's flash attention (oneDNN's brgemm on the matrix unit) took 5.7 ms where ragkv's AVX-512 BF16
+# kernel took 17.8 (1,329 causal rows, 14/2 heads of 64); on a Zen 5 the kernel was 1.7-2x faster.
+_PREFILL_CHOICE: dict[tuple, list[str]] = {}
+
+
+def _heads_key(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> tuple:
+    return (dtype, q_heads, kv_heads, head_dim)
+
+
+def prefill_attention_choice(q: torch.Tensor, k: torch.Tensor) -> str:
+    """The measured choice for these rows' heads (the kernel where none was measured: it was written for the CPUs
+    it is built on)."""
+    choice = _PREFILL_CHOICE.get(_heads_key(q.dtype, q.shape[1], k.shape[1], q.shape[-1]))
+    return choice[row_class(q.shape[2])] if choice else "kernel"
+
+
+def choose_prefill_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads: int, kv_heads: int,
+                             head_dim: int) -> list[str]:
+    """Time ragkv's prefill kernel against SDPA on square causal rows of each row class (cached by `chooser`) and
+    use the faster from then on; where the kernel is not built, SDPA unmeasured."""
+    key = _heads_key(dtype, q_heads, kv_heads, head_dim)
+
+    def make(kernel: str):
+        def at(rows: int):
+            q = torch.randn(1, q_heads, rows, head_dim, dtype=dtype)
+            k, v = torch.randn(2, 1, kv_heads, rows, head_dim, dtype=dtype)
+            if kernel == "kernel":
+                if not prefill_kernel.applies(q, k):
+                    return None
+                return lambda: prefill_kernel.prefill_attention(q, k, v, past=0)
+            return lambda: sdpa(q, k, v, causal=True)
+        return at
+
+    product = f"causal attention heads={q_heads}/{kv_heads} dim={head_dim}"
+    _PREFILL_CHOICE[key] = chooser.choose(product, dtype, 0, {n: make(n) for n in ("kernel", "sdpa")}, "sdpa")
+    return _PREFILL_CHOICE[key]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

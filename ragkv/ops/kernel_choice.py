@@ -22,10 +22,12 @@ from ragkv.config import cache_dir, cpu_name
 
 log = logging.getLogger(__name__)
 
-# (lowest, highest) rows of each product class and the row count that stands for it when timed
-ROW_CLASSES = ((1, 1), (2, 4), (5, 16), (17, 128), (129, None))
-PROBE_ROWS = (1, 4, 16, 128, 512)
-MAX_PROBE_MACS = 6e9  # a class whose probe would cost more (an LM head at 512 rows) keeps the default kernel
+# (lowest, highest) rows of each product class and the row count that stands for it when timed. Above 512 rows a
+# class of its own: on an AMX Xeon oneDNN's one product of 1,024-2,048 rows ran at 1.15-2.7 TFLOP/s depending on the
+# count, where 512-row tiles held 1.9-2.6 (a 1,329-row down projection: 1.18 against 1.96).
+ROW_CLASSES = ((1, 1), (2, 4), (5, 16), (17, 128), (129, 512), (513, None))
+PROBE_ROWS = (1, 4, 16, 128, 512, 1536)
+MAX_PROBE_MACS = 1.4e10  # a class whose probe would cost more (an LM head at 128 rows) keeps the default kernel
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 REPEATS = 5
 
@@ -79,10 +81,11 @@ class KernelChooser:
                candidates: dict[str, Callable[[int], Callable[[], object]]], default: str) -> list[str]:
         """The kernel for each row class of `product` (a name of its shape and op). `candidates[name](rows)` returns
         a call running that kernel on `rows` rows, or None where the kernel cannot take them; a class whose probe
-        would cost more than MAX_PROBE_MACS gets `default` unmeasured."""
+        would cost more than MAX_PROBE_MACS gets `default` unmeasured (0 MACs: every class is probed)."""
         key = hashlib.sha1(f"{machine_key(dtype)}|{product}".encode()).hexdigest()[:16]
         entry = self.table.get(key)
-        if entry is not None and set(entry["candidates"]) == set(candidates):
+        if entry is not None and set(entry["candidates"]) == set(candidates) \
+                and entry.get("probe_rows") == list(PROBE_ROWS):
             return entry["choice"]
         times: list[dict[str, float]] = []
         for rows in PROBE_ROWS:
