@@ -14,7 +14,7 @@ from tiny import default_model_available, make_segs
 from ragkv.engine.kv.state import decode_batch, decode_step
 from ragkv.engine.options import FusionOptions
 from ragkv.models.quant import bf16_matrix_units
-from ragkv.ops import gemv_kernel, prefill_kernel
+from ragkv.ops import attention, gemv_kernel, prefill_kernel
 
 native_bf16 = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu" or not bf16_matrix_units(),
                                  reason="needs a CPU with AVX-512 BF16 or AMX")
@@ -156,12 +156,16 @@ def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
 
 @needs_prefill_kernel
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (6, 2, 128)])
-def test_scattered_recomputed_rows_attend_each_up_to_its_own_position_through_the_kernel(heads, kv_heads, dim):
+@pytest.mark.parametrize("choice", ["kernel", "sdpa"])
+def test_scattered_recomputed_rows_attend_each_up_to_its_own_position_through_the_kernel(heads, kv_heads, dim,
+                                                                                        choice, monkeypatch):
     """A selection's recomputed rows (scattered positions, then the query's) through the kernel with per-row limits
-    (`attend_selected`'s bf16 path) are as close to fp32 attention under the per-row causal mask as torch's masked
-    bf16 SDPA is, row for row."""
+    (`attend_selected`'s bf16 path) or, where SDPA was measured faster, SDPA's position-ordered chunks, are as close
+    to fp32 attention under the per-row causal mask as torch's masked bf16 SDPA is, row for row."""
     from ragkv.engine.recompute.rows import attend_selected
     from ragkv.ops.attention import attention_with_lse
+
+    monkeypatch.setitem(attention._PREFILL_CHOICE, (torch.bfloat16, heads, kv_heads, dim), [choice] * 6)
 
     g = torch.Generator().manual_seed(dim)
     S = 700
@@ -203,6 +207,7 @@ def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(m
     calls = []
     real = prefill_kernel.prefill_attention
     monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(attention, "_PREFILL_CHOICE", {})  # the kernel, whatever this machine measured faster
 
     def run(m):
         with torch.inference_mode():
@@ -240,6 +245,7 @@ def test_a_block_encoded_in_bf16_through_the_kernel_has_the_sdpa_paths_kv(monkey
     calls = []
     real = prefill_kernel.prefill_attention
     monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(attention, "_PREFILL_CHOICE", {})  # the kernel, whatever this machine measured faster
     fast = [encode_block(loaded.model, block_ids)]
     fast.append(encode_block(loaded.model, block_ids, encode_block(loaded.model, prefix_ids)))
     assert calls
