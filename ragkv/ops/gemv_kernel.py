@@ -47,6 +47,16 @@ static inline __m512bh load_w(const void* w, int64_t at) {
   return (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(w) + at);
 }
 
+// The L lines of weights PREFETCH_BYTES ahead of element `at` into L1: on a 2-core AMX Xeon one row's products read
+// 25 GB/s with it, 21.7 without (24 layers' weights, more than the cache holds); a prefetch never faults, so the
+// lines past the end of the weights cost nothing but the request.
+static constexpr int64_t PREFETCH_BYTES = 2048;
+template <bool I8, int L>
+static inline void prefetch_ahead(const void* w, int64_t at) {
+  const char* p = static_cast<const char*>(w) + at * (I8 ? 1 : 2) + PREFETCH_BYTES;
+  for (int c = 0; c < L; ++c) _mm_prefetch(p + 64 * c, _MM_HINT_T0);
+}
+
 // R rows of x against one packed block of 64 outputs: R x 4 accumulators of 16 fp32 lanes. `w` is the block's
 // first weight; `scale` (int8 only) is the per-output scale, applied once to the fp32 sums.
 template <int R, bool I8>
@@ -60,6 +70,7 @@ static inline void block_rows(const uint32_t* x, int64_t xstride, const void* w,
     __m512 odd[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (; kp + 2 <= Kp; kp += 2) {
       int64_t t = kp * 128;
+      prefetch_ahead<I8, 8>(w, t);
       __m512bh xe = (__m512bh)_mm512_set1_epi32(x[kp]), xo = (__m512bh)_mm512_set1_epi32(x[kp + 1]);
       for (int j = 0; j < 4; ++j) {
         acc[0][j] = _mm512_dpbf16_ps(acc[0][j], xe, load_w<I8>(w, t + 32 * j));
@@ -70,6 +81,7 @@ static inline void block_rows(const uint32_t* x, int64_t xstride, const void* w,
   }
   for (; kp < Kp; ++kp) {
     int64_t t = kp * 128;
+    if (R > 1) prefetch_ahead<I8, 4>(w, t);
     __m512bh w0 = load_w<I8>(w, t), w1 = load_w<I8>(w, t + 32), w2 = load_w<I8>(w, t + 64), w3 = load_w<I8>(w, t + 96);
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * xstride + kp]);
@@ -161,7 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_gemv_v5"
+_NAME = "ragkv_bf16_gemv_v6"
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=torch.cpu._is_avx512_bf16_supported)
 
