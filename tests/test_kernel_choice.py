@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, machine_key, row_class
-from ragkv.ops import gemv_kernel
+from ragkv.ops import amx_kernel, gemv_kernel
 
 native_bf16 = pytest.mark.skipif(not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()),
                                  reason="bf16 kernels are chosen only where the CPU multiplies bf16 natively")
@@ -61,8 +61,9 @@ def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_eve
 @pytest.mark.parametrize("op", ["plain", "swiglu", "add"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40, 600, 1100])
 def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_path):
-    """gemv (few rows), oneDNN in place (with its fused SwiGLU and residual add, whole or in 512-row tiles) and
-    torch's stock product give the model's own bf16 linear's result to bf16 rounding at every row class."""
+    """gemv (few rows), the AMX kernel (up to 128 rows, where the CPU has AMX), oneDNN in place (with its fused SwiGLU
+    and residual add, whole or in 512-row tiles) and torch's stock product give the model's own bf16 linear's result
+    to bf16 rounding at every row class."""
     from ragkv.models.quant import TILE_ROWS, OneDnnLinear
 
     torch.manual_seed(0)
@@ -73,7 +74,8 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
     y = [torch.nn.functional.linear(x.float(), p.weight.float()) for p in parts]
     want = torch.nn.functional.silu(y[0]) * y[1] if op == "swiglu" else res.float() + y[0] if op == "add" else y[0]
     kernels = ["onednn", "stock"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else []) \
-        + (["tiles"] if rows > TILE_ROWS else [])
+        + (["tiles"] if rows > TILE_ROWS else []) \
+        + (["amx"] if m.gemv is not None and amx_kernel.takes(rows, m.in_features) else [])
     for kernel in kernels:
         m.kernels = [kernel] * len(PROBE_ROWS)
         assert m.kernel_for(x) == kernel
@@ -146,3 +148,20 @@ def test_the_prefill_kernel_and_sdpa_give_the_same_causal_attention():
     assert (got_sdpa - want).abs().max() < 0.02
     if prefill_kernel.kernel() is not None:
         assert (prefill_kernel.prefill_attention(q, k, v, past=0).float() - want).abs().max() < 0.02
+
+
+@pytest.mark.skipif(amx_kernel.kernel() is None, reason="the AMX kernel is built only on CPUs with AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 50, 128])
+@pytest.mark.parametrize("shape", [(100, 64), (1152, 896), (896, 4864)])
+def test_the_amx_kernel_computes_the_linear_with_its_bias(rows, shape):
+    """Over gemv's packed copy, at every row count it takes (groups of 16 and a short last one) and an output count
+    that is not a multiple of 64: fp32 F.linear's result, bias included, to bf16 rounding."""
+    torch.manual_seed(rows)
+    N, K = shape
+    w, b = torch.randn(N, K, dtype=torch.bfloat16) / 30, torch.randn(N)
+    x = torch.randn(1, rows, K, dtype=torch.bfloat16)
+    packed, _, bias = gemv_kernel.pack(w, b)
+    got = amx_kernel.product(x, packed, bias, N)
+    want = torch.nn.functional.linear(x.float(), w.float(), b)
+    assert got.shape == (1, rows, N) and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.01 * want.abs().max() + 0.01

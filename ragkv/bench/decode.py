@@ -92,7 +92,7 @@ def _profile(engine, segs, steps: int = 8) -> dict:
         name, ms = ev.key, ev.self_cpu_time_total / 1000 / steps
         ops += ev.count
         if any(s in name for s in ("int4pack", "int8pack", "aten::mm", "aten::addmm", "ragkv::gemv",
-                                   "_linear_pointwise")):
+                                   "ragkv::amx_product", "_linear_pointwise")):
             kinds["weight matmuls"] += ms
         elif any(s in name for s in ("attention", "aten::bmm", "softmax")):  # ragkv::decode_attention too
             kinds["attention"] += ms

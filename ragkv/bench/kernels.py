@@ -33,14 +33,15 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
                 attention.append([e["product"], probe, ms.get("kernel", "-"), ms.get("sdpa", "-"), choice,
                                   f"{min(ms.values()) / ms['sdpa']:.2f}x" if ms.get("sdpa") else "-"])
                 continue
-            rows.append([e["product"], probe, *(ms.get(k, "-") for k in ("gemv", "onednn", "stock", "tiles")),
+            rows.append([e["product"], probe, *(ms.get(k, "-") for k in ("gemv", "amx", "onednn", "stock", "tiles")),
                          choice, f"{min(ms.values()) / ms['onednn']:.2f}x" if ms.get("onednn") else "-"])
     result = {"benchmark": "kernels", "model": loaded.name, "machine": machine(), "cache": str(chooser.path),
               "measured": chooser.measured, "products": products}
     save_json(out_dir / "kernels.json", result)
     md = (f"Kernels per product and row class on {machine()['cpu']} (bf16, median ms of 5 after one untimed call; "
           "the chosen one is the fastest; last column: its time over oneDNN's):\n\n"
-          + markdown_table(["product", "rows", "gemv ms", "onednn ms", "stock ms", "tiles ms", "chosen", "vs onednn"],
+          + markdown_table(["product", "rows", "gemv ms", "amx ms", "onednn ms", "stock ms", "tiles ms", "chosen",
+                            "vs onednn"],
                            rows)
           + "\n\nPrefill attention (square causal rows; kernel: ragkv's AVX-512 BF16 kernel, sdpa: torch's; last "
           "column: the chosen one's time over SDPA's):\n\n"

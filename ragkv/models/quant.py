@@ -51,7 +51,7 @@ from torch import nn
 
 from ragkv.errors import InvalidRequestError
 from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, row_class
-from ragkv.ops import gemv_kernel, int8_kernel
+from ragkv.ops import amx_kernel, gemv_kernel, int8_kernel
 from ragkv.ops.attention import choose_prefill_attention
 from ragkv.ops.int8_kernel import dequantize, quantize_rows
 
@@ -269,22 +269,29 @@ class OneDnnLinear(ExactCopyLinear):
                 return self._in_tiles(self.few_rows, x)
             if kernel == "gemv":
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
+            if kernel == "amx":  # the matrix unit over the same packed copy
+                return amx_kernel.product(x, self.gemv[0], self.gemv[2], self.out_features)
             if kernel == "stock":  # torch's own product (oneDNN picks AMX by itself where there is one)
                 return nn.functional.linear(x, self.weight, self.bias)
             return self.few_rows(x)
         return super().forward(x)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """bf16: "gemv" (ragkv's product kernel, few rows), "onednn" (oneDNN on W in place), "stock" (F.linear) or
-        "tiles" (oneDNN on W in place over TILE_ROWS-row tiles, more rows only): what `choose_kernels` measured
-        fastest for this many rows, else gemv wherever it takes the rows."""
+        """bf16: "gemv" (ragkv's product kernel, few rows), "amx" (ragkv's AMX kernel on gemv's copy, up to
+        amx_kernel.MAX_ROWS rows), "onednn" (oneDNN on W in place), "stock" (F.linear) or "tiles" (oneDNN on W in
+        place over TILE_ROWS-row tiles, more rows only): what `choose_kernels` measured fastest for this many rows,
+        else gemv wherever it takes the rows."""
         if self.kernels is not None:
             rows = x.numel() // self.in_features
             kernel = self.kernels[row_class(rows)]
             if (kernel != "gemv" or self._few(x)) and not (kernel == "stock" and self.weight.is_mkldnn) \
-                    and not (kernel == "tiles" and (rows <= TILE_ROWS or self.weight.is_mkldnn)):
+                    and not (kernel == "tiles" and (rows <= TILE_ROWS or self.weight.is_mkldnn)) \
+                    and not (kernel == "amx" and not self._amx_takes(x)):
                 return kernel
         return "gemv" if self._few(x) else "onednn"
+
+    def _amx_takes(self, x: torch.Tensor) -> bool:
+        return self.gemv is not None and amx_kernel.takes(x.numel() // self.in_features, self.in_features)
 
     def _few(self, x: torch.Tensor) -> bool:
         return self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features
@@ -389,7 +396,7 @@ def _swap_linears(module: nn.Module, kind: str) -> nn.Module:
 
 # the op each product feeds (what is timed: oneDNN fuses SwiGLU and the residual add into its own product)
 PRODUCT_OPS = {"gate_up_proj": "swiglu", "o_proj": "add", "down_proj": "add"}
-KERNELS = ("gemv", "onednn", "stock", "tiles")
+KERNELS = ("gemv", "amx", "onednn", "stock", "tiles")
 
 
 def _onednn_linears(module: nn.Module, name: str = ""):
@@ -407,6 +414,8 @@ def _probe(m: OneDnnLinear, op: str, kernel: str):
     kernel cannot take them."""
     def make(rows: int):
         if kernel == "gemv" and (m.gemv is None or rows > gemv_kernel.MAX_ROWS):
+            return None
+        if kernel == "amx" and (m.gemv is None or not amx_kernel.takes(rows, m.in_features)):
             return None
         if kernel in ("stock", "tiles") and m.weight.is_mkldnn or kernel == "tiles" and rows <= TILE_ROWS:
             return None
