@@ -165,3 +165,6 @@ def test_the_amx_kernel_computes_the_linear_with_its_bias(rows, shape):
     want = torch.nn.functional.linear(x.float(), w.float(), b)
     assert got.shape == (1, rows, N) and got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 0.01 * want.abs().max() + 0.01
+    last = torch.cat([x, x], dim=1)[:, -1:]  # one row viewed out of a longer prompt (a decode row's stride)
+    assert torch.equal(amx_kernel.product(last, packed, bias, N), amx_kernel.product(x[:, -1:].clone(), packed,
+                                                                                     bias, N))

@@ -81,8 +81,8 @@ bool available() {
 // -> y [M, N] bf16
 torch::Tensor product(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(available(), "built without AMX-BF16, or the tile state was refused");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) == x.size(1),
-              "x must be contiguous [M, K] bf16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+              (x.size(0) == 1 || x.stride(0) == x.size(1)), "x must be contiguous [M, K] bf16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4, "packed weights must be bf16");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(Kp * 2 == K && K % 32 == 0, "x has ", K, " columns, the weight ", Kp * 2, " (a multiple of 32)");
@@ -130,7 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_amx_product_v2"
+_NAME = "ragkv_bf16_amx_product_v3"
 # the compiled module where this CPU has AMX-BF16, else None (the chooser offers only the other kernels)
 kernel = LazyExtension(_NAME, _SOURCE, "AMX bf16 product kernel", needs=torch.cpu._is_amx_tile_supported)
 
