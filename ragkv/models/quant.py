@@ -281,25 +281,30 @@ class OneDnnLinear(ExactCopyLinear):
         amx_kernel.MAX_ROWS rows), "onednn" (oneDNN on W in place), "stock" (F.linear) or "tiles" (oneDNN on W in
         place over TILE_ROWS-row tiles, more rows only): what `choose_kernels` measured fastest for this many rows,
         else gemv wherever it takes the rows."""
+        rows = x.numel() // self.in_features
         if self.kernels is not None:
-            rows = x.numel() // self.in_features
             kernel = self.kernels[row_class(rows)]
-            if (kernel != "gemv" or self._few(x)) and not (kernel == "stock" and self.weight.is_mkldnn) \
-                    and not (kernel == "tiles" and (rows <= TILE_ROWS or self.weight.is_mkldnn)) \
-                    and not (kernel == "amx" and not self._amx_takes(x)):
+            if self.takes(kernel, rows):
                 return kernel
-        return "gemv" if self._few(x) else "onednn"
+        return "gemv" if self.takes("gemv", rows) else "onednn"
 
-    def _amx_takes(self, x: torch.Tensor) -> bool:
-        return self.gemv is not None and amx_kernel.takes(x.numel() // self.in_features, self.in_features)
+    def takes(self, kernel: str, rows: int) -> bool:
+        """Whether `kernel` can run a product of this many rows on this copy (what the chooser may time)."""
+        if kernel == "gemv":
+            return self.gemv is not None and rows <= gemv_kernel.MAX_ROWS
+        if kernel == "amx":
+            return self.gemv is not None and amx_kernel.takes(rows, self.in_features)
+        if kernel in ("stock", "tiles") and self.weight.is_mkldnn:
+            return False
+        return kernel != "tiles" or rows > TILE_ROWS
 
-    def _few(self, x: torch.Tensor) -> bool:
-        return self.gemv is not None and x.numel() <= gemv_kernel.MAX_ROWS * self.in_features
-
-    def _fuses(self, x: torch.Tensor) -> bool:
-        """Whether oneDNN's post-ops take this product: bf16 on the model's own weights, oneDNN's kernel chosen."""
-        return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn and self.kernel_for(x) in ("onednn",
-                                                                                                      "tiles")
+    def _fused_kernel(self, x: torch.Tensor) -> str | None:
+        """"onednn" or "tiles" where oneDNN's post-ops take this product (bf16 on the model's own weights, one of
+        those two chosen), else None."""
+        if self.weight.dtype != torch.bfloat16 or self.weight.is_mkldnn:
+            return None
+        kernel = self.kernel_for(x)
+        return kernel if kernel in ("onednn", "tiles") else None
 
     def _in_tiles(self, op, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`op` (a product, with the residual it adds) over TILE_ROWS-row tiles of x, joined: each tile at the size
@@ -315,10 +320,9 @@ class OneDnnLinear(ExactCopyLinear):
         the gate's product and multiplies the up product by it as each is written (two products, no pass over a
         [rows, 2I] output, silu in fp32); otherwise the joined product, then silu(gate) * up in one pass where that
         kernel is built (int8_kernel.silu_mul: torch's ops pass over [rows, I] three times), else torch's ops."""
-        if len(self.parts) == 2 and self._fuses(x):
-            if self.kernel_for(x) == "tiles":
-                return self._in_tiles(self._fused_swiglu, x)
-            return self._fused_swiglu(x)
+        kernel = self._fused_kernel(x) if len(self.parts) == 2 else None
+        if kernel is not None:
+            return self._in_tiles(self._fused_swiglu, x) if kernel == "tiles" else self._fused_swiglu(x)
         y = self(x)
         fused = int8_kernel.silu_mul(y) if len(self.parts) == 2 else None
         if fused is not None:
@@ -328,10 +332,9 @@ class OneDnnLinear(ExactCopyLinear):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x W^T (+ b): at many rows in bf16 oneDNN adds the residual as it writes the product."""
-        if len(self.parts) == 1 and self._fuses(x) and residual.dtype == x.dtype and residual.is_contiguous():
-            if self.kernel_for(x) == "tiles":
-                return self._in_tiles(self._fused_add, x, residual)
-            return self._fused_add(x, residual)
+        kernel = self._fused_kernel(x) if len(self.parts) == 1 else None
+        if kernel is not None and residual.dtype == x.dtype and residual.is_contiguous():
+            return self._in_tiles(self._fused_add, x, residual) if kernel == "tiles" else self._fused_add(x, residual)
         return residual + self(x)
 
     def _fused_swiglu(self, x: torch.Tensor) -> torch.Tensor:
@@ -413,11 +416,7 @@ def _probe(m: OneDnnLinear, op: str, kernel: str):
     """rows -> a call running product `m` (and its op) through `kernel` on that many random rows, or None where the
     kernel cannot take them."""
     def make(rows: int):
-        if kernel == "gemv" and (m.gemv is None or rows > gemv_kernel.MAX_ROWS):
-            return None
-        if kernel == "amx" and (m.gemv is None or not amx_kernel.takes(rows, m.in_features)):
-            return None
-        if kernel in ("stock", "tiles") and m.weight.is_mkldnn or kernel == "tiles" and rows <= TILE_ROWS:
+        if not m.takes(kernel, rows):
             return None
         x = torch.randn(1, rows, m.in_features, dtype=m.weight.dtype)
         res = torch.randn(1, rows, m.out_features, dtype=m.weight.dtype)
