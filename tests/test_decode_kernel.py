@@ -8,6 +8,20 @@ from ragkv.ops.decode_kernel import decode_attention_cpu, kernel
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler: the torch path is used instead")
 
+# the bf16 kernel's paths (ops/decode_amx.py: the AMX one where this CPU and build have it)
+NEEDS_AMX = pytest.mark.skipif(kernel() is None or not kernel().amx_built(),
+                               reason="the AMX path is built only on CPUs with AMX-BF16")
+BF16_PATHS = ["avx512", pytest.param("amx", marks=NEEDS_AMX)]
+
+
+@pytest.fixture
+def bf16_path(request):
+    """Runs the test on one of the bf16 kernel's paths, then puts back the one this process had chosen."""
+    mod, before = kernel(), kernel().amx_in_use()
+    mod.use_amx(request.param == "amx")
+    yield request.param
+    mod.use_amx(before)
+
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,d,s", [(9, 3, 64, 1300), (4, 4, 32, 7), (8, 2, 48, 3000), (14, 2, 64, 1)])
@@ -71,12 +85,14 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one():
     assert not os.path.exists(stale)
 
 
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (12, 2, 128), (8, 2, 48), (16, 1, 64)])
-def test_several_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, d):
+def test_several_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, d, bf16_path):
     """`decode_attention_many` runs B sequences of different lengths in one call (bf16: one parallel loop); each
     sequence's rows equal its own call's bitwise (batch invariance), and SDPA's to bf16 rounding. The shapes cover
     the AVX-512 BF16 path's instantiations (group sizes 1-8, head dims 64 and 128) and the generic path beside it
-    (head dim 48, a group of 16)."""
+    (head dim 48, a group of 16); the AMX path takes groups of up to 16 at head dims 64 and 128, with a last block
+    of keys shorter than its tiles (7, 17, 300)."""
     from ragkv.ops.decode_kernel import decode_attention_many_cpu
 
     g = torch.Generator().manual_seed(d)
@@ -123,11 +139,14 @@ def test_new_rows_written_and_attended_in_one_call_equal_a_write_then_attention(
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,bf16_path", [(torch.float32, "avx512"), (torch.bfloat16, "avx512"),
+                                             pytest.param(torch.bfloat16, "amx", marks=NEEDS_AMX)],
+                         indirect=["bf16_path"])
 @pytest.mark.parametrize("hq,hkv,d,split", [(14, 2, 64, 700), (12, 2, 128, 1), (9, 3, 64, 1299)])
-def test_two_segments_read_in_place_equal_one_buffer_bitwise(dtype, hq, hkv, d, split):
+def test_two_segments_read_in_place_equal_one_buffer_bitwise(dtype, hq, hkv, d, split, bf16_path):
     """A shared prompt prefix and a choice's own rows, read in place as two segments, give bitwise the answer of
-    one buffer holding both (the same arithmetic row by row, whichever path the dtype and shape take)."""
+    one buffer holding both (the same arithmetic row by row, whichever path the dtype and shape take; the AMX path
+    copies a block of keys that spans the two segments, 700 and 1299 here, before its tile load)."""
     g = torch.Generator().manual_seed(split)
     k = torch.randn(1, hkv, 1300, d, generator=g).to(dtype)
     v = torch.randn(1, hkv, 1300, d, generator=g).to(dtype)

@@ -168,3 +168,33 @@ def test_the_amx_kernel_computes_the_linear_with_its_bias(rows, shape):
     last = torch.cat([x, x], dim=1)[:, -1:]  # one row viewed out of a longer prompt (a decode row's stride)
     assert torch.equal(amx_kernel.product(last, packed, bias, N), amx_kernel.product(x[:, -1:].clone(), packed,
                                                                                      bias, N))
+
+
+def test_decode_attention_takes_the_path_measured_faster_for_every_batch(tmp_path):
+    """The bf16 decode kernel's path (AVX-512 BF16 or AMX) is the one measured faster on one probe step (a fake
+    timer here), and it then serves every batch size alike; where the AMX path is not built, AVX-512 unmeasured."""
+    from ragkv.ops import attention, decode_kernel
+
+    mod = decode_kernel.kernel()
+    if mod is None or not mod.amx_built():
+        chooser = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("nothing to measure"))
+        assert attention.choose_decode_attention(chooser, torch.bfloat16, 4, 2, 64) == "avx512"
+        return
+    before = mod.amx_in_use()
+    try:
+        for amx_ms, want in ((1.0, "amx"), (3.0, "avx512")):
+            clock = FakeClock({"avx512": lambda r: 2.0, "amx": lambda r: amx_ms})
+            chooser = KernelChooser(tmp_path / f"{want}.json", timer=clock)
+            real_choose = chooser.choose
+
+            def choose(product, dtype, macs, candidates, default):  # the real probes, costed by the fake clock
+                fake = {n: (lambda n, make: lambda rows: (make(rows) and clock.kernel(n, rows)))(n, make)
+                        for n, make in candidates.items()}
+                return real_choose(product, dtype, macs, fake, default)
+            chooser.choose = choose
+            assert attention.choose_decode_attention(chooser, torch.bfloat16, 4, 2, 64) == want
+            assert mod.amx_in_use() is (want == "amx")
+            entry, = chooser.table.values()
+            assert [bool(ms) for ms in entry["ms"]] == [r == attention.DECODE_PROBE_SEQUENCES for r in PROBE_ROWS]
+    finally:
+        mod.use_amx(before)

@@ -25,10 +25,15 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     progress(f"[bench kernels] timing every product of {loaded.name} at {list(PROBE_ROWS)} rows "
              f"({'measuring' if refresh else 'cache first'})")
     decode_copy(loaded.model, "onednn", chooser)
-    rows, attention = [], []
+    rows, attention, decode = [], [], []
     products = [e for e in chooser.table.values() if e["machine"].endswith("bfloat16")]
     for e in products:
         for probe, ms, choice in zip(e["probe_rows"], e["ms"], e["choice"]):
+            if e["product"].startswith("decode attention"):
+                if ms:  # one sequence count is timed: a step's path must not depend on its batch size
+                    decode.append([e["product"], probe, ms.get("avx512", "-"), ms.get("amx", "-"), choice,
+                                   f"{min(ms.values()) / ms['avx512']:.2f}x" if ms.get("avx512") else "-"])
+                continue
             if e["product"].startswith("causal attention"):
                 attention.append([e["product"], probe, ms.get("kernel", "-"), ms.get("sdpa", "-"), choice,
                                   f"{min(ms.values()) / ms['sdpa']:.2f}x" if ms.get("sdpa") else "-"])
@@ -45,6 +50,9 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
                            rows)
           + "\n\nPrefill attention (square causal rows; kernel: ragkv's AVX-512 BF16 kernel, sdpa: torch's; last "
           "column: the chosen one's time over SDPA's):\n\n"
-          + markdown_table(["attention", "rows", "kernel ms", "sdpa ms", "chosen", "vs sdpa"], attention))
+          + markdown_table(["attention", "rows", "kernel ms", "sdpa ms", "chosen", "vs sdpa"], attention)
+          + "\n\nDecode attention (one step of that many sequences; avx512 and amx: the bf16 decode kernel's two "
+          "paths; last column: the chosen one's time over the AVX-512 path's):\n\n"
+          + markdown_table(["attention", "sequences", "avx512 ms", "amx ms", "chosen", "vs avx512"], decode))
     (out_dir / "kernels.md").write_text(md + "\n")
     return result

@@ -52,7 +52,7 @@ from torch import nn
 from ragkv.errors import InvalidRequestError
 from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, row_class
 from ragkv.ops import amx_kernel, gemv_kernel, int8_kernel
-from ragkv.ops.attention import choose_prefill_attention
+from ragkv.ops.attention import choose_decode_attention, choose_prefill_attention
 from ragkv.ops.int8_kernel import dequantize, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -434,7 +434,8 @@ def _probe(m: OneDnnLinear, op: str, kernel: str):
 
 def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
     """Each bf16 product of a `onednn` copy gets the kernel measured fastest per row class on this machine (one
-    measurement per weight shape and op, cached by `chooser`), and so does its prefills' causal attention."""
+    measurement per weight shape and op, cached by `chooser`), and so do its prefills' causal attention and its decode
+    attention's path."""
     choices: dict[str, list[str]] = {}
     for attr, m in _onednn_linears(copy_):
         op = "swiglu" if attr == "gate_up_proj" and len(m.parts) == 2 else PRODUCT_OPS.get(attr, "plain")
@@ -445,8 +446,9 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
                                               {k: _probe(m, op, k) for k in KERNELS}, "onednn")
         m.kernels = choices[product]
     args = getattr(copy_, "args", None)
-    if args is not None:  # and the causal attention of its prefills (ragkv's kernel or SDPA)
+    if args is not None:  # and its attention: the prefills' (ragkv's kernel or SDPA), decode's (AVX-512 or AMX)
         choose_prefill_attention(chooser, torch.bfloat16, args.num_heads, args.num_kv_heads, args.head_dim)
+        choose_decode_attention(chooser, torch.bfloat16, args.num_heads, args.num_kv_heads, args.head_dim)
     if chooser.measured:
         chooser.save()
         log.info("kernels measured for %d products on this machine (%s)", chooser.measured, chooser.path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.trace import traced
 
 MAX_ROWS = 128  # rows offered to the chooser: above, oneDNN's blocked GEMM reuses each weight tile better
 
@@ -145,6 +146,6 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_featu
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    with torch.profiler.record_function("ragkv::amx_product"):
+    with traced("ragkv::amx_product"):
         y = kernel().product(x2, packed, bias, out_features)
     return y.reshape(*x.shape[:-1], out_features)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ragkv.ops import prefill_kernel
+from ragkv.ops import decode_kernel, prefill_kernel
 from ragkv.ops.decode_kernel import append_attention_many_cpu, decode_attention_cpu, decode_attention_many_cpu
 from ragkv.ops.kernel_choice import KernelChooser, row_class
 
@@ -78,6 +78,37 @@ def choose_prefill_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads
     product = f"causal attention heads={q_heads}/{kv_heads} dim={head_dim}"
     _PREFILL_CHOICE[key] = chooser.choose(product, dtype, 0, {n: make(n) for n in ("kernel", "sdpa")}, "sdpa")
     return _PREFILL_CHOICE[key]
+
+
+DECODE_PROBE_SEQUENCES, DECODE_PROBE_KEYS = 16, 1024  # a busy server's decode step, as timed for the choice
+
+
+def choose_decode_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads: int, kv_heads: int,
+                            head_dim: int) -> str:
+    """Time the bf16 decode kernel's two paths, AVX-512 BF16 and AMX (ops/decode_amx.py), on a step of
+    DECODE_PROBE_SEQUENCES sequences of DECODE_PROBE_KEYS keys (cached by `chooser`) and use the faster for every
+    step from then on: one choice for all batch sizes, so that a sequence's numbers do not depend on what decodes
+    beside it. Where the AMX path is not built here, the AVX-512 one unmeasured. The choice is the process's (one
+    switch in the kernel), made for the last model that asked."""
+    mod = decode_kernel.kernel()
+    if dtype != torch.bfloat16 or mod is None or not mod.amx_built():
+        return "avx512"
+
+    def make(path: str):
+        def at(rows: int):
+            if rows != DECODE_PROBE_SEQUENCES:
+                return None
+            g = torch.Generator().manual_seed(rows)
+            keys = [torch.randn(1, kv_heads, DECODE_PROBE_KEYS, head_dim, generator=g).to(dtype) for _ in range(rows)]
+            q = torch.randn(rows, q_heads, 1, head_dim, generator=g).to(dtype)
+            return lambda: (mod.use_amx(path == "amx"), decode_attention_many_cpu(q, keys, keys))
+        return at
+
+    product = f"decode attention heads={q_heads}/{kv_heads} dim={head_dim} {DECODE_PROBE_KEYS} keys"
+    choice = chooser.choose(product, dtype, 0, {n: make(n) for n in ("avx512", "amx")}, "avx512")
+    chosen = choice[row_class(DECODE_PROBE_SEQUENCES)]
+    mod.use_amx(chosen == "amx")
+    return chosen
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

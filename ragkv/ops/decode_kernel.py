@@ -10,8 +10,7 @@ per sequence, a 16-sequence decode step's attention took 80 ms in the generic lo
 
 Built on first use with torch.utils.cpp_extension (cached under ~/.cache/torch_extensions); where that fails
 (no compiler) or RAGKV_NO_CPP_KERNELS=1, `decode_attention` keeps its pure-torch path. Tested against SDPA.
-Builds are serialized by an OS file lock (released when its process dies), so the lock file torch's builder leaves
-behind when a build is killed cannot make later builds wait forever.
+On a CPU with AMX the bf16 path may run on the matrix unit instead (ops/decode_amx.py), where measured faster.
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.decode_amx import AMX_PATH
 from ragkv.ops.decode_bf16 import BF16_PATH
+from ragkv.ops.trace import traced
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -115,8 +116,7 @@ static void merge_chunks(const float* pmax, const float* psum, const float* pout
 }
 
 static inline int64_t chunk_of(int64_t S) { return std::max<int64_t>(256, (S + 7) / 8); }
-
-""" + BF16_PATH + r"""
+""" + BF16_PATH + AMX_PATH + r"""
 template <typename T>
 static void decode_attn_impl(const at::Tensor& q, const Rows<T>& kr_, const Rows<T>& vr_, int64_t Hkv, int64_t S,
                              at::Tensor& out, double scale) {
@@ -187,7 +187,8 @@ static at::Tensor attend(at::Tensor q, const at::Tensor& k, const at::Tensor& v,
 #ifdef __AVX512BF16__
     const std::vector<SeqView> one{{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kr, vr, S,
                                     out.data_ptr<float>()}};
-    if (decode_bf16_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale)) return out;
+    if (decode_amx_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale) ||
+        decode_bf16_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale)) return out;
 #endif
     decode_attn_impl<at::BFloat16>(q, kr, vr, Hkv, S, out, scale);
   }
@@ -217,7 +218,8 @@ at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::
                       Rows<at::BFloat16>(ks[b], nullptr), Rows<at::BFloat16>(vs[b], nullptr), ks[b].size(1),
                       out.data_ptr<float>() + b * Hq * D});
     }
-    if (decode_bf16_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
+    if (decode_amx_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale) ||
+        decode_bf16_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
   }
 #endif
   for (int64_t b = 0; b < B; ++b) out.select(0, b).copy_(attend(q.select(0, b), ks[b], vs[b], nullptr, nullptr, scale));
@@ -422,12 +424,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_many", &decode_attention_many, py::call_guard<py::gil_scoped_release>());
   m.def("append_attention_many", &append_attention_many, py::call_guard<py::gil_scoped_release>());
   m.def("parts_attention", &parts_attention, py::call_guard<py::gil_scoped_release>());
+  define_amx_switch(m);
 }
 """
 
-_NAME = "ragkv_decode_attention_v14"
-# the compiled module, or None where it cannot be built (then callers use their torch path); -ffast-math lets the
-# compiler vectorize the fp32 dot-product reductions
+_NAME = "ragkv_decode_attention_v20"
+# the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
 
@@ -440,7 +442,7 @@ def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mod is None:
         return None
     B, Hq, T, D = q.shape
-    with torch.profiler.record_function("ragkv::decode_attention"):  # visible to `bench decode`'s profile
+    with traced("ragkv::decode_attention"):  # visible to `bench decode`'s profile
         if k2 is None:
             out = mod.decode_attention(q.reshape(Hq, D), k[0], v[0], 1.0 / D ** 0.5)
         else:
@@ -457,11 +459,10 @@ def decode_attention_many_cpu(q: torch.Tensor, keys: list[torch.Tensor],
     if mod is None:
         return None
     B, Hq, T, D = q.shape
-    with torch.profiler.record_function("ragkv::decode_attention"):
+    with traced("ragkv::decode_attention"):
         out = mod.decode_attention_many(q.reshape(B, Hq, D), [k[0] for k in keys], [v[0] for v in values],
                                         1.0 / D ** 0.5)
     return out.to(q.dtype).reshape(B, Hq, T, D)
-
 
 
 def append_attention_many_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, key_buffers: list[torch.Tensor],
@@ -474,10 +475,11 @@ def append_attention_many_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     if mod is None:
         return None
     B, Hq, T, D = q.shape
-    with torch.profiler.record_function("ragkv::decode_attention"):
+    with traced("ragkv::decode_attention"):
         out = mod.append_attention_many(q.reshape(B, Hq, D), k_new[:, :, 0], v_new[:, :, 0], key_buffers,
                                         value_buffers, lengths, 1.0 / D ** 0.5)
     return out.to(q.dtype).reshape(B, Hq, T, D)
+
 
 def parts_attention_cpu(q_rows: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                         row_part: torch.Tensor, row_scale: torch.Tensor, row_seq: torch.Tensor,
@@ -491,7 +493,7 @@ def parts_attention_cpu(q_rows: torch.Tensor, keys: list[torch.Tensor], values: 
     mod = kernel()
     if mod is None:
         return None
-    with torch.profiler.record_function("ragkv::parts_attention"):
+    with traced("ragkv::parts_attention"):
         if masks is None:
             masks = [torch.empty(0, dtype=torch.bool)] * q_rows.shape[0]
         return mod.parts_attention(q_rows, keys, values, row_part, row_scale, row_seq, row_group, factor, sequences,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.trace import traced
 
 BLOCK = 64  # outputs per packed block: four 16-lane accumulators per row
 MAX_ROWS = 16  # rows this kernel takes; more are compute-bound, where oneDNN's GEMM is at the CPU's peak
@@ -215,6 +216,6 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torc
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != x2.shape[1]):
         x2 = x2.contiguous()
-    with torch.profiler.record_function("ragkv::gemv"):  # visible to `bench decode`'s profile
+    with traced("ragkv::gemv"):  # visible to `bench decode`'s profile
         y = kernel().gemv(x2, packed, scales, bias, out_features)
     return y.reshape(*x.shape[:-1], out_features)

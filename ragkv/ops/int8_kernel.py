@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.trace import traced
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -269,5 +270,5 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor | None:
     if k is None or y.dtype != torch.bfloat16 or y.device.type != "cpu":
         return None
     y2 = y.reshape(-1, y.shape[-1]).contiguous()
-    with torch.profiler.record_function("ragkv::silu_mul"):
+    with traced("ragkv::silu_mul"):
         return k.silu_mul(y2).reshape(*y.shape[:-1], y.shape[-1] // 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
+from ragkv.ops.trace import traced
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -75,5 +76,5 @@ def rms_norm_pass(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     k = kernel()
     if k is None:
         return None
-    with torch.profiler.record_function("ragkv::rms_norm"):
+    with traced("ragkv::rms_norm"):
         return k.rms_norm(x, weight.contiguous(), eps)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.trace import traced
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -240,6 +241,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: i
         q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    with torch.profiler.record_function("ragkv::prefill_attention"):
+    with traced("ragkv::prefill_attention"):
         out, lse = kernel().attention(q, k, v, int(past), bool(causal), bool(want_lse), limits)
     return (out, lse) if want_lse else out

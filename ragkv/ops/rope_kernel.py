@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
+from ragkv.ops.trace import traced
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -92,5 +93,5 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     k = kernel()
     if k is None:
         return None
-    with torch.profiler.record_function("ragkv::rope"):
+    with traced("ragkv::rope"):
         return k.apply(x, cos, sin)
