@@ -198,3 +198,21 @@ def test_decode_attention_takes_the_path_measured_faster_for_every_batch(tmp_pat
             assert [bool(ms) for ms in entry["ms"]] == [r == attention.DECODE_PROBE_SEQUENCES for r in PROBE_ROWS]
     finally:
         mod.use_amx(before)
+
+
+@pytest.mark.parametrize("forced", ["avx512", "amx"])
+def test_the_decode_attention_path_can_be_fixed_unmeasured(tmp_path, monkeypatch, forced):
+    """RAGKV_DECODE_ATTENTION=avx512 or amx fixes the bf16 kernel's path (A/B runs) without measuring."""
+    from ragkv.ops import attention, decode_kernel
+
+    mod = decode_kernel.kernel()
+    if mod is None or not mod.amx_built():
+        pytest.skip("one path only: the AMX one is built only on CPUs with AMX-BF16")
+    before = mod.amx_in_use()
+    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", forced)
+    try:
+        chooser = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured"))
+        assert attention.choose_decode_attention(chooser, torch.bfloat16, 14, 2, 64) == forced
+        assert mod.amx_in_use() is (forced == "amx") and chooser.measured == 0
+    finally:
+        mod.use_amx(before)

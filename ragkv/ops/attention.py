@@ -89,10 +89,14 @@ def choose_decode_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads:
     DECODE_PROBE_SEQUENCES sequences of DECODE_PROBE_KEYS keys (cached by `chooser`) and use the faster for every
     step from then on: one choice for all batch sizes, so that a sequence's numbers do not depend on what decodes
     beside it. Where the AMX path is not built here, the AVX-512 one unmeasured. The choice is the process's (one
-    switch in the kernel), made for the last model that asked."""
+    switch in the kernel), made for the last model that asked. RAGKV_DECODE_ATTENTION=avx512 or amx fixes it."""
     mod = decode_kernel.kernel()
     if dtype != torch.bfloat16 or mod is None or not mod.amx_built():
         return "avx512"
+    forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
+    if forced in ("avx512", "amx"):  # RAGKV_DECODE_ATTENTION fixes the path (A/B runs), unmeasured
+        mod.use_amx(forced == "amx")
+        return forced
 
     def make(path: str):
         def at(rows: int):
@@ -210,10 +214,10 @@ def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     2,048 keys with the first call's heads. It was 1.7-2x faster than SDPA where it was written, but 3.4x slower
     than SDPA in fp32 on a 2-core AVX2 Zen 3 (1.47 ms against 0.43 ms per layer at 2.4K keys). The choice holds
     for the process (every sequence decodes through the same path: batch invariance); RAGKV_DECODE_ATTENTION=kernel
-    or torch fixes it."""
+    or torch fixes it (avx512 or amx: the kernel, on that path)."""
     forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
-    if forced in ("kernel", "torch"):
-        return forced == "kernel"
+    if forced in ("kernel", "torch", "avx512", "amx"):  # the last two: the kernel, on that path (bf16)
+        return forced != "torch"
     if q.dtype == torch.bfloat16 and q.dtype not in _KERNEL_WINS:
         # bf16: the torch path is three small ops with a thread fork/join each; timed alone it was level with the
         # kernel (0.14-0.28 ms against 0.13-0.24 per layer, Zen 4), but inside `ragkv serve` it took ~0.9 ms per
