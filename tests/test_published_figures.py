@@ -415,3 +415,19 @@ def test_the_screens_table_is_what_its_records_give():
         cells = [c.strip(" *") for c in row.split("|")[3:6]]
         want = [f"{statistics.mean(x):.3f}" if x else "-" for x in kl[key]]
         assert cells == want, (key, cells, want)
+
+
+def test_the_amx_decode_attention_table_matches_its_records():
+    """The AMX results README's decode-attention table (second pair of the A/B) and its kernels table's ratio."""
+    amx_readme = (RESULTS / "cpu_bf16" / "amx" / "README.md").read_text()
+    rows = {p: load("cpu_bf16", "amx", f"decode_attn_{p}", "decode.json")["rows"][0] for p in ("avx512", "amx")}
+    for path, name in (("avx512", "AVX-512 BF16"), ("amx", "AMX")):
+        r = rows[path]
+        line = next(x for x in amx_readme.splitlines() if x.startswith(f"| {name} |"))
+        assert f"{r['tokens_per_s']} (" in line and f"({round(100 * r['fraction_of_bound'])}%)" in line
+        assert f", {r['batched_tokens_per_s']['16']} tok/s |" in line
+    entry, = [e for e in load("cpu_bf16", "amx", "kernels_decode_amx", "kernels.json")["products"]
+              if e["product"].startswith("decode attention")]
+    ms = next(m for m in entry["ms"] if m)
+    assert f"{ms['avx512']} ms" in amx_readme.replace("\n", " ") or f"{ms['avx512']:.3f}" in amx_readme
+    assert f"{ms['amx'] / ms['avx512']:.2f}x" in amx_readme
