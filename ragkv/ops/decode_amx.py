@@ -312,6 +312,13 @@ static bool decode_amx_fast(const std::vector<SeqView>&, int64_t, int64_t, int64
 #endif
 #endif
 
+#ifdef __AVX512BF16__
+// the bf16 fast paths in order: AMX where chosen and it takes the shape, else AVX-512 BF16 (false: neither does)
+static bool decode_fast(const std::vector<SeqView>& seqs, int64_t G, int64_t Hkv, int64_t D, double scale) {
+  return decode_amx_fast(seqs, G, Hkv, D, scale) || decode_bf16_fast(seqs, G, Hkv, D, scale);
+}
+#endif
+
 static void define_amx_switch(py::module& m) {
   m.def("use_amx", &use_amx);        // bf16 decode attention on the matrix unit from now on (false: AVX-512 BF16)
   m.def("amx_in_use", &amx_in_use);

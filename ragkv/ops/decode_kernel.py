@@ -187,8 +187,7 @@ static at::Tensor attend(at::Tensor q, const at::Tensor& k, const at::Tensor& v,
 #ifdef __AVX512BF16__
     const std::vector<SeqView> one{{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kr, vr, S,
                                     out.data_ptr<float>()}};
-    if (decode_amx_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale) ||
-        decode_bf16_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale)) return out;
+    if (decode_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale)) return out;
 #endif
     decode_attn_impl<at::BFloat16>(q, kr, vr, Hkv, S, out, scale);
   }
@@ -218,8 +217,7 @@ at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::
                       Rows<at::BFloat16>(ks[b], nullptr), Rows<at::BFloat16>(vs[b], nullptr), ks[b].size(1),
                       out.data_ptr<float>() + b * Hq * D});
     }
-    if (decode_amx_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale) ||
-        decode_bf16_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
+    if (decode_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
   }
 #endif
   for (int64_t b = 0; b < B; ++b) out.select(0, b).copy_(attend(q.select(0, b), ks[b], vs[b], nullptr, nullptr, scale));
@@ -428,7 +426,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v21"
+_NAME = "ragkv_decode_attention_v22"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
