@@ -83,6 +83,13 @@ def choose_prefill_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads
 DECODE_PROBE_SEQUENCES, DECODE_PROBE_KEYS = 16, 1024  # a busy server's decode step, as timed for the choice
 
 
+def forced_decode_attention() -> str:
+    """RAGKV_DECODE_ATTENTION: "kernel" or "torch" (which decode attention), "avx512" or "amx" (the kernel, on that
+    bf16 path), else "auto" (measured)."""
+    forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
+    return forced if forced in ("kernel", "torch", "avx512", "amx") else "auto"
+
+
 def choose_decode_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads: int, kv_heads: int,
                             head_dim: int) -> str:
     """Time the bf16 decode kernel's two paths, AVX-512 BF16 and AMX (ops/decode_amx.py), on a step of
@@ -93,7 +100,7 @@ def choose_decode_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads:
     mod = decode_kernel.kernel()
     if dtype != torch.bfloat16 or mod is None or not mod.amx_built():
         return "avx512"
-    forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
+    forced = forced_decode_attention()
     if forced in ("avx512", "amx"):  # RAGKV_DECODE_ATTENTION fixes the path (A/B runs), unmeasured
         mod.use_amx(forced == "amx")
         return forced
@@ -215,8 +222,8 @@ def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     than SDPA in fp32 on a 2-core AVX2 Zen 3 (1.47 ms against 0.43 ms per layer at 2.4K keys). The choice holds
     for the process (every sequence decodes through the same path: batch invariance); RAGKV_DECODE_ATTENTION=kernel
     or torch fixes it (avx512 or amx: the kernel, on that path)."""
-    forced = os.environ.get("RAGKV_DECODE_ATTENTION", "auto")
-    if forced in ("kernel", "torch", "avx512", "amx"):  # the last two: the kernel, on that path (bf16)
+    forced = forced_decode_attention()
+    if forced != "auto":  # avx512 / amx: the kernel, on that path (bf16)
         return forced != "torch"
     if q.dtype == torch.bfloat16 and q.dtype not in _KERNEL_WINS:
         # bf16: the torch path is three small ops with a thread fork/join each; timed alone it was level with the
