@@ -86,6 +86,34 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
 
 
 @native_bf16
+@pytest.mark.parametrize("rows", [600, 1100])
+def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows):
+    """Where the gate/up product runs in tiles, the MLP runs tile by tile (each tile's SwiGLU straight into the down
+    projection with its residual add): the model's own MLP to bf16 rounding, and the two-step tiled path's rows to
+    that of one down projection; elsewhere it declines and the caller runs the two steps."""
+    from ragkv.models.quant import TILE_ROWS, OneDnnLinear
+
+    torch.manual_seed(0)
+    gate, up = (torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16) for _ in range(2))
+    down = torch.nn.Linear(160, 64, bias=False).to(torch.bfloat16)
+    gate_up, down_copy = OneDnnLinear([gate, up]), OneDnnLinear(down)
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    res = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    gate_up.kernels = down_copy.kernels = ["tiles"] * len(PROBE_ROWS)
+    want = res.float() + torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(x.float(), gate.weight.float()))
+        * torch.nn.functional.linear(x.float(), up.weight.float()), down.weight.float())
+    with torch.inference_mode():
+        got = gate_up.mlp_add_to(down_copy, res, x)
+        two_steps = down_copy.add_to(res, gate_up.swiglu(x))
+        assert gate_up.mlp_add_to(down_copy, res, x[:, :TILE_ROWS]) is None  # one tile: not "tiles"
+        gate_up.kernels = ["onednn"] * len(PROBE_ROWS)
+        assert gate_up.mlp_add_to(down_copy, res, x) is None
+    assert got.shape == want.shape
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max() + 0.02
+    assert (got.float() - two_steps.float()).abs().max() <= 2 ** -6 * two_steps.float().abs().max()
+
+@native_bf16
 def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tmp_path):
     """Every product of a bf16 `onednn` copy gets a measured kernel per row class; a second copy reads the cache."""
     from conftest import _load_tiny

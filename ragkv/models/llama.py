@@ -67,8 +67,10 @@ class MLP(nn.Module):
         return F.silu(self.gate_proj(x)) * self.up_proj(x)  # SwiGLU
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + MLP(x)."""
-        return add_linear(self.down_proj, residual, self.swiglu(x))
+        """residual + MLP(x); oneDNN's copy may run the whole MLP tile by tile (models/quant.py)."""
+        tiled = getattr(self.__dict__.get("gate_up_proj"), "mlp_add_to", None)
+        out = tiled(self.down_proj, residual, x) if tiled is not None else None
+        return out if out is not None else add_linear(self.down_proj, residual, self.swiglu(x))
 
 
 class DecoderLayer(nn.Module):

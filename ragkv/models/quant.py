@@ -298,10 +298,14 @@ class OneDnnLinear(ExactCopyLinear):
             return False
         return kernel != "tiles" or rows > TILE_ROWS
 
+    def fuses_post_ops(self) -> bool:
+        """Whether oneDNN's fused products (SwiGLU, residual add) can run on this copy: bf16 on the model's weights."""
+        return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn
+
     def _fused_kernel(self, x: torch.Tensor) -> str | None:
         """"onednn" or "tiles" where oneDNN's post-ops take this product (bf16 on the model's own weights, one of
         those two chosen), else None."""
-        if self.weight.dtype != torch.bfloat16 or self.weight.is_mkldnn:
+        if not self.fuses_post_ops():
             return None
         kernel = self.kernel_for(x)
         return kernel if kernel in ("onednn", "tiles") else None
@@ -336,6 +340,17 @@ class OneDnnLinear(ExactCopyLinear):
         if kernel is not None and residual.dtype == x.dtype and residual.is_contiguous():
             return self._in_tiles(self._fused_add, x, residual) if kernel == "tiles" else self._fused_add(x, residual)
         return residual + self(x)
+
+    def mlp_add_to(self, down: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """residual + down(silu(x Wg^T) * (x Wu^T)) tile by tile where this (joined gate/up) product runs in tiles:
+        each TILE_ROWS-row tile's [rows, I] intermediate goes straight into the down projection while in cache, and
+        only the [rows, H] outputs are joined. On an AMX Xeon a 1,329-row MLP took 0.62x the time of the tiled
+        SwiGLU joined then one down projection (0.9x at 5,900 rows, the same at 2,048; 24 layers' weights). None
+        where it does not apply: the caller runs the two steps."""
+        if self._fused_kernel(x) != "tiles" or len(self.parts) != 2 or not isinstance(down, OneDnnLinear) \
+                or not down.fuses_post_ops() or residual.dtype != x.dtype or not residual.is_contiguous():
+            return None
+        return self._in_tiles(lambda xt, rt: down._fused_add(self._fused_swiglu(xt), rt), x, residual)
 
     def _fused_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.ops.mkldnn._linear_pointwise(x, self.parts[0].weight, None, "swish", [], "")
