@@ -1,35 +1,24 @@
 """Decode copies of a model's linears: weight-only quantized, or exact and transposed (prefill keeps the model's).
 
-Decode on a CPU reads every weight once per step, so its speed is the weights' bytes over memory bandwidth
-(measured: fp32 SmolLM2 decode spends 80% of a step in matmuls at ~10 GB/s). A decode copy with int8
-(per output channel) or int4 (groups of 32 along K, asymmetric, llama.cpp Q4_1's layout) weights reads 4x or
-8x fewer bytes through torch's CPU weight-only kernels, which take bf16 activations. The copy shares the
-embedding and norms with the exact model; only the linear layers are packed. It changes numerics: `ragkv bench
-decode` prints the fidelity cost (KL and top-1 against the exact path).
+Decode on a CPU reads every weight once per step, so its speed is the weights' bytes over memory bandwidth. An
+int8 (per output channel) or int4 (groups of 32 along K, asymmetric, llama.cpp Q4_1's layout) copy reads 4x or 8x
+fewer bytes through torch's CPU weight-only kernels; it shares the embedding and norms and changes numerics (`ragkv
+bench decode` prints the fidelity cost).
 
-`transposed` keeps the exact weights but stores a copy of each linear whose output is wider than its input
-(q/k/v, gate/up, the LM head) as [in, out]: MKL's batch-1 matmul reads W^T (out x in, short rows) at about half the
-bandwidth of the same numbers laid out [in, out] on AMD CPUs (measured on Zen 3, fp32, 2 threads: the 152K-row LM
-head 13 -> 21 GB/s, gate/up 17 -> 31 GB/s; square and narrow ones are no faster and stay shared). Same products,
-summed in another order: equal to the exact path to float rounding. It costs those weights' bytes again.
+`transposed` keeps the exact weights and adds a copy, stored [in, out], of each linear wider than its input (q/k/v,
+gate/up, the LM head): MKL's batch-1 matmul read it at ~2x the bandwidth on AMD CPUs (Zen 3, fp32: the LM head
+13 -> 21 GB/s). Same products in another summing order; it costs those weights' bytes again.
 
-`onednn` runs every linear through oneDNN's kernel (what vLLM's CPU backend runs). In fp32 it reads the model's own
-weights in place: on a 2-core Zen 3, MKL's sgemm reached 6-60 GFLOP/s at 1-46 rows where oneDNN was 1.3-2.4x
-faster (gate/up at 16 rows 10.6 -> 5.1 ms, the LM head at one row 61 -> 34 ms); MKL wins only from ~1K rows. A copy
-of every linear reordered into oneDNN's blocked layout is not needed: given the plain [out, in] weight oneDNN's
-kernel was as fast at 1-512 rows and bitwise equal (docs/results/serve_vllm/s23). q/k/v and gate/up, one product each,
-are moved into one buffer each that the parameters view, so nothing is copied. In bf16, on a CPU that multiplies
-bf16 natively (AVX-512 BF16 or AMX: `bf16_matrix_units`), products of many rows (prefill) run through oneDNN on the
-model's own weights, at the CPU's bf16 peak (~430 GFLOP/s on a 2-core Zen 4, as torch's own kernel), and those of a
-few rows (decode) through ragkv's bf16 kernel (ragkv.ops.gemv_kernel) on a copy of each weight packed for it: on
-that Zen 4 it reads 29-34 GB/s where torch's bf16 kernel read 14-19 and oneDNN's on a prepacked weight 19-26
-(docs/results/cpu_bf16.md). It costs the linears' bytes again.
+`onednn` runs every linear through oneDNN's kernel (what vLLM's CPU backend runs). In fp32 on the model's own
+weights in place (2-core Zen 3: 1.3-2.4x MKL's rate at 1-46 rows; MKL wins from ~1K rows; the plain [out, in] weight
+as fast as a reordered copy and bitwise equal, docs/results/serve_vllm/s23); q/k/v and gate/up are moved into one
+buffer each that the parameters view. In bf16, on a CPU that multiplies bf16 natively (`bf16_matrix_units`), many
+rows (prefill) run through oneDNN on the model's own weights, a few rows (decode) through ragkv's bf16 kernel
+(ragkv.ops.gemv_kernel) on a packed copy: 29-34 GB/s on a Zen 4 where torch's read 14-19 (docs/results/cpu_bf16.md).
 
-Exact copies serve every forward, not only decode: a product of more than FEW_ROWS rows runs in slices of FEW_ROWS
-rows (oneDNN: each slice where its kernel is fastest) or on the model's own weights (transposed, whose copy gains
-only at few rows); a long prompt runs in forwards of FEW_ROWS rows (`forward_rows`, read by prefill_chunks). On Zen 3
-a 1.5K-token `full` prefill took 0.86x MKL's time with sliced products, 0.73x in 512-row forwards
-(docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies (`resolve_decode_weights`).
+Exact copies serve every forward, not only decode: many rows run in slices of FEW_ROWS (oneDNN) or on the model's
+own weights (transposed); a long fp32 prompt in forwards of FEW_ROWS rows (`forward_rows`; Zen 3, 1.5K tokens: 0.73x
+MKL's time, docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies.
 
 `w8a8` is the one copy that changes prefill too: every linear but the MLP's down projection holds int8 weights
 (int8's per-channel scales), and a product of many rows quantizes its activations to int8 per row (symmetric,
@@ -298,13 +287,11 @@ class OneDnnLinear(ExactCopyLinear):
             return False
         return kernel != "tiles" or rows > TILE_ROWS
 
-    def fuses_post_ops(self) -> bool:
-        """Whether oneDNN's fused products (SwiGLU, residual add) can run on this copy: bf16 on the model's weights."""
+    def fuses_post_ops(self) -> bool:  # oneDNN's fused SwiGLU / residual add: bf16 on the model's own weights
         return self.weight.dtype == torch.bfloat16 and not self.weight.is_mkldnn
 
     def _fused_kernel(self, x: torch.Tensor) -> str | None:
-        """"onednn" or "tiles" where oneDNN's post-ops take this product (bf16 on the model's own weights, one of
-        those two chosen), else None."""
+        """"onednn" or "tiles" where oneDNN's post-ops take this product (one of those two chosen), else None."""
         if not self.fuses_post_ops():
             return None
         kernel = self.kernel_for(x)
@@ -342,11 +329,9 @@ class OneDnnLinear(ExactCopyLinear):
         return residual + self(x)
 
     def mlp_add_to(self, down: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        """residual + down(silu(x Wg^T) * (x Wu^T)) tile by tile where this (joined gate/up) product runs in tiles:
-        each TILE_ROWS-row tile's [rows, I] intermediate goes straight into the down projection while in cache, and
-        only the [rows, H] outputs are joined. On an AMX Xeon a 1,329-row MLP took 0.62x the time of the tiled
-        SwiGLU joined then one down projection (0.9x at 5,900 rows, the same at 2,048; 24 layers' weights). None
-        where it does not apply: the caller runs the two steps."""
+        """residual + down(SwiGLU(x)) tile by tile where this gate/up product runs in tiles, each tile's [rows, I]
+        intermediate straight into the down projection (AMX Xeon, 1,329 rows: 0.62x the time of joining the SwiGLU
+        tiles, then one down projection). None where it does not apply: the caller runs the two steps."""
         if self._fused_kernel(x) != "tiles" or len(self.parts) != 2 or not isinstance(down, OneDnnLinear) \
                 or not down.fuses_post_ops() or residual.dtype != x.dtype or not residual.is_contiguous():
             return None
