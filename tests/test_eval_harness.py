@@ -360,6 +360,35 @@ def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monke
     assert "reuse" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not default_model_available(), reason="default model not converted")
+def test_short_answer_sets_ask_for_short_answers_and_rag_keeps_the_engines_prompt(default_engine, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """MuSiQue and HotpotQA (token F1) run under their own short-answer instruction; `--prompt rag` gives the
+    engine's RAG prompt (the records written before), and each file's header says which prompt made it."""
+    from dataclasses import asdict
+
+    from ragkv.config import data_dir
+    from ragkv.engine.engine import Engine
+    from ragkv.eval.datasets import SHORT_ANSWER_PROMPT, dataset_prompt
+
+    if not (data_dir() / "MANIFEST.md").is_file():
+        pytest.skip("the shared data is not beside the checkout")
+    assert dataset_prompt("musique") is SHORT_ANSWER_PROMPT and dataset_prompt("hotpotqa") is SHORT_ANSWER_PROMPT
+    assert "five words" in SHORT_ANSWER_PROMPT.system and "{question}" in SHORT_ANSWER_PROMPT.query_template
+    assert dataset_prompt("nq-distractors") is None  # accuracy (gold string contained): the RAG prompt
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
+    argv = ["eval", "--dataset", "hotpotqa", "--modes", "full", "--limit", "1", "--max-new-tokens", "1",
+            "--device", "cpu", "--no-progress"]
+    own, rag = tmp_path / "own.jsonl", tmp_path / "rag.jsonl"
+    assert main(argv + ["--output", str(own)]) == 0
+    assert main(argv + ["--prompt", "rag", "--output", str(rag)]) == 0
+    capsys.readouterr()
+    assert read_results(own)[0]["prompt_format"] == asdict(SHORT_ANSWER_PROMPT)
+    assert read_results(rag)[0]["prompt_format"] == asdict(default_engine.prompt_format)
+    # a file made under one prompt does not resume under the other
+    assert main(argv + ["--output", str(rag)]) == 2 and "--overwrite" in capsys.readouterr().err
+
+
 def test_cli_shards_merge_into_the_unsharded_run(default_engine, tmp_path, capsys, monkeypatch):
     from ragkv.engine.engine import Engine
 
