@@ -78,7 +78,7 @@ def _invalid(spec):
     if spec.choices:
         return "no-such-choice"
     if spec.type is tuple:
-        return (0,)
+        return ((spec.ge or 0) - 1,)
     if spec.ge is not None:
         return spec.ge - 1
     if spec.gt is not None:

@@ -131,9 +131,7 @@ class RagkvExtras(_FusionFields):
 
     def fusion_fields(self) -> dict:
         out = {f: getattr(self, f) for f in _FusionFields.model_fields if getattr(self, f) is not None}
-        if "check_layers" in out:
-            out["check_layers"] = tuple(out["check_layers"])
-        return out
+        return {f: tuple(v) if isinstance(v, list) else v for f, v in out.items()}  # the tuple-typed fields
 
 
 class TextPart(_Loose):

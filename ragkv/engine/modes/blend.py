@@ -21,7 +21,7 @@ class Blend(BlockMode):
     name = "blend"
     summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query, sinks or recency"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
-                     "select_per_block", "draft_tokens", "conditioning", "kv_layout")
+                     "select_per_block", "draft_tokens", "score_layers", "whole_blocks", "conditioning", "kv_layout")
     fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
 
     def own_rows(self, segs, fusion):
@@ -34,6 +34,9 @@ class Blend(BlockMode):
         if fusion.check_layers[-1] >= ctx.num_layers:
             raise OptionError("check_layers", f"check layer {fusion.check_layers[-1]} does not exist: this model's "
                                               f"check layers are 1..{ctx.num_layers - 1} (check_layers)")
+        if fusion.score_layers and max(fusion.score_layers) >= ctx.num_layers:
+            raise OptionError("score_layers", f"score layer {max(fusion.score_layers)} does not exist: this model's "
+                                              f"layers are 0..{ctx.num_layers - 1} (score_layers)")
         get_selection(fusion.select).check(fusion)
 
     def load_schedule(self, ctx, res, fusion, stats):

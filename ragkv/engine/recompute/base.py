@@ -44,14 +44,20 @@ class Selection:
     name: ClassVar[str]
     summary: ClassVar[str]
     source: ClassVar[str]  # the paper (or the project's note) it follows
-    scores_by_draft: ClassVar[bool] = False  # whether `draft_tokens` means anything to it
+    # whether it ranks tokens by the query's (and a draft's) attention, where draft_tokens, score_layers and
+    # whole_blocks mean something
+    scores_by_query: ClassVar[bool] = False
 
     def check(self, fusion: "FusionOptions") -> None:
         """Raise OptionError for options this selection cannot run with."""
-        if fusion.draft_tokens and not self.scores_by_draft:
-            raise OptionError("draft_tokens", f"draft_tokens scores the context by a draft's attention: select="
-                                              f"'{self.name}' has no such score; use select='query' (or set "
-                                              f"draft_tokens=0)")
+        if self.scores_by_query:
+            return
+        for name, what, off in (("draft_tokens", "scores the context by a draft's attention", 0),
+                                ("score_layers", "picks the layers whose query attention ranks the tokens", ()),
+                                ("whole_blocks", "recomputes the passages the query attends to most", 0)):
+            if getattr(fusion, name) != off:
+                raise OptionError(name, f"{name} {what}: select='{self.name}' has no such score; use "
+                                        f"select='query' (or leave {name} unset)")
 
     def prefill(self, model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                 fusion: "FusionOptions", capacity: int, stats: RequestStats, signal: str, expect=None) -> DecodeState:

@@ -48,17 +48,19 @@ from ragkv.ops.attention import causal_attention, prefill_mask
 class QueryAttentionRecorder:
     """An attention policy for stage 1: the query rows' ordinary attention, plus, per layer, each context token's
     relevance to the query: alpha_l(t) = sum over heads and query tokens of softmax_t(Q K'_{1:C}^T / sqrt(d)), the
-    softmax over the context keys only (ProphetKV's stage-1 score over the reused K') [N] fp32."""
+    softmax over the context keys only (ProphetKV's stage-1 score over the reused K') [N] fp32. With `layers`, only
+    those layers' scores are kept (QCFuse's critical layers); empty: every layer."""
 
-    def __init__(self, context_len: int):
+    def __init__(self, context_len: int, layers: tuple[int, ...] = ()):
         self.N = context_len
+        self.layers = frozenset(layers)
         self.layer_scores: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, Hq, Tq, D]; k, v: [1, Hkv, N + Tq, D]
         Tq, total = q.shape[2], k.shape[2]
         out = causal_attention(q, k, v, total - Tq, prefill_mask(Tq, total, None, q.device))
-        if self.N:  # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
+        if self.N and (not self.layers or layer in self.layers):  # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
             Hkv, D = k.shape[1], q.shape[-1]
             qg = q.float().reshape(1, Hkv, -1, D)  # [1, Hkv, groups * Tq, D]
             ctx = k[:, :, :self.N].float()
@@ -102,18 +104,21 @@ def uncovered_share(score: torch.Tensor | None, chosen: torch.Tensor, prefix_len
 def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int], query_ids: list[int],
                         ratios: tuple[float, ...], sink_tokens: int, per_block: bool, capacity: int,
                         stats: RequestStats, max_signal: float | None = None,
-                        signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0, expect=None) -> DecodeState:
+                        signal: str = DEFAULT_SIGNAL, draft_tokens: int = 0, expect=None,
+                        score_layers: tuple[int, ...] = (), whole_blocks: int = 0) -> DecodeState:
     """ProphetKV's two stages (the static selections run `prefill_static` instead: selections/base.py). With
     several `ratios` (the quality-bounded mode), stage 2 runs
     again at the next ratio while the risk `signal` (engine/measure/risk.py: e.g. KL(this answer's first-token
     distribution || the previous one's)) exceeds `max_signal`: the answer is at risk. A larger selection contains
     the smaller one, so stage 2 simply runs again over the same cache (each layer's selected rows are overwritten
     before they are attended). `draft_tokens`: a draft's attention joins the query's (record_draft). `expect(logits,
-    share)`: the reply's expected KL to `full` at that recomputed share (the `expected_kl` signal)."""
+    share)`: the reply's expected KL to `full` at that recomputed share (the `expected_kl` signal).
+    `score_layers`: the layers whose scores are fused (empty: all); `whole_blocks`: the passages with the most of the
+    query's attention recomputed whole, inside the budget (rows.choose_tokens)."""
     N, Tq, L = layout.context_len, len(query_ids), model.args.num_layers
     total = N + Tq
     check_recomputable(model, layout, total)
-    recorder = QueryAttentionRecorder(N)
+    recorder = QueryAttentionRecorder(N, score_layers)
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
     stage1 = yield from prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
@@ -122,7 +127,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
     logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
     t0 = time.perf_counter()
     for ratio in ratios:
-        chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block).to(model.device)
+        chosen = choose_tokens(score, layout, ratio, sink_tokens, per_block, whole_blocks).to(model.device)
         if not len(chosen):  # nothing to recompute: stage 1's answer is `reuse`'s
             continue
         # the draft's rows run too, after the query: if the answer begins as the draft did, decoding takes those
@@ -151,7 +156,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
 class QueryAware(Selection):
     name = "query"
     summary = "ProphetKV: the tokens the query (and a draft) attends to most over the reused cache"
-    scores_by_draft = True
+    scores_by_query = True
     source = "ProphetKV, arXiv 2602.02579 (scoring as in the public reimplementation omerpaz95/vllm prophet_kv.py)"
 
     def prefill(self, model, layer_iter, layout, context_ids, query_ids, fusion, capacity, stats, signal,
@@ -160,7 +165,8 @@ class QueryAware(Selection):
         `expect`: the `expected_kl` signal's estimator."""
         return (yield from prefill_query_aware(model, layer_iter, layout, context_ids, query_ids,
                                                ratios or (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
-                                               capacity, stats, max_signal, signal, fusion.draft_tokens, expect))
+                                               capacity, stats, max_signal, signal, fusion.draft_tokens, expect,
+                                               fusion.score_layers, fusion.whole_blocks))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         # stage 1 (reuse's query rows), then the chosen rows and the query at every layer

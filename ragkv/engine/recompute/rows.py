@@ -33,9 +33,11 @@ def check_recomputable(model, layout: Layout, total: int) -> None:
 
 
 def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink_tokens: int,
-                  per_block: bool) -> torch.Tensor:
+                  per_block: bool, whole_blocks: int = 0) -> torch.Tensor:
     """Cache indices (ascending) of the block tokens to recompute: the top r by `score` (over all blocks, or per
-    block), plus each block's first `sink_tokens`. The shared prefix is never chosen (it is computed exactly)."""
+    block), plus each block's first `sink_tokens`. The shared prefix is never chosen (it is computed exactly).
+    `whole_blocks`: first the blocks with the largest summed score, each whole while it fits the budget, then the
+    budget's rest by token (over all blocks only)."""
     dev = score.device if score is not None else layout.context_positions.device  # the layout lives on the CPU
     chosen = torch.zeros(layout.context_len, dtype=torch.bool, device=dev)
     blocks = list(zip(layout.block_offsets(), layout.block_lens))
@@ -43,11 +45,28 @@ def choose_tokens(score: torch.Tensor | None, layout: Layout, ratio: float, sink
     if score is not None:
         for off, n in groups:
             k = keep_count(ratio, n)
+            if whole_blocks and not per_block:
+                k -= take_whole_blocks(score, blocks, chosen, k, whole_blocks)
             if k:
-                chosen[off + torch.topk(score[off:off + n], k).indices] = True
+                free = score[off:off + n].masked_fill(chosen[off:off + n], float("-inf"))
+                chosen[off + torch.topk(free, k).indices] = True
     for off, n in blocks:
         chosen[off:off + min(sink_tokens, n)] = True
     return chosen.nonzero().squeeze(1)
+
+
+def take_whole_blocks(score: torch.Tensor, blocks: list[tuple[int, int]], chosen: torch.Tensor, budget: int,
+                      limit: int) -> int:
+    """Mark up to `limit` blocks whole in `chosen`, by their summed score (the query's attention mass on each
+    passage), skipping those larger than what is left of `budget`; returns the tokens taken."""
+    mass = torch.stack([score[off:off + n].sum() for off, n in blocks])
+    taken = 0
+    for i in torch.argsort(mass, descending=True).tolist()[:limit]:
+        off, n = blocks[i]
+        if taken + n <= budget:
+            chosen[off:off + n] = True
+            taken += n
+    return taken
 
 
 def per_block_counts(chosen: torch.Tensor, layout: Layout) -> list[int]:

@@ -48,6 +48,12 @@ class FusionOptions:
     draft_tokens: int = option(0, "blend select=query: also choose by the attention of a greedy draft of N tokens "
                                "decoded over the reused cache (what the answer reads, not only the question)",
                                ge=0, le=256, key="draft")
+    score_layers: tuple[int, ...] = option((), "blend select=query: the layers whose query attention ranks the "
+                                           "tokens (QCFuse's critical layers), '+'-joined; empty: every layer "
+                                           "(ProphetKV's uniform fusion)", ge=0, key="slayers", max_items=256)
+    whole_blocks: int = option(0, "blend select=query: the N blocks the query attends to most are recomputed "
+                               "whole, inside the ratio's budget (the rest of it by token)", ge=0, le=1 << 16,
+                               key="whole")
     ape_temperature: float | None = option(None, "ape: temperature T (default: calibrated or 0.9)", gt=0, le=100,
                                            key="T")
     ape_scale: float | None = option(None, "ape: scale S (default: calibrated or 0.9)", gt=0, le=100, key="S")
@@ -73,3 +79,6 @@ class FusionOptions:
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
                               f"{self.check_layers}")
+        if list(self.score_layers) != sorted(set(self.score_layers)):
+            raise OptionError("score_layers", f"score_layers must be increasing layer numbers, got "
+                              f"{self.score_layers}")
