@@ -109,3 +109,25 @@ def test_the_options_are_refused_where_they_mean_nothing(tiny_engine):
     with pytest.raises(InvalidRequestError, match="score_layers"):
         eng.prefill(segs, FusionOptions(mode="blend", select="query", score_layers=(eng.num_layers,)))
     assert parse_mode_key("blend:sel=query,r=0.15,slayers=1+2,whole=1").score_layers == (1, 2)
+
+
+def test_score_from_names_the_deeper_layers(tiny_engine):
+    """score_from is a share of the depth: 0.5 of 28 layers is 14..27, of 24 is 12..23; 1 the last layer alone. A
+    run with it chooses as one naming those layers does; both at once are refused."""
+    from ragkv.engine.recompute.query import scoring_layers
+
+    assert scoring_layers(FusionOptions(mode="blend", select="query", score_from=0.5), 28) == tuple(range(14, 28))
+    assert scoring_layers(FusionOptions(mode="blend", select="query", score_from=0.5), 24) == tuple(range(12, 24))
+    assert scoring_layers(FusionOptions(mode="blend", select="query", score_from=1.0), 24) == (23,)
+    assert scoring_layers(FusionOptions(mode="blend", select="query"), 24) == ()
+    eng = tiny_engine("llama")
+    segs = make_segs(blocks=(20, 30, 25))
+    L = eng.num_layers
+    _, by_share, _, a = chosen_with_scores(eng, segs, FusionOptions(mode="blend", select="query", ratio=0.2,
+                                                                    score_from=0.5))
+    _, by_name, _, b = chosen_with_scores(eng, segs, FusionOptions(mode="blend", select="query", ratio=0.2,
+                                                                   score_layers=tuple(range(L // 2, L))))
+    assert torch.equal(by_share, by_name) and torch.equal(a, b)
+    with pytest.raises(InvalidRequestError, match="score_from"):
+        FusionOptions(mode="blend", select="query", score_from=0.5, score_layers=(1,))
+    assert parse_mode_key("blend:sel=query,r=0.13,sfrom=0.5").score_from == 0.5

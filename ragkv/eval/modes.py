@@ -40,7 +40,8 @@ PARAMS = {name: {_SPECS[f].key: (f, _parser(_SPECS[f])) for f in fields if _SPEC
 # fields added later: stored only when not at their default, so results files written before them still resume
 LATER_FIELDS = {"check_rows": "selected", "select_per_block": False, "positions": "reencoded",
                 "select": "deviation", "kv_layout": "copied", "conditioning": "none",
-                "draft_tokens": 0, "score_layers": (), "whole_blocks": 0}
+                "draft_tokens": 0, "score_layers": (), "score_from": 0.0,
+                "whole_blocks": 0}
 
 
 def without_later_defaults(params: dict | None) -> dict | None:

@@ -21,7 +21,8 @@ class Blend(BlockMode):
     name = "blend"
     summary = "reuse, then r of the block tokens recomputed, chosen by deviation (CacheBlend), query, sinks or recency"
     option_fields = ("ratio", "select", "check_layers", "deviation", "gradual", "sink_tokens", "check_rows",
-                     "select_per_block", "draft_tokens", "score_layers", "whole_blocks", "conditioning", "kv_layout")
+                     "select_per_block", "draft_tokens", "score_layers", "score_from",
+                     "whole_blocks", "conditioning", "kv_layout")
     fuses_in_place = False  # shared: prefilled as a copy, then its recomputed rows kept over the pooled blocks
 
     def own_rows(self, segs, fusion):

@@ -54,6 +54,7 @@ class Selection:
             return
         for name, what, off in (("draft_tokens", "scores the context by a draft's attention", 0),
                                 ("score_layers", "picks the layers whose query attention ranks the tokens", ()),
+                                ("score_from", "picks the layers whose query attention ranks the tokens", 0.0),
                                 ("whole_blocks", "recomputes the passages the query attends to most", 0)):
             if getattr(fusion, name) != off:
                 raise OptionError(name, f"{name} {what}: select='{self.name}' has no such score; use "

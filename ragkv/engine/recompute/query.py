@@ -152,6 +152,14 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
     return DecodeState(stage1.cache, total, logits, lookahead=ahead)
 
 
+def scoring_layers(fusion, num_layers: int) -> tuple[int, ...]:
+    """The layers whose scores rank the tokens: `score_layers` as named, or every layer from `score_from` of the
+    depth on (empty: all of them, ProphetKV's uniform fusion)."""
+    if fusion.score_layers or not fusion.score_from:
+        return fusion.score_layers
+    return tuple(range(min(num_layers - 1, int(fusion.score_from * num_layers)), num_layers))
+
+
 @register
 class QueryAware(Selection):
     name = "query"
@@ -166,7 +174,7 @@ class QueryAware(Selection):
         return (yield from prefill_query_aware(model, layer_iter, layout, context_ids, query_ids,
                                                ratios or (fusion.ratio,), fusion.sink_tokens, fusion.select_per_block,
                                                capacity, stats, max_signal, signal, fusion.draft_tokens, expect,
-                                               fusion.score_layers, fusion.whole_blocks))
+                                               scoring_layers(fusion, model.args.num_layers), fusion.whole_blocks))
 
     def first_token_flops(self, a, fusion, context, query, prefix_len=0, reused=0):
         # stage 1 (reuse's query rows), then the chosen rows and the query at every layer

@@ -51,6 +51,9 @@ class FusionOptions:
     score_layers: tuple[int, ...] = option((), "blend select=query: the layers whose query attention ranks the "
                                            "tokens (QCFuse's critical layers), '+'-joined; empty: every layer "
                                            "(ProphetKV's uniform fusion)", ge=0, key="slayers", max_items=256)
+    score_from: float = option(0.0, "blend select=query: only the layers from this share of the model's depth on "
+                               "rank the tokens (0.5: the second half; 0: every layer; 1: the last)", ge=0.0, le=1.0,
+                               key="sfrom")
     whole_blocks: int = option(0, "blend select=query: the N blocks the query attends to most are recomputed "
                                "whole, inside the ratio's budget (the rest of it by token)", ge=0, le=1 << 16,
                                key="whole")
@@ -79,6 +82,8 @@ class FusionOptions:
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise OptionError("check_layers", f"check_layers must be increasing layer numbers >= 1, got "
                               f"{self.check_layers}")
+        if self.score_layers and self.score_from:
+            raise OptionError("score_from", "score_from and score_layers both choose the scoring layers: set one")
         if list(self.score_layers) != sorted(set(self.score_layers)):
             raise OptionError("score_layers", f"score_layers must be increasing layer numbers, got "
                               f"{self.score_layers}")
