@@ -418,6 +418,26 @@ def test_the_screens_table_is_what_its_records_give():
         assert cells == want, (key, cells, want)
 
 
+def test_the_scoring_layers_screen_is_what_its_records_give():
+    """The screens README's table of scoring layers (1.5B NQ-10): each key's mean / median first-token KL."""
+    name = "screen-nq-distractors-qwen2.5-coder-1.5b.jsonl"
+    kl: dict = {}
+    for _, _, records in read_runs([RESULTS / "quality_suite" / "screens" / name]):
+        for r in records:
+            kl.setdefault(r["mode_key"], []).append(r["fidelity"]["first_token_kl"])
+    lines = (RESULTS / "quality_suite" / "screens" / "README.md").read_text().splitlines()
+    half = "+".join(map(str, range(14, 28)))
+    rows = {"blend:sel=query,r=0.15,whole=1": "| r=0.15, the most attended passage whole",
+            "blend:sel=query,r=0.15,slayers=0+1+2+3+4+5+6": "| r=0.15, layers 0-6 |",
+            "blend:sel=query,r=0.14": "| query-aware r=0.14 (uniform) |",
+            f"blend:sel=query,r=0.14,slayers={half}": "| **r=0.14, layers 14-27",
+            "blend:sel=query,r=0.13,draft=8": "| r=0.13 + an 8-token draft"}
+    for key, label in rows.items():
+        row = next(line for line in lines if line.startswith(label))
+        assert len(kl[key]) == 30
+        assert f"{statistics.mean(kl[key]):.4f} / {statistics.median(kl[key]):.4f}" in row.replace("*", ""), key
+
+
 def test_the_amx_decode_attention_table_matches_its_records():
     """The AMX results README's decode-attention table (second pair of the A/B) and its kernels table's ratio."""
     amx_readme = (RESULTS / "cpu_bf16" / "amx" / "README.md").read_text()
