@@ -409,7 +409,8 @@ def test_the_screens_table_is_what_its_records_give():
     rows = {"reuse": "| reuse |", "reuse:cond=prefix": "| reuse, blocks conditioned",
             "blend:sel=query,r=0.15": "| query-aware r=0.15 (the default)",
             "blend:sel=query,r=0.15,cond=prefix": "| **query-aware r=0.15, `cond=prefix`**",
-            "blend:sel=recent,r=0.18": "| `recent` r=0.18 |", "blend:sel=recent,r=0.18,cond=prefix": "| `recent` r=0.18, "}
+            "blend:sel=recent,r=0.18": "| `recent` r=0.18 |", "blend:sel=recent,r=0.18,cond=prefix": "| `recent` r=0.18, ",
+            "blend:sel=query,r=0.15,sfrom=0.5": "| **query-aware r=0.15, ranked by the second half"}
     lines = (folder / "README.md").read_text().splitlines()
     for key, label in rows.items():
         row = next(line for line in lines if line.startswith(label))
