@@ -20,6 +20,7 @@ block tokens (those nearest the query, which in a full prefill have read every e
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -40,6 +41,13 @@ if TYPE_CHECKING:  # annotations only: the options import the selections
     from ragkv.engine.request.fusion import FusionOptions
 
 
+# the options that only a selection scoring by the query's attention reads, and what each does
+QUERY_SCORE_OPTIONS = {"draft_tokens": "scores the context by a draft's attention",
+                       "score_layers": "picks the layers whose query attention ranks the tokens",
+                       "score_from": "picks the layers whose query attention ranks the tokens",
+                       "whole_blocks": "recomputes the passages the query attends to most"}
+
+
 class Selection:
     name: ClassVar[str]
     summary: ClassVar[str]
@@ -52,11 +60,9 @@ class Selection:
         """Raise OptionError for options this selection cannot run with."""
         if self.scores_by_query:
             return
-        for name, what, off in (("draft_tokens", "scores the context by a draft's attention", 0),
-                                ("score_layers", "picks the layers whose query attention ranks the tokens", ()),
-                                ("score_from", "picks the layers whose query attention ranks the tokens", 0.0),
-                                ("whole_blocks", "recomputes the passages the query attends to most", 0)):
-            if getattr(fusion, name) != off:
+        defaults = {f.name: f.default for f in fields(fusion)}
+        for name, what in QUERY_SCORE_OPTIONS.items():
+            if getattr(fusion, name) != defaults[name]:
                 raise OptionError(name, f"{name} {what}: select='{self.name}' has no such score; use "
                                         f"select='query' (or leave {name} unset)")
 

@@ -60,7 +60,8 @@ class QueryAttentionRecorder:
         # q: [1, Hq, Tq, D]; k, v: [1, Hkv, N + Tq, D]
         Tq, total = q.shape[2], k.shape[2]
         out = causal_attention(q, k, v, total - Tq, prefill_mask(Tq, total, None, q.device))
-        if self.N and (not self.layers or layer in self.layers):  # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
+        if self.N and (not self.layers or layer in self.layers):
+            # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
             Hkv, D = k.shape[1], q.shape[-1]
             qg = q.float().reshape(1, Hkv, -1, D)  # [1, Hkv, groups * Tq, D]
             ctx = k[:, :, :self.N].float()
