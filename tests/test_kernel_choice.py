@@ -114,6 +114,36 @@ def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows):
     assert (got.float() - two_steps.float()).abs().max() <= 2 ** -6 * two_steps.float().abs().max()
 
 @native_bf16
+def test_the_gate_up_product_is_timed_with_its_down_projection(tiny_dirs, tmp_path):
+    """The chooser times a gate/up product inside its MLP as MLP.add_to runs it: "tiles" tile by tile through the down
+    projection (what the tiles save there counts), every other kernel then the down projection by its own choice;
+    both give the MLP. A copy's table names the product "mlp", its down projections chosen first."""
+    from conftest import _load_tiny
+
+    from ragkv.models.quant import OneDnnLinear, _probe, decode_copy
+
+    torch.manual_seed(0)
+    gate, up = (torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16) for _ in range(2))
+    down = torch.nn.Linear(160, 64, bias=False).to(torch.bfloat16)
+    gate_up, down_copy = OneDnnLinear([gate, up]), OneDnnLinear(down)
+    down_copy.kernels = ["onednn"] * len(PROBE_ROWS)
+    tiled, calls = gate_up.mlp_add_to, []
+    gate_up.mlp_add_to = lambda *a: calls.append(1) or tiled(*a)
+    assert _probe(gate_up, "mlp", "tiles", down_copy)(300) is None  # one tile: not "tiles"
+    torch.manual_seed(1)
+    by_tiles = _probe(gate_up, "mlp", "tiles", down_copy)(600)()
+    assert calls == [1]
+    torch.manual_seed(1)  # the same random rows and residual
+    whole = _probe(gate_up, "mlp", "onednn", down_copy)(600)()
+    assert by_tiles.shape == whole.shape == (1, 600, 64)
+    assert (by_tiles.float() - whole.float()).abs().max() <= 2 ** -6 * whole.float().abs().max()
+    chooser = KernelChooser(tmp_path / "k.json")
+    decode_copy(_load_tiny(tiny_dirs["qwen2"], torch.bfloat16).model, "onednn", chooser)
+    products = [e["product"] for e in chooser.table.values()]
+    assert any(p.startswith("mlp ") for p in products) and not any(p.startswith("swiglu ") for p in products)
+
+
+@native_bf16
 def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tmp_path):
     """Every product of a bf16 `onednn` copy gets a measured kernel per row class; a second copy reads the cache."""
     from conftest import _load_tiny

@@ -1,33 +1,22 @@
 """Decode copies of a model's linears: weight-only quantized, or exact and transposed (prefill keeps the model's).
 
-Decode on a CPU reads every weight once per step, so its speed is the weights' bytes over memory bandwidth. An
-int8 (per output channel) or int4 (groups of 32 along K, asymmetric, llama.cpp Q4_1's layout) copy reads 4x or 8x
-fewer bytes through torch's CPU weight-only kernels; it shares the embedding and norms and changes numerics (`ragkv
-bench decode` prints the fidelity cost).
+Decode on a CPU reads every weight once a step. `int8` (per output channel) and `int4` (groups of 32 along K, Q4_1's
+layout) read 4x / 8x fewer bytes via torch's weight-only kernels, changing numerics (`ragkv bench decode` prints the
+cost); `transposed` adds an [in, out] copy of the wide linears (MKL's batch-1 matmul read it ~2x faster, Zen 3 fp32).
 
-`transposed` keeps the exact weights and adds a copy, stored [in, out], of each linear wider than its input (q/k/v,
-gate/up, the LM head): MKL's batch-1 matmul read it at ~2x the bandwidth on AMD CPUs (Zen 3, fp32: the LM head
-13 -> 21 GB/s). Same products in another summing order; it costs those weights' bytes again.
+`onednn` runs every linear through oneDNN's kernel (vLLM's CPU backend's). fp32: on the model's own weights in place
+(2-core Zen 3: 1.3-2.4x MKL's rate at 1-46 rows, docs/results/serve_vllm/s23); q/k/v and gate/up share one buffer
+each. bf16 on a CPU that multiplies bf16 natively (`bf16_matrix_units`): many rows through oneDNN on the model's
+weights, few rows through ragkv's bf16 kernels (gemv_kernel, amx_kernel) on a packed copy (docs/results/cpu_bf16.md);
+which kernel takes which row class is measured per machine (`choose_kernels`). Exact copies serve every forward: a
+long fp32 prompt runs in forwards of FEW_ROWS rows (`forward_rows`; docs/results/serve_vllm/s22). `auto` (the CLI's
+default) picks `onednn` where it applies.
 
-`onednn` runs every linear through oneDNN's kernel (what vLLM's CPU backend runs). In fp32 on the model's own
-weights in place (2-core Zen 3: 1.3-2.4x MKL's rate at 1-46 rows; MKL wins from ~1K rows; the plain [out, in] weight
-as fast as a reordered copy and bitwise equal, docs/results/serve_vllm/s23); q/k/v and gate/up are moved into one
-buffer each that the parameters view. In bf16, on a CPU that multiplies bf16 natively (`bf16_matrix_units`), many
-rows (prefill) run through oneDNN on the model's own weights, a few rows (decode) through ragkv's bf16 kernel
-(ragkv.ops.gemv_kernel) on a packed copy: 29-34 GB/s on a Zen 4 where torch's read 14-19 (docs/results/cpu_bf16.md).
-
-Exact copies serve every forward, not only decode: many rows run in slices of FEW_ROWS (oneDNN) or on the model's
-own weights (transposed); a long fp32 prompt in forwards of FEW_ROWS rows (`forward_rows`; Zen 3, 1.5K tokens: 0.73x
-MKL's time, docs/results/serve_vllm/s22). `auto`, the CLI's default, picks `onednn` where it applies.
-
-`w8a8` is the one copy that changes prefill too: every linear but the MLP's down projection holds int8 weights
-(int8's per-channel scales), and a product of many rows quantizes its activations to int8 per row (symmetric,
-dynamic) and multiplies in int32 through oneDNN's int8 kernel (`torch._int_mm`: VNNI / AMX-INT8), at ~2x the rate of
-the bf16 product on a 2-core Zen 4 (741 against 350 GOP/s on a [1329, 896] x [896, 4864] product). Few rows (decode)
-multiply the same int8 weights with bf16 activations, as `int8` does. down_proj stays exact: its input carries the
-few huge activations of Llama-family MLPs (Sun et al. 2024, "Massive Activations"), which per-row scales flatten
-(Qwen 0.5B, 12 NQ-10 prompts: first-token KL 0.008 with it quantized, 0.0035 without). An approximate path: replies
-say so (`fidelity.decode_weights: "w8a8"`, `first_token_exact: false`), and its KV is keyed apart from the exact one.
+`w8a8` changes prefill too: every linear but down_proj holds int8 weights, and many rows quantize their activations
+per row (symmetric, dynamic) and multiply in int32 (`torch._int_mm`: VNNI / AMX-INT8; ~2x bf16's rate on a Zen 4,
+741 vs 350 GOP/s at [1329, 896] x [896, 4864]); few rows multiply the int8 weights with bf16 activations. down_proj
+stays exact: its input carries the MLP's massive activations (Sun et al. 2024; Qwen 0.5B first-token KL 0.008
+quantized, 0.0035 not). Replies say so (`fidelity.decode_weights: "w8a8"`); its KV is keyed apart from the exact one.
 """
 
 from __future__ import annotations
@@ -412,20 +401,26 @@ def _onednn_linears(module: nn.Module, name: str = ""):
             yield from _onednn_linears(value, attr)
 
 
-def _probe(m: OneDnnLinear, op: str, kernel: str):
-    """rows -> a call running product `m` (and its op) through `kernel` on that many random rows, or None where the
-    kernel cannot take them."""
+def _probe(m: OneDnnLinear, op: str, kernel: str, down: OneDnnLinear | None = None):
+    """rows -> a call running product `m` (and its op; "mlp": with its `down` projection) through `kernel` on that
+    many random rows, or None where the kernel cannot take them."""
     def make(rows: int):
         if not m.takes(kernel, rows):
             return None
         x = torch.randn(1, rows, m.in_features, dtype=m.weight.dtype)
-        res = torch.randn(1, rows, m.out_features, dtype=m.weight.dtype)
+        res = torch.randn(1, rows, (down or m).out_features, dtype=m.weight.dtype)
+
+        def run():
+            if op == "mlp":  # as MLP.add_to runs it: what the tiles save in the down projection counts
+                out = m.mlp_add_to(down, res, x)
+                return out if out is not None else down.add_to(res, m.swiglu(x))
+            return m.swiglu(x) if op == "swiglu" else m.add_to(res, x) if op == "add" else m(x)
 
         def call():
             saved, m.kernels = m.kernels, [kernel] * len(PROBE_ROWS)
             try:
                 with torch.inference_mode():
-                    return m.swiglu(x) if op == "swiglu" else m.add_to(res, x) if op == "add" else m(x)
+                    return run()
             finally:
                 m.kernels = saved
         return call
@@ -437,13 +432,18 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
     measurement per weight shape and op, cached by `chooser`), and so do its prefills' causal attention and its decode
     attention's path."""
     choices: dict[str, list[str]] = {}
-    for attr, m in _onednn_linears(copy_):
-        op = "swiglu" if attr == "gate_up_proj" and len(m.parts) == 2 else PRODUCT_OPS.get(attr, "plain")
+    # a gate/up product is timed with its MLP's down projection (whose kernels are chosen first: it runs by them)
+    downs = {id(mod.__dict__.get("gate_up_proj")): mod.down_proj for mod in copy_.modules()
+             if isinstance(getattr(mod, "down_proj", None), OneDnnLinear)}
+    for attr, m in sorted(_onednn_linears(copy_), key=lambda am: id(am[1]) in downs):
+        down = downs.get(id(m)) if attr == "gate_up_proj" and len(m.parts) == 2 else None
+        op = "mlp" if down is not None else PRODUCT_OPS.get(attr, "plain")
         layout = "gemv-packed" if m.gemv is not None else "reordered" if m.weight.is_mkldnn else "plain"
         product = f"{op} {m.in_features}->{m.out_features} parts={len(m.parts)} bias={m.bias is not None} {layout}"
         if product not in choices:
+            # the probe's cost bound reads the chosen product's MACs alone: an MLP's 1,536-row probe stays measured
             choices[product] = chooser.choose(product, m.weight.dtype, m.in_features * m.out_features,
-                                              {k: _probe(m, op, k) for k in KERNELS}, "onednn")
+                                              {k: _probe(m, op, k, down) for k in KERNELS}, "onednn")
         m.kernels = choices[product]
     args = getattr(copy_, "args", None)
     if args is not None:  # and its attention: the prefills' (ragkv's kernel or SDPA), decode's (AVX-512 or AMX)
