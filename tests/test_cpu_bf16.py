@@ -13,7 +13,7 @@ from tiny import default_model_available, make_segs
 
 from ragkv.engine.kv.state import decode_batch, decode_step
 from ragkv.engine.options import FusionOptions
-from ragkv.models.quant import bf16_matrix_units
+from ragkv.models.onednn import bf16_matrix_units
 from ragkv.ops import attention, gemv_kernel, prefill_kernel
 
 native_bf16 = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu" or not bf16_matrix_units(),
@@ -83,7 +83,7 @@ def test_bf16_onednn_decode_equals_exact(kernel, tiny_dirs, monkeypatch):
     """`onednn` in bf16: decode steps (alone and batched) through ragkv's product kernel, or where it is not built
     through oneDNN's prepacked weights, give the exact bf16 path's next-token distribution to bf16 rounding and the
     same greedy token."""
-    from ragkv.models.quant import OneDnnLinear
+    from ragkv.models.onednn import OneDnnLinear
 
     if kernel == "onednn-packed":
         monkeypatch.setattr(gemv_kernel, "packable", lambda w: False)

@@ -62,9 +62,9 @@ def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_eve
 @pytest.mark.parametrize("rows", [1, 3, 16, 40, 600, 1100])
 def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_path):
     """gemv (few rows), the AMX kernel (up to 128 rows, where the CPU has AMX), oneDNN in place (with its fused SwiGLU
-    and residual add, whole or in 512-row tiles) and torch's stock product give the model's own bf16 linear's result
-    to bf16 rounding at every row class."""
-    from ragkv.models.quant import TILE_ROWS, OneDnnLinear
+    and residual add, whole or in 512-row tiles), oneDNN on its blocked copy (in 512-row tiles) and torch's stock
+    product give the model's own bf16 linear's result to bf16 rounding at every row class."""
+    from ragkv.models.onednn import TILE_ROWS, OneDnnLinear
 
     torch.manual_seed(0)
     parts = [torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16) for _ in range(2 if op == "swiglu" else 1)]
@@ -73,7 +73,7 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
     res = torch.randn(1, rows, m.out_features, dtype=torch.bfloat16)
     y = [torch.nn.functional.linear(x.float(), p.weight.float()) for p in parts]
     want = torch.nn.functional.silu(y[0]) * y[1] if op == "swiglu" else res.float() + y[0] if op == "add" else y[0]
-    kernels = ["onednn", "stock"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else []) \
+    kernels = ["onednn", "stock", "blocked"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else []) \
         + (["tiles"] if rows > TILE_ROWS else []) \
         + (["amx"] if m.gemv is not None and amx_kernel.takes(rows, m.in_features) else [])
     for kernel in kernels:
@@ -86,12 +86,13 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
 
 
 @native_bf16
+@pytest.mark.parametrize("kernel", ["tiles", "blocked"])
 @pytest.mark.parametrize("rows", [600, 1100])
-def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows):
+def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows, kernel):
     """Where the gate/up product runs in tiles, the MLP runs tile by tile (each tile's SwiGLU straight into the down
     projection with its residual add): the model's own MLP to bf16 rounding, and the two-step tiled path's rows to
     that of one down projection; elsewhere it declines and the caller runs the two steps."""
-    from ragkv.models.quant import TILE_ROWS, OneDnnLinear
+    from ragkv.models.onednn import TILE_ROWS, OneDnnLinear
 
     torch.manual_seed(0)
     gate, up = (torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16) for _ in range(2))
@@ -99,19 +100,54 @@ def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows):
     gate_up, down_copy = OneDnnLinear([gate, up]), OneDnnLinear(down)
     x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
     res = torch.randn(1, rows, 64, dtype=torch.bfloat16)
-    gate_up.kernels = down_copy.kernels = ["tiles"] * len(PROBE_ROWS)
+    gate_up.kernels = down_copy.kernels = [kernel] * len(PROBE_ROWS)
     want = res.float() + torch.nn.functional.linear(
         torch.nn.functional.silu(torch.nn.functional.linear(x.float(), gate.weight.float()))
         * torch.nn.functional.linear(x.float(), up.weight.float()), down.weight.float())
     with torch.inference_mode():
         got = gate_up.mlp_add_to(down_copy, res, x)
         two_steps = down_copy.add_to(res, gate_up.swiglu(x))
-        assert gate_up.mlp_add_to(down_copy, res, x[:, :TILE_ROWS]) is None  # one tile: not "tiles"
+        assert gate_up.mlp_add_to(down_copy, res, x[:, :TILE_ROWS]) is None  # one tile: the two steps
         gate_up.kernels = ["onednn"] * len(PROBE_ROWS)
         assert gate_up.mlp_add_to(down_copy, res, x) is None
     assert got.shape == want.shape
     assert (got.float() - want).abs().max() <= 0.02 * want.abs().max() + 0.02
     assert (got.float() - two_steps.float()).abs().max() <= 2 ** -6 * two_steps.float().abs().max()
+
+@native_bf16
+def test_the_blocked_copy_is_kept_only_where_a_row_class_runs_on_it(tmp_path):
+    """choose_kernels keeps oneDNN's blocked copy of a product only where the measurements chose it for some row
+    class (a fake timer: blocked fastest for the 17+ row classes of the 96-wide product only); the other products
+    drop it and read the model's weights in place."""
+    from ragkv.models import onednn
+
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+            self.narrow = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+
+    copy_ = Tiny()
+    copy_.wide, copy_.narrow = onednn.OneDnnLinear(copy_.wide), onednn.OneDnnLinear(copy_.narrow)
+    assert copy_.wide.blocked is not None and copy_.narrow.blocked is not None
+    clock = FakeClock({})
+    chooser = KernelChooser(tmp_path / "k.json", timer=clock)
+    real_choose = chooser.choose
+
+    def choose(product, dtype, macs, candidates, default):  # blocked costs 1 ms at 17+ rows of the wide one
+        def cost(name, rows):
+            return 1.0 if name == "blocked" and rows > 16 and "->96" in product else 2.0 + len(name) / 100
+        fake = {n: (lambda n, make: lambda rows: make(rows) and (lambda: setattr(
+            clock, "now", clock.now + cost(n, rows) / 1000)))(n, make) for n, make in candidates.items()}
+        return real_choose(product, dtype, macs, fake, default)
+    chooser.choose = choose
+    onednn.choose_kernels(copy_, chooser)
+    assert copy_.wide.kernels[3:] == ["blocked"] * 3 and "blocked" not in copy_.narrow.kernels
+    assert copy_.wide.blocked is not None and copy_.narrow.blocked is None
+    assert not copy_.narrow.takes("blocked", 600) and copy_.narrow.kernel_for_rows(600) != "blocked"
+
 
 @native_bf16
 def test_the_gate_up_product_is_timed_with_its_down_projection(tiny_dirs, tmp_path):
@@ -120,7 +156,8 @@ def test_the_gate_up_product_is_timed_with_its_down_projection(tiny_dirs, tmp_pa
     both give the MLP. A copy's table names the product "mlp", its down projections chosen first."""
     from conftest import _load_tiny
 
-    from ragkv.models.quant import OneDnnLinear, _probe, decode_copy
+    from ragkv.models.onednn import OneDnnLinear, _probe
+    from ragkv.models.quant import decode_copy
 
     torch.manual_seed(0)
     gate, up = (torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16) for _ in range(2))
@@ -148,7 +185,8 @@ def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tm
     """Every product of a bf16 `onednn` copy gets a measured kernel per row class; a second copy reads the cache."""
     from conftest import _load_tiny
 
-    from ragkv.models.quant import _onednn_linears, decode_copy
+    from ragkv.models.onednn import _onednn_linears
+    from ragkv.models.quant import decode_copy
 
     model = _load_tiny(tiny_dirs["qwen2"], torch.bfloat16).model
     chooser = KernelChooser(tmp_path / "k.json")

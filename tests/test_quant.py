@@ -97,7 +97,7 @@ def test_onednn_decode_equals_exact_in_every_linear(tiny_engine, tiny_bf16_engin
     model's own weights; decode steps equal the exact path to float rounding, alone and batched; bf16 is refused on
     a CPU without native bf16 (tests/test_cpu_bf16.py tests it where there is)."""
     from ragkv.engine.kv.state import decode_batch
-    from ragkv.models.quant import OneDnnLinear
+    from ragkv.models.onednn import OneDnnLinear
 
     eng = tiny_engine("qwen2")  # QKV bias and tied embeddings
     model = eng.model
@@ -172,14 +172,16 @@ def test_every_forward_runs_on_an_exact_copy_and_equals_exact(fusion, weights, t
     linear choosing its kernel by its rows: products of up to FEW_ROWS rows on the copy's kernel, more in slices of
     FEW_ROWS (onednn) or on the model's weights (transposed); a prompt's prefill runs in forwards of FEW_ROWS rows.
     Cold and warm, the logits equal the exact engine's."""
+    import ragkv.models.onednn as onednn
     import ragkv.models.quant as quant
 
-    monkeypatch.setattr(quant, "FEW_ROWS", 8)  # the tiny prompts' forwards take both paths
+    for module in (onednn, quant):  # the tiny prompts' forwards take both paths (the linears', the prompt's rows)
+        monkeypatch.setattr(module, "FEW_ROWS", 8)
     exact, fast = tiny_engine("qwen2"), tiny_engine("qwen2", decode_weights=weights)
     segs, fusion = make_segs(seed=4), FusionOptions(**fusion)
     calls = {"few": [], "many": []}
     for path in calls:
-        cls = quant.OneDnnLinear if weights == "onednn" else quant.TransposedLinear
+        cls = onednn.OneDnnLinear if weights == "onednn" else quant.TransposedLinear
         real = getattr(cls, path + "_rows")
         monkeypatch.setattr(cls, path + "_rows",
                             lambda self, x, real=real, path=path: calls[path].append(x.numel() // self.in_features)
@@ -328,7 +330,7 @@ def test_silu_mul_pass_equals_torchs_ops_and_serves_the_bf16_swiglu():
     """int8_kernel.silu_mul: silu(gate) * up of a bf16 gate/up product in one pass, equal to torch's ops in fp32
     rounded once (torch rounds silu(gate) to bf16 first: at most one bf16 step apart); OneDnnLinear's stock bf16
     SwiGLU returns it."""
-    from ragkv.models.quant import OneDnnLinear, bf16_matrix_units
+    from ragkv.models.onednn import OneDnnLinear, bf16_matrix_units
     from ragkv.ops import int8_kernel
 
     if int8_kernel.kernel() is None:

@@ -177,7 +177,7 @@ class Engine:
     def forward_model(self):
         """The module prefill forwards run on (full, prefix, block encoding, a question over cached blocks, the rows
         a selection recomputes): the decode copy where its weights are the model's own (transposed, onednn: the
-        same products in another order, each linear choosing its kernel by its rows, models/quant.py), else
+        same products in another order, each linear choosing its kernel by its rows, models/onednn.py), else
         `model` (int8/int4 copies stay decode-only); w8a8's copy runs prefill too, on int8 products (approximate)."""
         return self._decode_model if self._decode_weights in PREFILL_COPIES else self.model
 

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 def add_linear(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x); a decode copy's linear may add the residual inside its product (models/quant.py)."""
+    """residual + linear(x); a decode copy's linear may add the residual inside its product (models/onednn.py)."""
     add_to = getattr(linear, "add_to", None)
     return add_to(residual, x) if add_to is not None else residual + linear(x)
 
@@ -67,7 +67,7 @@ class MLP(nn.Module):
         return F.silu(self.gate_proj(x)) * self.up_proj(x)  # SwiGLU
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + MLP(x); oneDNN's copy may run the whole MLP tile by tile (models/quant.py)."""
+        """residual + MLP(x); oneDNN's copy may run the whole MLP tile by tile (models/onednn.py)."""
         tiled = getattr(self.__dict__.get("gate_up_proj"), "mlp_add_to", None)
         out = tiled(self.down_proj, residual, x) if tiled is not None else None
         return out if out is not None else add_linear(self.down_proj, residual, self.swiglu(x))

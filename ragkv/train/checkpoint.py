@@ -98,7 +98,7 @@ def save_model_folder(model, source: Path, target: Path, meta: dict | None = Non
     for f in source.iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in WEIGHT_NAMES + (MARKER,):
             shutil.copy2(f, tmp / f.name)
-    # a weight that views a joined buffer (oneDNN's path, models/quant.py) is saved as its own tensor
+    # a weight that views a joined buffer (oneDNN's path, models/onednn.py) is saved as its own tensor
     state = {k: v.detach().clone() if v.untyped_storage().nbytes() > v.numel() * v.element_size()
              else v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:  # one tensor under two names: keep the embedding, the loader re-ties
