@@ -33,7 +33,7 @@ def test_the_chooser_picks_the_fastest_measured_kernel_per_row_class_and_caches_
                          else None)(name) for name in costs}
     chooser = KernelChooser(tmp_path / "k.json", timer=clock)
     choice = chooser.choose("plain 8->8", torch.bfloat16, 64, candidates, "onednn")
-    # 1 row: gemv 0.1; 4: gemv 0.4; 16: onednn 0.66 < gemv 1.6; 128: onednn 1.78 > stock 1.128; 512, 1536: stock
+    # 1 row: gemv 0.1; 4: gemv 0.4; 16: onednn 0.66 < gemv 1.6; 128: onednn 1.78 > stock 1.128; 512, 1024: stock
     assert choice == ["gemv", "gemv", "onednn", "stock", "stock", "stock"] and chooser.measured == 1
     chooser.save()
     again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
@@ -47,12 +47,36 @@ def test_the_chooser_picks_the_fastest_measured_kernel_per_row_class_and_caches_
     assert chooser.choose("plain 8->8", torch.float32, 64, candidates, "onednn") == choice and chooser.measured == 2
 
 
+def test_candidates_are_timed_in_turn_and_a_copy_must_win_by_a_margin(tmp_path):
+    """A probe times every candidate once a round, the order rotating, so a machine that slows down during the
+    probe slows all alike (a fake clock whose costs rise 2.5% a call: timed one kernel after the other, the 10%
+    slower one timed first would win on the drift); a kernel needing its own copy of the weights is chosen only 5% faster than the rest."""
+    from ragkv.ops.kernel_choice import fastest
+
+    calls = []
+
+    class Drifting(FakeClock):
+        def kernel(self, name, rows):
+            def call():
+                calls.append(name)
+                self.now += self.costs[name](rows) * 1.025 ** len(calls) / 1000
+            return call
+    clock = Drifting({"a": lambda r: 1.0, "b": lambda r: 0.9})
+    candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("a", "b")}
+    choice = KernelChooser(tmp_path / "k.json", timer=clock).choose("plain 4->4", torch.bfloat16, 0, candidates, "a")
+    assert choice == ["b"] * len(PROBE_ROWS)
+    assert calls[:2] == ["a", "b"] and calls[2:4] == ["a", "b"] and calls[4:6] == ["b", "a"]
+    assert fastest({"onednn": 1.0, "blocked": 0.96}, ("blocked",)) == "onednn"
+    assert fastest({"onednn": 1.0, "blocked": 0.94}, ("blocked",)) == "blocked"
+    assert fastest({"blocked": 0.5}, ("blocked",)) == "blocked"
+
+
 def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_every_count(tmp_path):
     clock = FakeClock({"stock": lambda r: 1.0, "onednn": lambda r: 2.0})
     candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("stock", "onednn")}
     choice = KernelChooser(tmp_path / "k.json", timer=clock).choose("plain big", torch.bfloat16, 10**8, candidates,
                                                                    "onednn")
-    assert choice[:1] == ["stock"] and choice[-1] == "onednn"  # 1536 rows x 1e8 MACs: not probed
+    assert choice[:1] == ["stock"] and choice[-1] == "onednn"  # 1024 rows x 1e8 MACs: not probed
     assert [row_class(r) for r in (1, 2, 4, 5, 16, 17, 128, 129, 512, 513, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [row_class(r) for r in PROBE_ROWS] == list(range(len(PROBE_ROWS)))
 
@@ -136,12 +160,12 @@ def test_the_blocked_copy_is_kept_only_where_a_row_class_runs_on_it(tmp_path):
     chooser = KernelChooser(tmp_path / "k.json", timer=clock)
     real_choose = chooser.choose
 
-    def choose(product, dtype, macs, candidates, default):  # blocked costs 1 ms at 17+ rows of the wide one
+    def choose(product, dtype, macs, candidates, default, **kw):  # blocked: 1 ms at 17+ rows of the wide one
         def cost(name, rows):
             return 1.0 if name == "blocked" and rows > 16 and "->96" in product else 2.0 + len(name) / 100
         fake = {n: (lambda n, make: lambda rows: make(rows) and (lambda: setattr(
             clock, "now", clock.now + cost(n, rows) / 1000)))(n, make) for n, make in candidates.items()}
-        return real_choose(product, dtype, macs, fake, default)
+        return real_choose(product, dtype, macs, fake, default, **kw)
     chooser.choose = choose
     onednn.choose_kernels(copy_, chooser)
     assert copy_.wide.kernels[3:] == ["blocked"] * 3 and "blocked" not in copy_.narrow.kernels

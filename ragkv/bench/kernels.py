@@ -15,6 +15,8 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     from ragkv.bench.common import markdown_table, save_json
     from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser
     from ragkv.models.loader import load_model
+    from ragkv.models.onednn import KERNELS
+    from ragkv.ops.kernel_choice import COPY_MARGIN, REPEATS
     from ragkv.models.quant import decode_copy, onednn_refusal
 
     loaded = load_model(model, torch.bfloat16, torch.device("cpu"))
@@ -38,16 +40,15 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
                 attention.append([e["product"], probe, ms.get("kernel", "-"), ms.get("sdpa", "-"), choice,
                                   f"{min(ms.values()) / ms['sdpa']:.2f}x" if ms.get("sdpa") else "-"])
                 continue
-            rows.append([e["product"], probe, *(ms.get(k, "-") for k in ("gemv", "amx", "onednn", "stock", "tiles")),
+            rows.append([e["product"], probe, *(ms.get(k, "-") for k in KERNELS),
                          choice, f"{min(ms.values()) / ms['onednn']:.2f}x" if ms.get("onednn") else "-"])
     result = {"benchmark": "kernels", "model": loaded.name, "machine": machine(), "cache": str(chooser.path),
               "measured": chooser.measured, "products": products}
     save_json(out_dir / "kernels.json", result)
-    md = (f"Kernels per product and row class on {machine()['cpu']} (bf16, median ms of 5 after one untimed call; "
-          "the chosen one is the fastest; last column: its time over oneDNN's):\n\n"
-          + markdown_table(["product", "rows", "gemv ms", "amx ms", "onednn ms", "stock ms", "tiles ms", "chosen",
-                            "vs onednn"],
-                           rows)
+    md = (f"Kernels per product and row class on {machine()['cpu']} (bf16, median ms of {REPEATS} rounds "
+          "timing each candidate in turn, after one untimed call each; a kernel on a copy of its own must win by "
+          f"{COPY_MARGIN:.0%}, else the fastest is chosen; last column: its time over oneDNN's):\n\n"
+          + markdown_table(["product", "rows", *(f"{k} ms" for k in KERNELS), "chosen", "vs onednn"], rows)
           + "\n\nPrefill attention (square causal rows; kernel: ragkv's AVX-512 BF16 kernel, sdpa: torch's; last "
           "column: the chosen one's time over SDPA's):\n\n"
           + markdown_table(["attention", "rows", "kernel ms", "sdpa ms", "chosen", "vs sdpa"], attention)

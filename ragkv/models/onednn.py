@@ -299,9 +299,10 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
         layout = "gemv-packed" if m.gemv is not None else "reordered" if m.weight.is_mkldnn else "plain"
         product = f"{op} {m.in_features}->{m.out_features} parts={len(m.parts)} bias={m.bias is not None} {layout}"
         if product not in choices:
-            # the probe's cost bound reads the chosen product's MACs alone: an MLP's 1,536-row probe stays measured
+            # the probe's cost bound reads the chosen product's MACs alone: an MLP's 1,024-row probe stays measured
             choices[product] = chooser.choose(product, m.weight.dtype, m.in_features * m.out_features,
-                                              {k: _probe(m, op, k, down) for k in KERNELS}, "onednn")
+                                              {k: _probe(m, op, k, down) for k in KERNELS}, "onednn",
+                                              with_copy=("blocked",))
         m.kernels = choices[product]
         if "blocked" not in m.kernels:  # the copy no row class runs on
             m.blocked = None
