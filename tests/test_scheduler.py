@@ -564,3 +564,20 @@ def test_waiting_requests_are_taken_round_robin_by_tenant():
         job.name = name
         q.put_nowait(job)
     assert [q.get(block=False).name for _ in range(4)] == ["a1", "b1", "a2", "b2"]
+
+
+def test_a_prefill_alone_takes_the_steps_whole_budget_a_unit():
+    """Scheduler.unit_tokens: the fixed unit while anything else decodes, waits or prefills; the step's whole
+    token budget while one prefill is the only work (vLLM's chunked prefill fills its budget alike)."""
+    sched = Scheduler(step=lambda seqs: None, max_batch=4, thread=False, max_num_batched_tokens=2048)
+    assert sched.unit_tokens(512) == 2048 and sched.unit_tokens(4096) == 4096
+    sched.prefilling = [object()]  # itself
+    assert sched.unit_tokens(512) == 2048
+    sched.prefilling = [object(), object()]  # another prefill in flight
+    assert sched.unit_tokens(512) == 512
+    sched.prefilling = [object()]
+    sched.running = [object()]  # an answer decoding
+    assert sched.unit_tokens(512) == 512
+    sched.running = []
+    sched.submit_generation(lambda: iter(()))  # a request queued (no worker: it stays there)
+    assert sched.unit_tokens(512) == 512

@@ -549,3 +549,23 @@ def test_a_request_with_documents_naming_no_mode_gets_the_cli_default_and_one_na
             assert fidelity({"mode": "reuse"})["mode"] == "reuse"
     finally:
         server.scheduler.stop()
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_request_alone_prefills_in_one_unit_unless_batch_invariant(batch_invariant, default_engine):
+    """A short `full` request alone on the server prefills in one unit of up to the step's budget
+    (Scheduler.unit_tokens: its logits those of a prefill at once); under --batch-invariant every prefill keeps
+    the fixed --prefill-chunk unit."""
+    from ragkv.engine.options import FusionOptions, GenerationOptions
+    from ragkv.serve.requests import Prepared
+
+    segs = default_engine.segments("Which city is the capital of France?", ["Paris is the capital of France."] * 3)
+    server = make_server(default_engine, prefill_chunk=16, batch_invariant=batch_invariant)
+    try:
+        job = server.start(Prepared(segs, FusionOptions(mode="full"), GenerationOptions(max_new_tokens=2), None, []))
+        job.future.result(timeout=120)
+        units = server.scheduler.prefill_units
+    finally:
+        server.scheduler.stop()
+    assert segs.num_tokens > 32
+    assert units == (-(-segs.num_tokens // 16) if batch_invariant else 1)

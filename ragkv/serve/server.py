@@ -113,12 +113,19 @@ class Server:
         if not self.scheduler.kv.fits_ever(need):
             raise self.kv_refusal(p, need)
 
+        layers = self.engine.num_layers
+        cost = p.cost or self.engine.worst_token_layers(p.segs, p.fusion, p.namespace)  # cold cache
+        long = cost > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk) * layers
+        # every prefill in units of --prefill-chunk tokens: a request arriving meanwhile waits one unit, not a whole
+        # long prompt or block (`bench fairness`: another tenant's TTFT p95 23.7 s -> 1.0 s beside a 12K-token `ape`
+        # request). A short one alone on the server takes the step's whole budget a unit (Scheduler.unit_tokens);
+        # a long one, and every one under --batch-invariant, keeps the fixed unit.
+        chunk = self.prefill_chunk
+        if chunk and not long and not self.batch_invariant:
+            chunk = lambda: self.scheduler.unit_tokens(self.prefill_chunk)  # noqa: E731
+
         def begin():
-            # every prefill in units of --prefill-chunk tokens, alone or not: a request arriving meanwhile waits
-            # one unit, not a whole long prompt or block (`bench fairness`: another tenant's TTFT p95 23.7 s ->
-            # 1.0 s beside a 12K-token `ape` request); measured free where it was feared to cost (Qwen 0.5B bf16,
-            # 1.3K-token `full` prefill: 2.90-3.25 s in one forward, 2.80-3.05 s in 512-token units)
-            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, self.prefill_chunk)
+            seq = yield from self.engine.start_steps(p.segs, p.fusion, p.gen, p.namespace, chunk)
             return [seq] + [seq.fork(i) for i in range(1, p.n)], p
 
         def settle(seqs):  # what one prompt's sequence really kept (a fork's choices share it: not settled)
@@ -126,9 +133,6 @@ class Server:
                 return None
             return kv_need(self.kv_bytes_per_token, seqs[0].state.prompt_rows(), p.gen.max_new_tokens)
 
-        layers = self.engine.num_layers
-        cost = p.cost or self.engine.worst_token_layers(p.segs, p.fusion, p.namespace)  # cold cache
-        long = cost > LONG_PREFILL_UNITS * (self.prefill_chunk or SERVE.prefill_chunk) * layers
         release = self.in_flight.admit(p.tenant, cost)  # a 429 when the tenant's unfinished requests cost too much
         try:
             job = self.scheduler.submit_generation(begin, emit, kv_bytes=need, settle=settle, tenant=p.tenant,

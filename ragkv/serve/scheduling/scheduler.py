@@ -122,6 +122,13 @@ class Scheduler(Admission, PrefillUnits):
     def depth(self) -> int:
         return self.jobs.qsize() + (self.waiting is not None)
 
+    def unit_tokens(self, chunk: int) -> int:
+        """Tokens of a prefill's next unit: `chunk`, or the step's whole budget while that prefill is the only work
+        (nothing decodes, waits or prefills beside it), as vLLM's chunked prefill fills its budget: a 1,329-token
+        `full` prefill in one forward took 0.87x the time of its 512-token units (AMX Xeon, Qwen 0.5B bf16)."""
+        alone = not self.running and len(self.prefilling) <= 1 and not self.depth and not self.background
+        return max(chunk, self.max_num_batched_tokens) if alone else chunk
+
     @property
     def batch_size(self) -> int:
         """Sequences decoding now (a request with n choices counts n)."""
