@@ -37,7 +37,8 @@ def register(sub) -> None:
                    help="generations decoded together in one batched step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk,
                    help="every prefill (and a block's encoding) runs in units of this many tokens, between two "
-                        "decode steps and other tenants' units: bounds the pause a request imposes on the others")
+                        "decode steps and other tenants' units: bounds the pause a request imposes on the others "
+                        "(a short request alone on the server takes --max-num-batched-tokens a unit)")
     p.add_argument("--prefill-stall-ms", type=float, default=SERVE.prefill_stall_ms, metavar="MS",
                    help="newcomers' prefill units may run this long between two decode steps (at least one "
                         "unit): under a burst of requests more of them join each batched step (more output "
