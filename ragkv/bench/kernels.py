@@ -13,11 +13,10 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     import torch
 
     from ragkv.bench.common import markdown_table, save_json
-    from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser
     from ragkv.models.loader import load_model
     from ragkv.models.onednn import KERNELS
-    from ragkv.ops.kernel_choice import COPY_MARGIN, REPEATS
     from ragkv.models.quant import decode_copy, onednn_refusal
+    from ragkv.ops.kernel_choice import COPY_MARGIN, PROBE_ROWS, REPEATS, KernelChooser
 
     loaded = load_model(model, torch.bfloat16, torch.device("cpu"))
     why = onednn_refusal(loaded.model)
