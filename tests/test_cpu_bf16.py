@@ -129,15 +129,23 @@ needs_prefill_kernel = pytest.mark.skipif(prefill_kernel.kernel() is None,
                                           reason="the bf16 prefill-attention kernel is not built here")
 
 
+def skip_without_amx_path(amx: bool, dim: int):
+    q = torch.empty(1, 1, 17, dim, dtype=torch.bfloat16)
+    if amx and not prefill_kernel.amx_applies(q, q):
+        pytest.skip("the AMX path takes head dim 64 on CPUs with AMX-BF16")
+
+
 @needs_prefill_kernel
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 64), (6, 2, 128)])
-@pytest.mark.parametrize("past,rows", [(0, 37), (0, 130), (45, 70), (200, 17)])
-def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
-    """Causal rows after `past` cached keys, grouped-query heads, rows and keys off the kernel's blocks: the output
-    is as close to fp32 attention as torch's own bf16 SDPA is (within 2x its error, plus bf16's rounding), and the
-    log-sum-exp equals fp32's to 1e-3; with causal=False every row sees every key."""
+@pytest.mark.parametrize("past,rows", [(0, 37), (0, 130), (45, 70), (200, 17), (0, 300)])
+def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows, amx):
+    """Causal rows after `past` cached keys, grouped-query heads, rows and keys off the kernel's blocks, on either
+    path: the output is as close to fp32 attention as torch's own bf16 SDPA is (within 2x its error, plus bf16's
+    rounding), and the log-sum-exp equals fp32's to 1e-3; with causal=False every row sees every key."""
     from ragkv.ops.attention import attention_with_lse, causal_mask
 
+    skip_without_amx_path(amx, dim)
     g = torch.Generator().manual_seed(past * 31 + rows + dim)
     S = past + rows
     q = (torch.randn(1, rows, heads, dim, generator=g) * 2).bfloat16().transpose(1, 2)  # the model's layout
@@ -147,7 +155,7 @@ def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
         mask = causal_mask(rows, S) if causal else None
         want, want_lse = attention_with_lse(q.float(), k.float(), v.float(), mask=mask)
         torch_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
-        got, lse = prefill_kernel.prefill_attention(q, k, v, past=past, causal=causal, want_lse=True)
+        got, lse = prefill_kernel.prefill_attention(q, k, v, past=past, causal=causal, want_lse=True, amx=amx)
         assert got.dtype == torch.bfloat16 and got.shape == q.shape
         err, torch_err = (got.float() - want).abs().max(), (torch_bf16.float() - want).abs().max()
         assert err <= 2 * torch_err + 2 ** -7, (err, torch_err)
@@ -155,8 +163,29 @@ def test_prefill_attention_kernel_equals_sdpa(heads, kv_heads, dim, past, rows):
 
 
 @needs_prefill_kernel
+@pytest.mark.parametrize("spread", [1, 8, 40])
+def test_the_amx_paths_lazy_maximum_keeps_softmax_exact_over_wide_scores(spread):
+    """The AMX path moves a row's reference maximum only when a score passes it by 2^8: scores spread far (a
+    sink-like first key far above the rest, rows whose maximum climbs step after step) still give fp32's attention
+    and log-sum-exp, as the AVX-512 path does."""
+    from ragkv.ops.attention import attention_with_lse, causal_mask
+
+    skip_without_amx_path(True, 64)
+    g = torch.Generator().manual_seed(spread)
+    rows = 260
+    q = torch.randn(1, 4, rows, 64, generator=g).bfloat16()
+    k = (torch.randn(1, 2, rows, 64, generator=g) * torch.linspace(0.2, spread, rows).view(1, 1, rows, 1)).bfloat16()
+    k[:, :, 0] *= spread  # a sink
+    v = torch.randn(1, 2, rows, 64, generator=g).bfloat16()
+    want, want_lse = attention_with_lse(q.float(), k.float(), v.float(), mask=causal_mask(rows, rows))
+    for amx in (False, True):
+        got, lse = prefill_kernel.prefill_attention(q, k, v, want_lse=True, amx=amx)
+        assert (got.float() - want).abs().max() < 0.03 and ((lse - want_lse).abs() / want_lse.abs().clamp(min=1)).max() < 1e-4
+
+
+@needs_prefill_kernel
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (6, 2, 128)])
-@pytest.mark.parametrize("choice", ["kernel", "sdpa"])
+@pytest.mark.parametrize("choice", ["kernel", "amx", "sdpa"])
 def test_scattered_recomputed_rows_attend_each_up_to_its_own_position_through_the_kernel(heads, kv_heads, dim,
                                                                                         choice, monkeypatch):
     """A selection's recomputed rows (scattered positions, then the query's) through the kernel with per-row limits
@@ -165,6 +194,7 @@ def test_scattered_recomputed_rows_attend_each_up_to_its_own_position_through_th
     from ragkv.engine.recompute.rows import attend_selected
     from ragkv.ops.attention import attention_with_lse
 
+    skip_without_amx_path(choice == "amx", dim)
     monkeypatch.setitem(attention._PREFILL_CHOICE, (torch.bfloat16, heads, kv_heads, dim), [choice] * 6)
 
     g = torch.Generator().manual_seed(dim)
@@ -189,9 +219,21 @@ TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America.
         "most of the Amazon rainforest? Answer:")
 
 
+class _Every(dict):
+    """A prefill-attention choice table answering `path` for every row class of any heads."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def get(self, key, default=None):
+        return [self.path] * 6
+
+
 @needs_prefill_kernel
 @pytest.mark.model
-def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(monkeypatch):
+@pytest.mark.parametrize("path", ["kernel", "amx"])
+def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(path, monkeypatch):
     """SmolLM2 in bf16 (head dim 64) on a real paragraph: prefilled at once and in two forwards over a cache (rows
     after `past` keys), through the kernel; every position's next-token distribution is as close to the fp32
     model's as the SDPA path's is (max difference, greedy agreement), and the cached path equals the whole forward."""
@@ -207,7 +249,8 @@ def test_the_default_model_prefills_in_bf16_through_the_kernel_as_through_sdpa(m
     calls = []
     real = prefill_kernel.prefill_attention
     monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(attention, "_PREFILL_CHOICE", {})  # the kernel, whatever this machine measured faster
+    skip_without_amx_path(path == "amx", 64)
+    monkeypatch.setattr(attention, "_PREFILL_CHOICE", _Every(path))  # that path, whatever was measured faster
 
     def run(m):
         with torch.inference_mode():

@@ -224,16 +224,18 @@ def test_a_bf16_onednn_copy_measures_its_products_once_per_machine(tiny_dirs, tm
     assert again.measured == 0
 
 
-def test_prefill_attention_follows_its_measurement_and_both_paths_agree(tmp_path, monkeypatch):
-    """The causal attention of a prefill takes whichever of ragkv's kernel and SDPA was measured faster for its
-    heads and row class (a fake timer here), and where the kernel is built both give SDPA-in-fp32's result."""
+def test_prefill_attention_follows_its_measurement(tmp_path, monkeypatch):
+    """The causal attention of a prefill takes whichever of ragkv's kernel (its AVX-512 BF16 path, its AMX path) and
+    SDPA was measured fastest for its heads and row class (a fake timer here)."""
     from ragkv.ops import attention, prefill_kernel
 
     monkeypatch.setattr(attention, "_PREFILL_CHOICE", {})
-    costs = {"kernel": lambda r: 1.0 if r <= 128 else 3.0, "sdpa": lambda r: 2.0}
+    costs = {"kernel": lambda r: 1.0 if r <= 128 else 3.0, "amx": lambda r: 1.5 if r <= 128 else 1.0,
+             "sdpa": lambda r: 2.0}
     clock = FakeClock(costs)
     ran = []
     monkeypatch.setattr(prefill_kernel, "applies", lambda q, k: q.shape[2] > 16)
+    monkeypatch.setattr(prefill_kernel, "amx_applies", lambda q, k: q.shape[2] > 16)
     chooser = KernelChooser(tmp_path / "k.json", timer=clock)
     real_choose = chooser.choose
 
@@ -243,15 +245,18 @@ def test_prefill_attention_follows_its_measurement_and_both_paths_agree(tmp_path
         return real_choose(product, dtype, macs, fake, default)
     monkeypatch.setattr(chooser, "choose", choose)
     choice = attention.choose_prefill_attention(chooser, torch.bfloat16, 4, 2, 64)
-    assert choice == ["sdpa", "sdpa", "sdpa", "kernel", "sdpa", "sdpa"]  # the kernel cannot take <= 16 rows
-    monkeypatch.setattr(prefill_kernel, "prefill_attention", lambda q, k, v, past: ran.append("kernel") or q)
-    q = torch.randn(1, 4, 100, 64, dtype=torch.bfloat16)
-    k = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16)
-    attention.causal_attention(q, k, k, 0, None)
+    assert choice == ["sdpa", "sdpa", "sdpa", "kernel", "amx", "amx"]  # the kernel cannot take <= 16 rows
+    monkeypatch.setattr(prefill_kernel, "prefill_attention",
+                        lambda q, k, v, past, amx: ran.append("amx" if amx else "kernel") or q)
+
+    def attend(rows):
+        q = torch.randn(1, 4, rows, 64, dtype=torch.bfloat16)
+        return attention.causal_attention(q, *[torch.randn(1, 2, rows, 64, dtype=torch.bfloat16)] * 2, 0, None)
+    attend(100)
     assert ran == ["kernel"]
-    out = attention.causal_attention(torch.randn(1, 4, 300, 64, dtype=torch.bfloat16), *[torch.randn(
-        1, 2, 300, 64, dtype=torch.bfloat16)] * 2, 0, None)
-    assert ran == ["kernel"] and out.shape == (1, 4, 300, 64)  # 300 rows: SDPA, as measured
+    attend(300)
+    assert ran == ["kernel", "amx"]
+    assert attend(12).shape == (1, 4, 12, 64) and ran == ["kernel", "amx"]  # 12 rows: SDPA, as measured
 
 
 @native_bf16
@@ -268,6 +273,8 @@ def test_the_prefill_kernel_and_sdpa_give_the_same_causal_attention():
     assert (got_sdpa - want).abs().max() < 0.02
     if prefill_kernel.kernel() is not None:
         assert (prefill_kernel.prefill_attention(q, k, v, past=0).float() - want).abs().max() < 0.02
+    if prefill_kernel.amx_applies(q, k):
+        assert (prefill_kernel.prefill_attention(q, k, v, past=0, amx=True).float() - want).abs().max() < 0.02
 
 
 @pytest.mark.skipif(amx_kernel.kernel() is None, reason="the AMX kernel is built only on CPUs with AMX-BF16")

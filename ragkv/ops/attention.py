@@ -33,22 +33,26 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
                      mask: torch.Tensor | None) -> torch.Tensor:
-    """Rows attending causally after `past` cached keys and to nothing else: ragkv's bf16 kernel where it applies
-    (ops/prefill_kernel.py) and was not measured slower than SDPA here (choose_prefill_attention), else SDPA with
-    `mask` (None: the square causal case)."""
-    if prefill_kernel.applies(q, k) and prefill_attention_choice(q, k) == "kernel":
-        return prefill_kernel.prefill_attention(q, k, v, past=past)
+    """Rows attending causally after `past` cached keys and to nothing else: ragkv's bf16 kernel (ops/prefill_kernel.py,
+    its AVX-512 BF16 or its AMX path) where it applies and was measured the fastest here (choose_prefill_attention),
+    else SDPA with `mask` (None: the square causal case)."""
+    choice = prefill_attention_choice(q, k) if prefill_kernel.applies(q, k) else "sdpa"
+    if choice in ("kernel", "amx"):
+        return prefill_kernel.prefill_attention(q, k, v, past=past, amx=choice == "amx")
     return sdpa(q, k, v, mask=mask, causal=mask is None)
 
 
-# (dtype, query heads, KV heads, head dim) -> "kernel" or "sdpa" per row class (kernel_choice.ROW_CLASSES). On an
-# AMX Xeon torch's flash attention (oneDNN's brgemm on the matrix unit) took 5.7 ms where ragkv's AVX-512 BF16
-# kernel took 17.8 (1,329 causal rows, 14/2 heads of 64); on a Zen 5 the kernel was 1.7-2x faster.
+# (dtype, query heads, KV heads, head dim) -> "kernel", "amx" or "sdpa" per row class (kernel_choice.ROW_CLASSES). On
+# an AMX Xeon (1,329 causal rows, 14/2 heads of 64) torch's flash attention (oneDNN's brgemm on the matrix unit) took
+# 6.7 ms, ragkv's AVX-512 BF16 kernel 18.4, its AMX path 3.7; on a Zen 5 the AVX-512 kernel was 1.7-2x SDPA's speed.
 _PREFILL_CHOICE: dict[tuple, list[str]] = {}
 
 
 def _heads_key(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> tuple:
     return (dtype, q_heads, kv_heads, head_dim)
+
+
+PREFILL_ATTENTION = ("kernel", "amx", "sdpa")  # the candidates for a prefill's causal attention
 
 
 def prefill_attention_choice(q: torch.Tensor, k: torch.Tensor) -> str:
@@ -60,23 +64,24 @@ def prefill_attention_choice(q: torch.Tensor, k: torch.Tensor) -> str:
 
 def choose_prefill_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads: int, kv_heads: int,
                              head_dim: int) -> list[str]:
-    """Time ragkv's prefill kernel against SDPA on square causal rows of each row class (cached by `chooser`) and
-    use the faster from then on; where the kernel is not built, SDPA unmeasured."""
+    """Time ragkv's prefill kernel (its AVX-512 BF16 path, and its AMX path where built) against SDPA on square causal
+    rows of each row class (cached by `chooser`) and use the fastest from then on; where the kernel is not built,
+    SDPA unmeasured."""
     key = _heads_key(dtype, q_heads, kv_heads, head_dim)
 
     def make(kernel: str):
         def at(rows: int):
             q = torch.randn(1, q_heads, rows, head_dim, dtype=dtype)
             k, v = torch.randn(2, 1, kv_heads, rows, head_dim, dtype=dtype)
-            if kernel == "kernel":
-                if not prefill_kernel.applies(q, k):
-                    return None
-                return lambda: prefill_kernel.prefill_attention(q, k, v, past=0)
-            return lambda: sdpa(q, k, v, causal=True)
+            if kernel == "sdpa":
+                return lambda: sdpa(q, k, v, causal=True)
+            if not (prefill_kernel.amx_applies if kernel == "amx" else prefill_kernel.applies)(q, k):
+                return None
+            return lambda: prefill_kernel.prefill_attention(q, k, v, past=0, amx=kernel == "amx")
         return at
 
     product = f"causal attention heads={q_heads}/{kv_heads} dim={head_dim}"
-    _PREFILL_CHOICE[key] = chooser.choose(product, dtype, 0, {n: make(n) for n in ("kernel", "sdpa")}, "sdpa")
+    _PREFILL_CHOICE[key] = chooser.choose(product, dtype, 0, {n: make(n) for n in PREFILL_ATTENTION}, "sdpa")
     return _PREFILL_CHOICE[key]
 
 

@@ -30,10 +30,22 @@ _SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 bool available() {
 #ifdef __AVX512BF16__
   return true;
+#else
+  return false;
+#endif
+}
+
+// the AMX path: built for AMX-BF16 (-march=native on an AMX CPU) and granted the tile state by the kernel
+bool amx_available() {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
 #else
   return false;
 #endif
@@ -129,14 +141,13 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
   }
 }
 
-template <int DP>
-static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
-                const int64_t* row_limits, torch::Tensor& out, float* lse) {
-  constexpr int D = 32 * DP, R = DP == 2 ? 4 : 2;
-  int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
-  int64_t Sp = (S + KB - 1) / KB * KB;
-  // K and V packed per KV head, zero past S (those keys are never visible)
-  std::vector<uint16_t> kp(Hkv * Sp * D, 0), vp(Hkv * Sp * D, 0);
+// K and V of every KV head packed as the kernels read them, zero past S (those keys are never visible):
+// K as [Sp/16][D/2][16][2] (16 keys per vector / AMX B tile), V as [Sp/2][D][2] (key pairs)
+static void pack_kv(const torch::Tensor& k, const torch::Tensor& v, int64_t D, int64_t Sp,
+                    std::vector<uint16_t>& kp, std::vector<uint16_t>& vp) {
+  int64_t Hkv = k.size(1), S = k.size(2);
+  kp.assign(Hkv * Sp * D, 0);
+  vp.assign(Hkv * Sp * D, 0);
   const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   int64_t ksh = k.stride(1), ksr = k.stride(2), vsh = v.stride(1), vsr = v.stride(2);
@@ -156,6 +167,23 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
       }
     }
   }
+}
+
+// the last key row `r` of a query block sees: its own limit, the causal one, or every key
+static inline int64_t row_limit(int64_t row, int64_t T, const int64_t* row_limits, bool causal, int64_t past,
+                                int64_t S) {
+  int64_t lim = row >= T ? -1 : row_limits ? row_limits[row] : causal ? past + row : S - 1;  // padding: nothing
+  return lim > S - 1 ? S - 1 : lim;
+}
+
+template <int DP>
+static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
+                const int64_t* row_limits, torch::Tensor& out, float* lse) {
+  constexpr int D = 32 * DP, R = DP == 2 ? 4 : 2;
+  int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
+  int64_t Sp = (S + KB - 1) / KB * KB;
+  std::vector<uint16_t> kp, vp;
+  pack_kv(k, v, D, Sp, kp, vp);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   int64_t qsh = q.stride(1), qsr = q.stride(2), osh = out.stride(1), osr = out.stride(2);
@@ -174,8 +202,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
       bool real = r < rows;
       qr[r] = reinterpret_cast<const uint32_t*>(real ? qd + hq * qsh + (i0 + r) * qsr : dummy_q);
       orow[r] = real ? od + hq * osh + (i0 + r) * osr : dummy_o;
-      limit[r] = !real ? -1 : row_limits ? row_limits[i0 + r] : causal ? past + i0 + r : S - 1;  // padding: nothing
-      if (limit[r] > S - 1) limit[r] = S - 1;
+      limit[r] = row_limit(i0 + r, T, row_limits, causal, past, S);
     }
     float lrow[R];
     rows_attend<R, DP>(qr, kp.data() + h * Sp * D, vp.data() + h * Sp * D, limit, scale2, orow,
@@ -184,13 +211,161 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
       for (int r = 0; r < rows; ++r) lse[hq * T + i0 + r] = lrow[r];
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RAGKV_AMX 1
+// AMX: 16 query rows (one head, D = 64) a block, keys 32 a step. Tiles (all 16 rows x 64 bytes): 0-1 Q (dims 0-31,
+// 32-63); 2 a K or V B tile; 3 the scores of 16 keys, then P (16 rows x 32 keys in bf16); 4-7 O (four 16-dim chunks,
+// fp32), accumulated in the tiles across steps. The softmax runs on AVX-512 between the two products, online in base
+// 2 with a lazy maximum (as FlashAttention-4 rescales): a row's reference max m moves only when a score exceeds it by
+// more than LAZY_MAX, so P <= 2^LAZY_MAX and the O tiles are stored, rescaled and reloaded only on those steps (the
+// softmax is the same for any reference; only roundings differ).
+static constexpr int AMX_KB = 32;
+static constexpr float LAZY_MAX = 8.f;
+
+static void configure_tiles() {
+  struct { uint8_t palette_id, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+  _tile_loadconfig(&cfg);
+}
+
+static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
+                             float scale2, uint16_t* const* out, float* lse) {
+  constexpr int D = 64;
+  float m[16], alpha[16];
+  alignas(64) float lsum[16][16];  // each row's sum of P, lane-wise (reduced once at the end)
+  alignas(64) float o[16][D];
+  alignas(64) float s[16][AMX_KB];
+  alignas(64) uint16_t p[16][AMX_KB];
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t last = -1;
+  for (int r = 0; r < 16; ++r) {
+    m[r] = neg_inf;
+    last = limit[r] > last ? limit[r] : last;
+  }
+  std::memset(lsum, 0, sizeof(lsum));
+  _tile_loadd(0, qb, 2 * D);
+  _tile_loadd(1, qb + 32, 2 * D);
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  const __m512 sc = _mm512_set1_ps(scale2);
+  for (int64_t k0 = 0; k0 <= last; k0 += AMX_KB) {
+    const uint16_t* kb = kp + (k0 / 16) * (D * 16);  // two 16-key tiles of [32 pairs][16][2]
+    for (int half = 0; half < 2; ++half) {
+      _tile_zero(3);
+      _tile_loadd(2, kb + half * D * 16, 64); _tile_dpbf16ps(3, 0, 2);
+      _tile_loadd(2, kb + half * D * 16 + 512, 64); _tile_dpbf16ps(3, 1, 2);
+      _tile_stored(3, &s[0][16 * half], 4 * AMX_KB);
+    }
+    bool rescale = false;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t n = limit[r] - k0 + 1;  // keys of this step the row sees
+      const __mmask16 ok0 = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+      const __mmask16 ok1 = n >= 32 ? (__mmask16)0xFFFF : n <= 16 ? (__mmask16)0 : (__mmask16)((1u << (n - 16)) - 1);
+      const __m512 s0 = _mm512_mul_ps(_mm512_load_ps(&s[r][0]), sc);
+      const __m512 s1 = _mm512_mul_ps(_mm512_load_ps(&s[r][16]), sc);
+      const __m512 bar = _mm512_set1_ps(m[r] + LAZY_MAX);
+      alpha[r] = 1.f;
+      if (_mm512_mask_cmp_ps_mask(ok0, s0, bar, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(ok1, s1, bar, _CMP_GT_OQ)) {
+        __m512 mx = _mm512_mask_max_ps(_mm512_set1_ps(neg_inf), ok0, s0, s0);
+        mx = _mm512_mask_max_ps(mx, ok1, mx, s1);
+        const float mnew = _mm512_reduce_max_ps(mx);
+        alpha[r] = std::exp2(m[r] - mnew);  // 0 on the row's first visible step (m = -inf)
+        m[r] = mnew;
+        _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), _mm512_set1_ps(alpha[r])));
+        rescale = true;
+      }
+      if (m[r] == neg_inf) {  // nothing visible yet in this row
+        std::memset(p[r], 0, sizeof(p[r]));
+        continue;
+      }
+      const __m512 mv = _mm512_set1_ps(m[r]);
+      const __m512 p0 = _mm512_maskz_mov_ps(ok0, exp2_neg(_mm512_sub_ps(s0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(ok1, exp2_neg(_mm512_sub_ps(s1, mv)));
+      _mm512_store_ps(lsum[r], _mm512_add_ps(_mm512_load_ps(lsum[r]), _mm512_add_ps(p0, p1)));
+      _mm256_store_si256((__m256i*)&p[r][0], (__m256i)_mm512_cvtneps_pbh(p0));
+      _mm256_store_si256((__m256i*)&p[r][16], (__m256i)_mm512_cvtneps_pbh(p1));
+    }
+    if (rescale) {  // O *= alpha, row by row, through memory
+      _tile_stored(4, &o[0][0], 4 * D); _tile_stored(5, &o[0][16], 4 * D);
+      _tile_stored(6, &o[0][32], 4 * D); _tile_stored(7, &o[0][48], 4 * D);
+      for (int r = 0; r < 16; ++r) {
+        const __m512 av = _mm512_set1_ps(alpha[r]);
+        for (int c = 0; c < D; c += 16) _mm512_store_ps(&o[r][c], _mm512_mul_ps(_mm512_load_ps(&o[r][c]), av));
+      }
+      _tile_loadd(4, &o[0][0], 4 * D); _tile_loadd(5, &o[0][16], 4 * D);
+      _tile_loadd(6, &o[0][32], 4 * D); _tile_loadd(7, &o[0][48], 4 * D);
+    }
+    // O += P V over the step's 16 key pairs: V pair rows are D dims x 2 (256 bytes), a B tile per 16 dims
+    const uint16_t* vb = vp + (k0 / 2) * (D * 2);
+    _tile_loadd(3, &p[0][0], 2 * AMX_KB);
+    _tile_loadd(2, vb, 4 * D); _tile_dpbf16ps(4, 3, 2);
+    _tile_loadd(2, vb + 32, 4 * D); _tile_dpbf16ps(5, 3, 2);
+    _tile_loadd(2, vb + 64, 4 * D); _tile_dpbf16ps(6, 3, 2);
+    _tile_loadd(2, vb + 96, 4 * D); _tile_dpbf16ps(7, 3, 2);
+  }
+  _tile_stored(4, &o[0][0], 4 * D); _tile_stored(5, &o[0][16], 4 * D);
+  _tile_stored(6, &o[0][32], 4 * D); _tile_stored(7, &o[0][48], 4 * D);
+  for (int r = 0; r < 16; ++r) {
+    const float l = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
+    if (lse) lse[r] = l > 0.f ? (m[r] + std::log2(l)) * 0.69314718055994531f : neg_inf;
+    if (!out[r]) continue;  // a padding row
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int c = 0; c < D; c += 16) {
+      __m512 v = _mm512_mul_ps(_mm512_load_ps(&o[r][c]), _mm512_set1_ps(inv));
+      _mm256_storeu_si256((__m256i*)(out[r] + c), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+static void run_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
+                    const int64_t* row_limits, torch::Tensor& out, float* lse) {
+  constexpr int D = 64;
+  int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
+  int64_t Sp = (S + AMX_KB - 1) / AMX_KB * AMX_KB;
+  std::vector<uint16_t> kp, vp;
+  pack_kv(k, v, D, Sp, kp, vp);
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  int64_t qsh = q.stride(1), qsr = q.stride(2), osh = out.stride(1), osr = out.stride(2);
+  float scale2 = 1.4426950408889634f / std::sqrt((float)D);  // scores in base-2 units: exp2 does the softmax
+  int64_t blocks = (T + 15) / 16, items = Hq * blocks;
+  #pragma omp parallel num_threads(at::get_num_threads())
+  {
+    configure_tiles();
+    alignas(64) uint16_t qb[16 * D];
+    #pragma omp for schedule(dynamic, 4)
+    for (int64_t it = 0; it < items; ++it) {
+      // the longest blocks first (the last rows see the most keys): the two cores end together
+      int64_t hq = it % Hq, i0 = (blocks - 1 - it / Hq) * 16, h = hq / g;
+      int rows = T - i0 < 16 ? (int)(T - i0) : 16;
+      uint16_t* orow[16];
+      int64_t limit[16];
+      for (int r = 0; r < 16; ++r) {
+        if (r < rows) std::memcpy(qb + r * D, qd + hq * qsh + (i0 + r) * qsr, 2 * D);
+        else std::memset(qb + r * D, 0, 2 * D);
+        orow[r] = r < rows ? od + hq * osh + (i0 + r) * osr : nullptr;
+        limit[r] = row_limit(i0 + r, T, row_limits, causal, past, S);
+      }
+      float lrow[16];
+      block_attend_amx(qb, kp.data() + h * Sp * D, vp.data() + h * Sp * D, limit, scale2, orow,
+                       lse ? lrow : nullptr);
+      if (lse)
+        for (int r = 0; r < rows; ++r) lse[hq * T + i0 + r] = lrow[r];
+    }
+    _tile_release();
+  }
+}
+#endif
 #endif
 
 // q [1, Hq, T, D], k, v [1, Hkv, S, D] bf16 with unit stride on D -> (out [1, Hq, T, D] bf16, lse [1, Hq, T] fp32)
 // row_limits (int64 [T], or empty): row i sees keys 0..row_limits[i] (then `past` and `causal` are unused)
 std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t past, bool causal,
-                                     bool want_lse, torch::Tensor row_limits) {
+                                     bool want_lse, torch::Tensor row_limits, bool amx) {
   TORCH_CHECK(available(), "built without AVX-512 BF16");
+  TORCH_CHECK(!amx || (amx_available() && q.size(3) == 64), "the AMX path: head dim 64, on a CPU with AMX-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.size(0) == 1 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "batch 1, D contiguous");
@@ -203,6 +378,9 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
   torch::Tensor lse = want_lse ? torch::empty({1, Hq, T}, q.options().dtype(at::kFloat)) : torch::Tensor();
 #ifdef __AVX512BF16__
   float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
+#ifdef RAGKV_AMX
+  if (amx) { run_amx(q, k, v, past, causal, lim, out, lp); return {out, lse}; }
+#endif
   if (D == 64) run<2>(q, k, v, past, causal, lim, out, lp);
   else if (D == 128) run<4>(q, k, v, past, causal, lim, out, lp);
   else TORCH_CHECK(false, "head dim 64 or 128 only");
@@ -214,11 +392,12 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
 // these kernels starved the event loop: a first token reached the client ~0.2 s after it was sampled)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
+  m.def("amx_available", &amx_available);
   m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v4"
+_NAME = "ragkv_bf16_prefill_attention_v5"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
@@ -231,16 +410,21 @@ def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.shape[-1] in HEAD_DIMS and k.dtype == torch.bfloat16 and kernel() is not None)
 
 
+def amx_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the AMX path can take these rows too: `applies`, a head dim of 64, AMX-BF16 here."""
+    return applies(q, k) and q.shape[-1] == 64 and kernel().amx_available()
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, causal: bool = True,
-                      want_lse: bool = False, row_limits: torch.Tensor | None = None):
+                      want_lse: bool = False, row_limits: torch.Tensor | None = None, amx: bool = False):
     """q [1, Hq, T, D], k, v [1, Hkv, S, D] (S = past + T when causal) -> out [1, Hq, T, D] bf16, or (out, lse
     [1, Hq, T] fp32) with `want_lse`. `row_limits` [T]: row i sees keys 0..row_limits[i] instead (the recomputed
-    rows of a selection at their positions, cache index == position)."""
+    rows of a selection at their positions, cache index == position). `amx`: on the matrix unit (amx_applies)."""
     limits = torch.empty(0, dtype=torch.long) if row_limits is None else row_limits.to("cpu", torch.long).contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     with traced("ragkv::prefill_attention"):
-        out, lse = kernel().attention(q, k, v, int(past), bool(causal), bool(want_lse), limits)
+        out, lse = kernel().attention(q, k, v, int(past), bool(causal), bool(want_lse), limits, bool(amx))
     return (out, lse) if want_lse else out

@@ -79,14 +79,15 @@ def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
 
     In bf16 on the CPU ragkv's kernel takes each row's own limit (its position) and skips the keys past it (SDPA's
     masked CPU kernel ran these rows at ~a quarter of the GEMM's rate on a Zen 4: 27% of a query-aware r=0.3
-    prefill), where it was measured the faster causal attention (ops.attention.choose_prefill_attention: on an AMX
-    Xeon the chunks below took 2.0-3.2 ms where the kernel took 3.0-5.8, 200-400 rows over 1,329 keys). Elsewhere
+    prefill), on its AVX-512 BF16 or AMX path, where one was measured the faster causal attention
+    (ops.attention.choose_prefill_attention). Elsewhere
     a masked kernel cannot skip the keys after a row, so the rows go in position-ordered chunks, each against only
     the keys up to its last row: ~(1 + 1/chunks)/2 of the rectangle instead of all of it.
     """
     S, total = q.shape[2], keys.shape[2]
-    if prefill_kernel.applies(q, keys) and prefill_attention_choice(q, keys) == "kernel":  # one call, own limits
-        return prefill_kernel.prefill_attention(q, keys, values, row_limits=pos)
+    choice = prefill_attention_choice(q, keys) if prefill_kernel.applies(q, keys) else "sdpa"
+    if choice in ("kernel", "amx"):  # one call, each row its own limit
+        return prefill_kernel.prefill_attention(q, keys, values, row_limits=pos, amx=choice == "amx")
     if S == total:  # every row recomputed (layers up to the check): the causal kernel
         return sdpa(q, keys, values, causal=True)
     n = max(1, min(max_chunks, S // min_rows))
