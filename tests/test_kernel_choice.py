@@ -140,9 +140,10 @@ def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows, kernel):
 
 @native_bf16
 def test_the_blocked_copy_is_kept_only_where_a_row_class_runs_on_it(tmp_path):
-    """choose_kernels keeps oneDNN's blocked copy of a product only where the measurements chose it for some row
-    class (a fake timer: blocked fastest for the 17+ row classes of the 96-wide product only); the other products
-    drop it and read the model's weights in place."""
+    """oneDNN's blocked copy of a product is made when the chooser times it and kept only where the measurements
+    chose it for some row class (a fake timer: blocked fastest for the 17+ row classes of the 96-wide product only);
+    the other products drop it and read the model's weights in place. Choices read from the cache make the copy
+    for the products that chose it only (none is made before)."""
     from ragkv.models import onednn
 
     torch.manual_seed(0)
@@ -155,7 +156,8 @@ def test_the_blocked_copy_is_kept_only_where_a_row_class_runs_on_it(tmp_path):
 
     copy_ = Tiny()
     copy_.wide, copy_.narrow = onednn.OneDnnLinear(copy_.wide), onednn.OneDnnLinear(copy_.narrow)
-    assert copy_.wide.blocked is not None and copy_.narrow.blocked is not None
+    assert copy_.wide.blocked is None and copy_.narrow.blocked is None  # made on first need
+    assert copy_.wide.takes("blocked", 600) and copy_.narrow.takes("blocked", 600)
     clock = FakeClock({})
     chooser = KernelChooser(tmp_path / "k.json", timer=clock)
     real_choose = chooser.choose
@@ -171,6 +173,14 @@ def test_the_blocked_copy_is_kept_only_where_a_row_class_runs_on_it(tmp_path):
     assert copy_.wide.kernels[3:] == ["blocked"] * 3 and "blocked" not in copy_.narrow.kernels
     assert copy_.wide.blocked is not None and copy_.narrow.blocked is None
     assert not copy_.narrow.takes("blocked", 600) and copy_.narrow.kernel_for_rows(600) != "blocked"
+    chooser.save()
+    again = Tiny()
+    again.wide, again.narrow = onednn.OneDnnLinear(again.wide), onednn.OneDnnLinear(again.narrow)
+    onednn.choose_kernels(again, KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again")))
+    assert again.wide.blocked is not None and again.narrow.blocked is None
+    x = torch.randn(600, 64, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), again.wide.weight.float())
+    assert again.wide.kernel_for_rows(600) == "blocked" and (again.wide(x).float() - want).abs().max() < 0.05
 
 
 @native_bf16

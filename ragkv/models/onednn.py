@@ -4,7 +4,7 @@
 place; bf16 through whichever kernel `choose_kernels` measured fastest on this machine for that product and row
 count: ragkv's bandwidth-bound kernels on a packed copy for decode rows (ops/gemv_kernel, ops/amx_kernel), oneDNN on
 W in place, torch's stock `F.linear`, and oneDNN on a copy reordered into its blocked layout (the AMX layout, so no
-reorder per call), whole or in 512-row tiles. A copy that no row class chose is dropped.
+reorder per call), whole or in 512-row tiles. That copy is made only for products that time or chose it.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class OneDnnLinear(ExactCopyLinear):
     copy; fused linears are one product over their joined weights, which their parameters view). bf16: products of
     up to gemv_kernel.MAX_ROWS rows (decode) run on a copy of W packed for ragkv's bandwidth-bound kernel
     (ragkv.ops.gemv_kernel); where that kernel is not built, on a copy reordered into oneDNN's blocked layout. Where
-    the packed copy exists, a second copy in oneDNN's blocked layout serves the "blocked" kernel until the chooser
-    finds it no faster (an AMX Xeon: 1.2-1.4x the in-place rate at 128-512 rows, which reorders W at every call)."""
+    the packed copy exists, a second copy in oneDNN's blocked layout may serve the "blocked" kernel: made when the
+    chooser times it or chose it (an AMX Xeon: 1.2-1.4x the in-place rate at 128-512 rows, which reorders W at every
+    call), dropped where no row class runs on it."""
 
     def __init__(self, linear: nn.Linear | list[nn.Linear]):
         super().__init__(linear)
@@ -94,12 +95,11 @@ class OneDnnLinear(ExactCopyLinear):
         self.kernels: list[str] | None = None  # bf16: the kernel per row class, measured (choose_kernels)
         self.gemv = None
         self.blocked: list[torch.Tensor] | None = None  # oneDNN's blocked copy: one per part of a gate/up pair
+        self.blockable = False  # whether the blocked copy may be made (built when first timed or chosen)
         if self.weight.dtype == torch.bfloat16:
             if gemv_kernel.packable(self.weight):
                 self.gemv = gemv_kernel.pack(self.weight, self.bias)
-                # a gate/up pair part by part: SwiGLU multiplies the two products in one pass (no [rows, 2I] join)
-                weights = [m.weight for m in self.parts] if len(self.parts) == 2 else [self.weight]
-                self.blocked = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), TILE_ROWS) for w in weights]
+                self.blockable = True
             else:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
 
@@ -141,7 +141,7 @@ class OneDnnLinear(ExactCopyLinear):
         if kernel == "amx":
             return self.gemv is not None and amx_kernel.takes(rows, self.in_features)
         if kernel == "blocked":
-            return self.blocked is not None
+            return self.blockable
         if kernel in ("stock", "tiles") and self.weight.is_mkldnn:
             return False
         return kernel != "tiles" or rows > TILE_ROWS
@@ -216,11 +216,24 @@ class OneDnnLinear(ExactCopyLinear):
     def _fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
+    def blocked_copy(self) -> list[torch.Tensor]:
+        """oneDNN's blocked copy, made on first need: a gate/up pair part by part (SwiGLU multiplies the two products
+        in one pass, no [rows, 2I] join). Made only for products the chooser times or chose it for: a start whose
+        choices come from the cache reorders no weights it will not run on (the 0.5B's LM head alone is 272 MB)."""
+        if self.blocked is None:
+            weights = [m.weight for m in self.parts] if len(self.parts) == 2 else [self.weight]
+            self.blocked = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), TILE_ROWS) for w in weights]
+        return self.blocked
+
+    def drop_blocked(self) -> None:
+        """No row class runs on the blocked copy: free it, and offer it no more."""
+        self.blocked, self.blockable = None, False
+
     def _blocked_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each blocked weight's product (the whole linear, or gate and up)."""
-        biases = [None] * len(self.blocked) if self.bias is None else \
-            self.bias.split([w.shape[0] for w in self.blocked])
-        return [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in zip(self.blocked, biases)]
+        blocked = self.blocked_copy()
+        biases = [None] * len(blocked) if self.bias is None else self.bias.split([w.shape[0] for w in blocked])
+        return [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in zip(blocked, biases)]
 
     def _blocked(self, x: torch.Tensor) -> torch.Tensor:
         ys = self._blocked_parts(x)
@@ -232,7 +245,7 @@ class OneDnnLinear(ExactCopyLinear):
         return fused if fused is not None else nn.functional.silu(gate) * up
 
     def _blocked_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.blocked[0], self.bias, "add")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.blocked_copy()[0], self.bias, "add")
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -305,7 +318,9 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
                                               with_copy=("blocked",))
         m.kernels = choices[product]
         if "blocked" not in m.kernels:  # the copy no row class runs on
-            m.blocked = None
+            m.drop_blocked()
+        elif m.blockable:  # made now, at load, not at the first request's product
+            m.blocked_copy()
     args = getattr(copy_, "args", None)
     if args is not None:  # and its attention: the prefills' (ragkv's kernel or SDPA), decode's (AVX-512 or AMX)
         choose_prefill_attention(chooser, torch.bfloat16, args.num_heads, args.num_kv_heads, args.head_dim)
