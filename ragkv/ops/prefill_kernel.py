@@ -1,4 +1,4 @@
-"""A CPU kernel for causal prefill attention in bf16 on AVX-512 BF16, flash-style (one pass, online softmax).
+"""A CPU kernel for causal prefill attention in bf16 on AVX-512 BF16 or AMX, flash-style (one pass, online softmax).
 
 torch's CPU flash attention runs a bf16 prefill at ~110 GFLOP/s on a 2-core Zen 4, a quarter of what the same
 cores reach in a bf16 GEMM (~430): at 1.3K tokens it was 19-24% of Qwen 0.5B's `full` prefill. This kernel does
@@ -9,6 +9,13 @@ torch's bf16 kernel does. Every query head of a KV group reads the same packed K
 copies). Rows see keys causally from `past` on (row i at position past + i sees keys 0..past + i), or every key,
 or each up to its own position (`row_limits`: the scattered rows a selective recompute runs).
 Returns the output in bf16 and, if asked, each row's log-sum-exp (natural log) in fp32.
+
+The AMX path (`amx=True`, head dim 64) reads the same packed K and V, which are AMX's B-tile layouts as they lie: 16
+query rows a block, both products on the matrix unit (`tdpbf16ps`), the output accumulated in tiles across the key
+steps, the softmax on AVX-512 between them with a lazy maximum (FlashAttention-4's conditional rescaling: the tiles
+are rescaled only when a row's maximum grows by more than 2^8). On an AMX Xeon, 14/2 heads, it took 2.35 / 3.66 ms
+at 1,024 / 1,329 causal rows against SDPA's 4.48 / 6.68 (oneDNN's brgemm, also on the matrix unit) and the AVX-512
+path's 11.2 / 18.4.
 
 Built where the compiler targets AVX-512 BF16; elsewhere, or with RAGKV_NO_CPP_KERNELS=1, `kernel()` is None and
 callers keep SDPA. Tested against fp32 SDPA (tests/test_cpu_bf16.py).
