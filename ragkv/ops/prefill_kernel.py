@@ -183,18 +183,33 @@ static inline int64_t row_limit(int64_t row, int64_t T, const int64_t* row_limit
   return lim > S - 1 ? S - 1 : lim;
 }
 
+// one call's shapes, strides and packed K/V, as both paths read them
+struct Problem {
+  int64_t Hq, T, Hkv, S, g, Sp, qsh, qsr, osh, osr;
+  std::vector<uint16_t> kp, vp;
+  const uint16_t* qd;
+  uint16_t* od;
+  float scale2;  // scores in base-2 units: exp2 does the softmax
+};
+
+static void prepare(Problem& p, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    torch::Tensor& out, int64_t D, int64_t keys_per_step) {
+  p.Hq = q.size(1); p.T = q.size(2); p.Hkv = k.size(1); p.S = k.size(2); p.g = p.Hq / p.Hkv;
+  p.Sp = (p.S + keys_per_step - 1) / keys_per_step * keys_per_step;
+  pack_kv(k, v, D, p.Sp, p.kp, p.vp);
+  p.qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  p.od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  p.qsh = q.stride(1); p.qsr = q.stride(2); p.osh = out.stride(1); p.osr = out.stride(2);
+  p.scale2 = 1.4426950408889634f / std::sqrt((float)D);
+}
+
 template <int DP>
 static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
                 const int64_t* row_limits, torch::Tensor& out, float* lse) {
   constexpr int D = 32 * DP, R = DP == 2 ? 4 : 2;
-  int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
-  int64_t Sp = (S + KB - 1) / KB * KB;
-  std::vector<uint16_t> kp, vp;
-  pack_kv(k, v, D, Sp, kp, vp);
-  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  int64_t qsh = q.stride(1), qsr = q.stride(2), osh = out.stride(1), osr = out.stride(2);
-  float scale2 = 1.4426950408889634f / std::sqrt((float)D);  // scores in base-2 units: exp2 does the softmax
+  Problem p;
+  prepare(p, q, k, v, out, D, KB);
+  const int64_t Hq = p.Hq, T = p.T, S = p.S, g = p.g, Sp = p.Sp;
   int64_t groups = (T + R - 1) / R, items = Hq * groups;
   #pragma omp parallel for schedule(dynamic, 8) num_threads(at::get_num_threads())
   for (int64_t it = 0; it < items; ++it) {
@@ -207,12 +222,12 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
     alignas(64) uint16_t dummy_o[D];
     for (int r = 0; r < R; ++r) {
       bool real = r < rows;
-      qr[r] = reinterpret_cast<const uint32_t*>(real ? qd + hq * qsh + (i0 + r) * qsr : dummy_q);
-      orow[r] = real ? od + hq * osh + (i0 + r) * osr : dummy_o;
+      qr[r] = reinterpret_cast<const uint32_t*>(real ? p.qd + hq * p.qsh + (i0 + r) * p.qsr : dummy_q);
+      orow[r] = real ? p.od + hq * p.osh + (i0 + r) * p.osr : dummy_o;
       limit[r] = row_limit(i0 + r, T, row_limits, causal, past, S);
     }
     float lrow[R];
-    rows_attend<R, DP>(qr, kp.data() + h * Sp * D, vp.data() + h * Sp * D, limit, scale2, orow,
+    rows_attend<R, DP>(qr, p.kp.data() + h * Sp * D, p.vp.data() + h * Sp * D, limit, p.scale2, orow,
                        lse ? lrow : nullptr);
     if (lse)
       for (int r = 0; r < rows; ++r) lse[hq * T + i0 + r] = lrow[r];
@@ -329,14 +344,9 @@ static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint1
 static void run_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t past, bool causal,
                     const int64_t* row_limits, torch::Tensor& out, float* lse) {
   constexpr int D = 64;
-  int64_t Hq = q.size(1), T = q.size(2), Hkv = k.size(1), S = k.size(2), g = Hq / Hkv;
-  int64_t Sp = (S + AMX_KB - 1) / AMX_KB * AMX_KB;
-  std::vector<uint16_t> kp, vp;
-  pack_kv(k, v, D, Sp, kp, vp);
-  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  int64_t qsh = q.stride(1), qsr = q.stride(2), osh = out.stride(1), osr = out.stride(2);
-  float scale2 = 1.4426950408889634f / std::sqrt((float)D);  // scores in base-2 units: exp2 does the softmax
+  Problem p;
+  prepare(p, q, k, v, out, D, AMX_KB);
+  const int64_t Hq = p.Hq, T = p.T, S = p.S, g = p.g, Sp = p.Sp;
   int64_t blocks = (T + 15) / 16, items = Hq * blocks;
   #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -350,13 +360,13 @@ static void run_amx(const torch::Tensor& q, const torch::Tensor& k, const torch:
       uint16_t* orow[16];
       int64_t limit[16];
       for (int r = 0; r < 16; ++r) {
-        if (r < rows) std::memcpy(qb + r * D, qd + hq * qsh + (i0 + r) * qsr, 2 * D);
+        if (r < rows) std::memcpy(qb + r * D, p.qd + hq * p.qsh + (i0 + r) * p.qsr, 2 * D);
         else std::memset(qb + r * D, 0, 2 * D);
-        orow[r] = r < rows ? od + hq * osh + (i0 + r) * osr : nullptr;
+        orow[r] = r < rows ? p.od + hq * p.osh + (i0 + r) * p.osr : nullptr;
         limit[r] = row_limit(i0 + r, T, row_limits, causal, past, S);
       }
       float lrow[16];
-      block_attend_amx(qb, kp.data() + h * Sp * D, vp.data() + h * Sp * D, limit, scale2, orow,
+      block_attend_amx(qb, p.kp.data() + h * Sp * D, p.vp.data() + h * Sp * D, limit, p.scale2, orow,
                        lse ? lrow : nullptr);
       if (lse)
         for (int r = 0; r < rows; ++r) lse[hq * T + i0 + r] = lrow[r];
