@@ -29,9 +29,10 @@ DEFAULT_NAMESPACE = "default"
 DEFAULT_TENANT = "default"  # the tenant of every request to a server without API keys, and of `ingest`/`ask`
 DEFAULT_BLOCK_POOL_BYTES = 512 << 20  # --block-pool: blocks read in place (kv_layout=shared), kept on the device
 # --mode of `ask` and `serve`: how a request with documents that names no mode is answered. ProphetKV's query-aware
-# selection at r=0.15: of the configurations measured, the closest to `full` at about a fifth of its work
-# (docs/reference.md "Choosing a mode"); `--mode reuse` is the lowest latency
-DEFAULT_DOCUMENTS_MODE = "blend:sel=query,r=0.15"
+# selection at r=0.14 (within a fifth of `full`'s work on the 1.5B too), ranked by the second half of the layers: the
+# same task scores as the uniform ranking at n=60 and a first token closer to `full`'s on every set measured (README
+# "Choosing a mode"); `--mode reuse` is the lowest latency
+DEFAULT_DOCUMENTS_MODE = "blend:sel=query,r=0.14,sfrom=0.5"
 DEFAULT_PASSAGE_ORDER = "best-last"  # retrieved passages in ascending relevance, the best next to the question
 
 

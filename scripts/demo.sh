@@ -21,7 +21,7 @@ echo "== one question, five ways: each answer, whether it names the method, its 
 echo "   close to full it is (the first token's expected KL to full's and how often it is full's token)"
 q="Which method recomputes a small fraction of tokens? Answer with its name."
 for way in "" "--mode full" "--mode reuse" "--mode blend --ratio 0.15" "--mode blend --select query --ratio 0.15"; do
-    echo "-- ${way:-(no --mode: the default for documents, blend:sel=query,r=0.15)}"
+    echo "-- ${way:-(no --mode: the default for documents, blend:sel=query,r=0.14,sfrom=0.5)}"
     # shellcheck disable=SC2086  # the words of $way are separate flags
     out=$(.venv/bin/ragkv ask --docs-dir examples/docs $way --dtype float32 --max-new-tokens 32 --question "$q" 2>&1)
     echo "$out"

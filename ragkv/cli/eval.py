@@ -40,10 +40,11 @@ def register(sub) -> None:
     e.add_argument("--truncate", action="store_true",
                    help="drop each example's passages farthest from the question until the prompt and the answer "
                         "fit the model's window: the baseline for sets longer than the window (nq-long)")
-    e.add_argument("--prompt", default="dataset", choices=("dataset", "rag"),
+    e.add_argument("--prompt", default="dataset", choices=("dataset", "rag", "short"),
                    help="dataset (default): the set's own prompt where it has one (MuSiQue and HotpotQA: answers of "
                         "at most five words, as CacheBlend asks; the few-shot sets' formats); rag: the engine's RAG "
-                        "prompt for every set (records written before the sets had their own)")
+                        "prompt for every set (records written before the sets had their own); short: MuSiQue's and "
+                        "HotpotQA's short-answer instruction for any question set (held-out calibration data)")
     e.add_argument("--decode-weights", default="exact", choices=("exact", "w8a8"),
                    help="the weights every mode runs on (default exact); w8a8: int8 products in prefill too, an "
                         "approximate path whose `full` is itself judged against --reference-from")
@@ -124,9 +125,9 @@ def _run_one(args) -> int:
     engine = load_engine(args, args.decode_weights)
     if args.decode_weights != "exact":
         desc["decode_weights"] = args.decode_weights  # only when set: files written before the flag still resume
-    from ragkv.eval.datasets import DATASETS, dataset_prompt, dataset_stop
+    from ragkv.eval.datasets import DATASETS, SHORT_ANSWER_PROMPT, dataset_prompt, dataset_stop
 
-    prompt = dataset_prompt(kw["name"]) if args.prompt == "dataset" else None  # e.g. a short-answer instruction
+    prompt = {"dataset": dataset_prompt(kw["name"]), "rag": None, "short": SHORT_ANSWER_PROMPT}[args.prompt]
     stop = dataset_stop(kw["name"])  # e.g. a one-line summary
     if args.truncate:
         from ragkv.eval.harness import truncate_to_window
