@@ -164,3 +164,14 @@ def test_a_reader_that_leaves_early_is_not_a_traceback(tmp_path):
     finally:
         os.close(write)
     assert done.returncode == 141 and "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
+
+
+def test_asks_line_names_the_selection_its_ratio_and_its_ranking():
+    """`ragkv ask` prints what ran beside each answer: the default's second-half ranking too."""
+    from ragkv.cli.ask import mode_label
+    from ragkv.engine.options import FusionOptions
+
+    assert mode_label(FusionOptions(mode="blend", select="query", ratio=0.14, score_from=0.5)) == \
+        "blend select=query r=0.14 score_from=0.5"
+    assert mode_label(FusionOptions(mode="blend", ratio=0.15)) == "blend select=deviation r=0.15"
+    assert mode_label(FusionOptions(mode="reuse")) == "reuse"

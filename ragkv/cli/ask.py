@@ -107,7 +107,8 @@ def mode_label(fusion) -> str:
     from ragkv.engine.modes import get_mode
 
     if "select" in get_mode(fusion.mode).option_fields:
-        return f"{fusion.mode} select={fusion.select} r={fusion.ratio:g}"
+        ranked = f" score_from={fusion.score_from:g}" if fusion.score_from else ""  # the default's ranking
+        return f"{fusion.mode} select={fusion.select} r={fusion.ratio:g}{ranked}"
     return fusion.mode
 
 
