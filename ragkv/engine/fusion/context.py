@@ -20,7 +20,7 @@ from ragkv.engine.kv.stepwise import Steps
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.models.loop import Forward, computed
-from ragkv.ops.attention import prefill_mask, sdpa
+from ragkv.ops.attention import causal_attention, prefill_mask, sdpa
 from ragkv.ops.rope import half_tables, rope_into
 
 
@@ -59,6 +59,8 @@ class ContextPlan:
             raise InvalidRequestError("APE is not supported with a sliding-window model; use reuse or blend")
         # sequential layout: cache index == position, so the window applies to cache indices
         self.mask = prefill_mask(query_len, self.N + query_len, window, dev)
+        # nothing but causality after the context limits the rows: ops.attention.causal_attention's kernels take them
+        self.causal_after = self.N if window is None or window >= self.N + query_len else None
 
     def begin(self, layer, decoder_layer, x):
         load_context_layer(self, layer)
@@ -71,7 +73,11 @@ class ContextPlan:
         return self.cache.keys[layer][:, :, :end], self.cache.values[layer][:, :, :end]
 
     def attend(self, layer, q, kv):
-        return self.attention(layer, q, *kv) if self.attention else sdpa(q, *kv, mask=self.mask)
+        if self.attention:
+            return self.attention(layer, q, *kv)
+        if self.causal_after is not None:
+            return causal_attention(q, *kv, self.causal_after, self.mask)
+        return sdpa(q, *kv, mask=self.mask)
 
 
 def context_rotation(model, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
