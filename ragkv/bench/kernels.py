@@ -16,6 +16,7 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     from ragkv.models.loader import load_model
     from ragkv.models.onednn import KERNELS
     from ragkv.models.quant import decode_copy, onednn_refusal
+    from ragkv.ops.attention import PREFILL_ATTENTION
     from ragkv.ops.kernel_choice import COPY_MARGIN, PROBE_ROWS, REPEATS, KernelChooser
 
     loaded = load_model(model, torch.bfloat16, torch.device("cpu"))
@@ -36,7 +37,7 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
                                    f"{min(ms.values()) / ms['avx512']:.2f}x" if ms.get("avx512") else "-"])
                 continue
             if e["product"].startswith("causal attention"):
-                attention.append([e["product"], probe, ms.get("kernel", "-"), ms.get("sdpa", "-"), choice,
+                attention.append([e["product"], probe, *(ms.get(k, "-") for k in PREFILL_ATTENTION), choice,
                                   f"{min(ms.values()) / ms['sdpa']:.2f}x" if ms.get("sdpa") else "-"])
                 continue
             rows.append([e["product"], probe, *(ms.get(k, "-") for k in KERNELS),
@@ -48,9 +49,10 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
           "timing each candidate in turn, after one untimed call each; a kernel on a copy of its own must win by "
           f"{COPY_MARGIN:.0%}, else the fastest is chosen; last column: its time over oneDNN's):\n\n"
           + markdown_table(["product", "rows", *(f"{k} ms" for k in KERNELS), "chosen", "vs onednn"], rows)
-          + "\n\nPrefill attention (square causal rows; kernel: ragkv's AVX-512 BF16 kernel, sdpa: torch's; last "
-          "column: the chosen one's time over SDPA's):\n\n"
-          + markdown_table(["attention", "rows", "kernel ms", "sdpa ms", "chosen", "vs sdpa"], attention)
+          + "\n\nPrefill attention (square causal rows; kernel and amx: ragkv's kernel on AVX-512 BF16 and on AMX "
+          "tiles, sdpa: torch's; last column: the chosen one's time over SDPA's):\n\n"
+          + markdown_table(["attention", "rows", *(f"{k} ms" for k in PREFILL_ATTENTION), "chosen", "vs sdpa"],
+                           attention)
           + "\n\nDecode attention (one step of that many sequences; avx512 and amx: the bf16 decode kernel's two "
           "paths; last column: the chosen one's time over the AVX-512 path's):\n\n"
           + markdown_table(["attention", "sequences", "avx512 ms", "amx ms", "chosen", "vs avx512"], decode))
