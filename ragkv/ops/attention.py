@@ -36,9 +36,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     """Rows attending causally after `past` cached keys and to nothing else: ragkv's bf16 kernel (ops/prefill_kernel.py,
     its AVX-512 BF16 or its AMX path) where it applies and was measured the fastest here (choose_prefill_attention),
     else SDPA with `mask` (None: the square causal case)."""
-    choice = prefill_attention_choice(q, k) if prefill_kernel.applies(q, k) else "sdpa"
-    if choice in ("kernel", "amx"):
-        return prefill_kernel.prefill_attention(q, k, v, past=past, amx=choice == "amx")
+    path = prefill_kernel_path(q, k)
+    if path is not None:
+        return prefill_kernel.prefill_attention(q, k, v, past=past, amx=path == "amx")
     return sdpa(q, k, v, mask=mask, causal=mask is None)
 
 
@@ -60,6 +60,15 @@ def prefill_attention_choice(q: torch.Tensor, k: torch.Tensor) -> str:
     it is built on)."""
     choice = _PREFILL_CHOICE.get(_heads_key(q.dtype, q.shape[1], k.shape[1], q.shape[-1]))
     return choice[row_class(q.shape[2])] if choice else "kernel"
+
+
+def prefill_kernel_path(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """"kernel" or "amx" where ragkv's prefill kernel takes these rows and that path was measured the fastest here,
+    else None (SDPA)."""
+    if not prefill_kernel.applies(q, k):
+        return None
+    choice = prefill_attention_choice(q, k)
+    return choice if choice in ("kernel", "amx") else None
 
 
 def choose_prefill_attention(chooser: KernelChooser, dtype: torch.dtype, q_heads: int, kv_heads: int,

@@ -98,6 +98,14 @@ static inline __m512 exp2_neg(__m512 x) {
 """
 
 
+# 16 bf16 values widened to fp32 (exact: a 16-bit shift), for the bf16 passes' AVX-512 BF16 loops (RMSNorm, RoPE):
+# spliced into their sources inside their own __AVX512BF16__ guard, after <immintrin.h>.
+WIDEN_BF16_AVX512 = r"""static inline __m512 widen(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+"""
+
+
 # C++ for kernels that read and write bf16 or fp32 one value at a time (RoPE, RMSNorm): `load` widens to fp32, `store`
 # rounds to nearest even as torch's cast does (NaN stays NaN). Spliced into their sources after the includes
 # (<cstdint>, <cstring>, torch/extension.h).

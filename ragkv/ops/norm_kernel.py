@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
+from ragkv.ops.cpp_build import SCALAR_IO, WIDEN_BF16_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 _SOURCE = r"""
@@ -50,10 +50,7 @@ static void run(const torch::Tensor& x, const torch::Tensor& w, double eps, torc
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
-static inline __m512 widen(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
+""" + WIDEN_BF16_AVX512 + r"""
 // bf16 rows of D % 16 == 0 on AVX-512 BF16: the same fp32 operations 16 lanes at a time (the scalar loop runs at
 // ~2 G values/s, a tenth of what a prefill's 1,024 x 896 rows need to stay out of the profile), rounded by
 // vcvtneps2bf16 (nearest even, as torch's cast)

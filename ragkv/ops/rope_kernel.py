@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import SCALAR_IO, LazyExtension
+from ragkv.ops.cpp_build import SCALAR_IO, WIDEN_BF16_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 _SOURCE = r"""
@@ -43,10 +43,7 @@ static void rotate(const T* x, const float* c, const float* s, T* out, int64_t D
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
-static inline __m512 widen(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
+""" + WIDEN_BF16_AVX512 + r"""
 // bf16 rows with D % 32 == 0 on AVX-512 BF16: `rotate`'s operations 16 lanes at a time (products, then their sum: no
 // fused multiply-add), rounded by vcvtneps2bf16 (nearest even, as torch's cast)
 static inline void rotate_avx512(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* out,

@@ -12,7 +12,7 @@ from ragkv.engine.kv.kvcache import KVCache
 from ragkv.engine.measure.stats import RequestStats
 from ragkv.errors import InvalidRequestError
 from ragkv.ops import prefill_kernel
-from ragkv.ops.attention import prefill_attention_choice, sdpa
+from ragkv.ops.attention import prefill_kernel_path, sdpa
 
 
 def keep_count(ratio: float, n: int) -> int:
@@ -85,9 +85,9 @@ def attend_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     the keys up to its last row: ~(1 + 1/chunks)/2 of the rectangle instead of all of it.
     """
     S, total = q.shape[2], keys.shape[2]
-    choice = prefill_attention_choice(q, keys) if prefill_kernel.applies(q, keys) else "sdpa"
-    if choice in ("kernel", "amx"):  # one call, each row its own limit
-        return prefill_kernel.prefill_attention(q, keys, values, row_limits=pos, amx=choice == "amx")
+    path = prefill_kernel_path(q, keys)
+    if path is not None:  # one call, each row its own limit
+        return prefill_kernel.prefill_attention(q, keys, values, row_limits=pos, amx=path == "amx")
     if S == total:  # every row recomputed (layers up to the check): the causal kernel
         return sdpa(q, keys, values, causal=True)
     n = max(1, min(max_chunks, S // min_rows))
