@@ -14,7 +14,8 @@ from tiny import default_model_available, make_segs
 from ragkv.engine.kv.state import decode_batch, decode_step
 from ragkv.engine.options import FusionOptions
 from ragkv.models.onednn import bf16_matrix_units
-from ragkv.ops import attention, gemv_kernel, prefill_kernel
+from ragkv.ops import amx_kernel, attention, gemv_kernel, prefill_kernel
+from ragkv.ops.kernel_choice import PROBE_ROWS
 
 native_bf16 = pytest.mark.skipif(os.environ.get("RAGKV_TEST_DEVICE", "cpu") != "cpu" or not bf16_matrix_units(),
                                  reason="needs a CPU with AVX-512 BF16 or AMX")
@@ -123,6 +124,27 @@ def test_bf16_prefill_on_the_onednn_copy_equals_exact(fusion, tiny_dirs):
         # the greedy token agrees, up to a tie (the tiny random model's near-flat distribution; the kernels measured
         # fastest on this machine sum in their own order)
         assert (want - got).abs().max() < 2e-2 and want[got.argmax()] >= want.max() - 1e-4
+
+
+@pytest.mark.skipif(amx_kernel.kernel() is None, reason="the AMX kernels are built only on CPUs with AMX-BF16")
+@pytest.mark.parametrize("fusion", [dict(mode="full"), dict(mode="blend", select="query", ratio=0.3)])
+def test_bf16_prefill_with_every_product_on_the_amx_gemm_equals_exact(fusion, tiny_dirs):
+    """Every product of 17 rows or more on the many-row AMX kernel (SwiGLU and the residual adds inside it, where
+    the shapes allow): the prefill's last-token distribution equals the exact bf16 engine's to bf16 rounding."""
+    from ragkv.models.onednn import OneDnnLinear
+
+    make = _bf16_qwen(tiny_dirs)
+    exact, fast = make(), make(decode_weights="onednn")
+    forced = [m for m in fast.decode_model.modules() if isinstance(m, OneDnnLinear)] \
+        + [v for mod in fast.decode_model.modules() for v in mod.__dict__.values() if isinstance(v, OneDnnLinear)]
+    forced = [m for m in forced if m.takes("amx_gemm", 32)]
+    assert forced
+    for m in forced:
+        m.kernels = ["amx_gemm"] * len(PROBE_ROWS)
+    segs, fusion = make_segs(seed=4), FusionOptions(**fusion)
+    want = exact.prefill(segs, fusion)[0].logits.float().softmax(-1)
+    got = fast.prefill(segs, fusion)[0].logits.float().softmax(-1)
+    assert (want - got).abs().max() < 2e-2 and want[got.argmax()] >= want.max() - 1e-4
 
 
 needs_prefill_kernel = pytest.mark.skipif(prefill_kernel.kernel() is None,

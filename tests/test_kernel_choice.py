@@ -85,7 +85,7 @@ def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_eve
 @pytest.mark.parametrize("op", ["plain", "swiglu", "add"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40, 600, 1100])
 def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_path):
-    """gemv (few rows), the AMX kernel (up to 128 rows, where the CPU has AMX), oneDNN in place (with its fused SwiGLU
+    """gemv (few rows), the AMX kernels (up to 128 rows, and from 17 on, where the CPU has AMX), oneDNN in place (with its fused SwiGLU
     and residual add, whole or in 512-row tiles), oneDNN on its blocked copy (in 512-row tiles) and torch's stock
     product give the model's own bf16 linear's result to bf16 rounding at every row class."""
     from ragkv.models.onednn import TILE_ROWS, OneDnnLinear
@@ -99,7 +99,8 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
     want = torch.nn.functional.silu(y[0]) * y[1] if op == "swiglu" else res.float() + y[0] if op == "add" else y[0]
     kernels = ["onednn", "stock", "blocked"] + (["gemv"] if m.gemv is not None and rows <= gemv_kernel.MAX_ROWS else []) \
         + (["tiles"] if rows > TILE_ROWS else []) \
-        + (["amx"] if m.gemv is not None and amx_kernel.takes(rows, m.in_features) else [])
+        + (["amx"] if m.gemv is not None and amx_kernel.takes(rows, m.in_features) else []) \
+        + (["amx_gemm"] if m.gemv is not None and amx_kernel.gemm_takes(rows, m.in_features, m.out_features) else [])
     for kernel in kernels:
         m.kernels = [kernel] * len(PROBE_ROWS)
         assert m.kernel_for(x) == kernel
@@ -305,6 +306,34 @@ def test_the_amx_kernel_computes_the_linear_with_its_bias(rows, shape):
     last = torch.cat([x, x], dim=1)[:, -1:]  # one row viewed out of a longer prompt (a decode row's stride)
     assert torch.equal(amx_kernel.product(last, packed, bias, N), amx_kernel.product(x[:, -1:].clone(), packed,
                                                                                      bias, N))
+
+
+@pytest.mark.skipif(amx_kernel.kernel() is None, reason="the AMX kernel is built only on CPUs with AMX-BF16")
+@pytest.mark.parametrize("rows", [17, 32, 50, 600])
+@pytest.mark.parametrize("shape", [(100, 64), (1152, 896), (896, 4864), (1280, 128)])
+def test_the_amx_gemm_computes_the_linear_with_its_op(rows, shape):
+    """The many-row AMX kernel over gemv's packed copy, at row counts that fill 32-row blocks or leave a short last
+    one and output counts that are not a multiple of its 32-wide pieces: fp32 F.linear's result with its bias, with a
+    residual added, and (gate/up joined, gate first) silu(gate) * up, each to bf16 rounding."""
+    torch.manual_seed(rows)
+    N, K = shape
+    w, b = torch.randn(N, K, dtype=torch.bfloat16) / 30, torch.randn(N)
+    x = torch.randn(1, rows, K, dtype=torch.bfloat16)
+    res = torch.randn(1, rows, N, dtype=torch.bfloat16)
+    packed, _, bias = gemv_kernel.pack(w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b)
+    for got, expect in ((amx_kernel.gemm(x, packed, bias, N), want),
+                        (amx_kernel.gemm(x, packed, bias, N, residual=res), want + res.float())):
+        assert got.shape == (1, rows, N) and got.dtype == torch.bfloat16
+        assert (got.float() - expect).abs().max() <= 0.01 * expect.abs().max() + 0.01
+    if amx_kernel.gemm_takes(rows, K, N, swiglu=True):
+        packed, _, no_bias = gemv_kernel.pack(w, None)
+        y = torch.nn.functional.linear(x.float(), w.float())
+        expect = torch.nn.functional.silu(y[..., :N // 2]) * y[..., N // 2:]
+        got = amx_kernel.gemm(x, packed, no_bias, N, swiglu=True)
+        assert got.shape == (1, rows, N // 2)
+        assert (got.float() - expect).abs().max() <= 0.01 * expect.abs().max() + 0.01
+    assert amx_kernel.gemm_takes(rows, K, N, swiglu=True) is (N % 128 == 0)
 
 
 def test_decode_attention_takes_the_path_measured_faster_for_every_batch(tmp_path):

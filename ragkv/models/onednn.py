@@ -2,7 +2,8 @@
 
 `OneDnnLinear` runs a linear (or several reading one input, joined) on the model's own weights: fp32 through oneDNN in
 place; bf16 through whichever kernel `choose_kernels` measured fastest on this machine for that product and row
-count: ragkv's bandwidth-bound kernels on a packed copy for decode rows (ops/gemv_kernel, ops/amx_kernel), oneDNN on
+count: ragkv's kernels on a packed copy (ops/gemv_kernel and ops/amx_kernel for decode rows; amx_kernel's `gemm`, with
+SwiGLU or the residual add fused, for a prefill's), oneDNN on
 W in place, torch's stock `F.linear`, and oneDNN on a copy reordered into its blocked layout (the AMX layout, so no
 reorder per call), whole or in 512-row tiles. That copy is made only for products that time or chose it.
 """
@@ -114,6 +115,8 @@ class OneDnnLinear(ExactCopyLinear):
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
             if kernel == "amx":  # the matrix unit over the same packed copy
                 return amx_kernel.product(x, self.gemv[0], self.gemv[2], self.out_features)
+            if kernel == "amx_gemm":  # ... many rows at a time
+                return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features)
             if kernel == "stock":  # torch's own product (oneDNN picks AMX by itself where there is one)
                 return nn.functional.linear(x, self.weight, self.bias)
             return self.few_rows(x)
@@ -124,7 +127,7 @@ class OneDnnLinear(ExactCopyLinear):
 
     def kernel_for_rows(self, rows: int) -> str:
         """bf16: "gemv" (ragkv's product kernel, few rows), "amx" (ragkv's AMX kernel on gemv's copy, up to
-        amx_kernel.MAX_ROWS rows), "onednn" (oneDNN on W in place), "stock" (F.linear), "tiles" (oneDNN on W in
+        amx_kernel.MAX_ROWS rows), "amx_gemm" (its many-row kernel, with the op fused), "onednn" (oneDNN on W in place), "stock" (F.linear), "tiles" (oneDNN on W in
         place over TILE_ROWS-row tiles, more rows only) or "blocked" (oneDNN on its blocked copy, in tiles of
         TILE_ROWS rows): what `choose_kernels` measured fastest for this many rows, else gemv wherever it takes
         the rows."""
@@ -140,6 +143,8 @@ class OneDnnLinear(ExactCopyLinear):
             return self.gemv is not None and rows <= gemv_kernel.MAX_ROWS
         if kernel == "amx":
             return self.gemv is not None and amx_kernel.takes(rows, self.in_features)
+        if kernel == "amx_gemm":
+            return self.gemv is not None and amx_kernel.gemm_takes(rows, self.in_features, self.out_features)
         if kernel == "blocked":
             return self.blockable
         if kernel in ("stock", "tiles") and self.weight.is_mkldnn:
@@ -167,12 +172,17 @@ class OneDnnLinear(ExactCopyLinear):
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles)).reshape(*x.shape[:-1], -1)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). At many rows in bf16: on the blocked copy,
+        """silu(x Wg^T) * (x Wu^T) for joined gate/up linears (SwiGLU). Where "amx_gemm" was chosen: one pass writing
+        silu(gate) * up from the accumulators (ops/amx_kernel.py). At many rows in bf16: on the blocked copy,
         the two products, then silu(gate) * up in one pass; in place, oneDNN applies silu to the gate's product and
         multiplies the up product by it as each is written. Otherwise the joined product, then silu(gate) * up in
         one pass where that kernel is built (int8_kernel.silu_mul: torch's ops pass over [rows, I] three times),
         else torch's ops."""
-        kernel = self._post_op_kernel(x.numel() // self.in_features) if len(self.parts) == 2 else None
+        rows = x.numel() // self.in_features
+        if len(self.parts) == 2 and self.kernel_for_rows(rows) == "amx_gemm" \
+                and amx_kernel.gemm_takes(rows, self.in_features, self.out_features, swiglu=True):
+            return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features, swiglu=True)
+        kernel = self._post_op_kernel(rows) if len(self.parts) == 2 else None
         if kernel is not None:
             op = self._blocked_swiglu if kernel == "blocked" else self._fused_swiglu
             return op(x) if kernel == "onednn" else self._in_tiles(op, x)
@@ -184,8 +194,12 @@ class OneDnnLinear(ExactCopyLinear):
         return nn.functional.silu(gate) * up
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + x W^T (+ b): at many rows in bf16 oneDNN adds the residual as it writes the product."""
-        kernel = self._post_op_kernel(x.numel() // self.in_features) if len(self.parts) == 1 else None
+        """residual + x W^T (+ b): at many rows in bf16 oneDNN (or "amx_gemm") adds the residual as it writes the
+        product."""
+        rows = x.numel() // self.in_features
+        if len(self.parts) == 1 and self.kernel_for_rows(rows) == "amx_gemm" and residual.dtype == x.dtype:
+            return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features, residual=residual)
+        kernel = self._post_op_kernel(rows) if len(self.parts) == 1 else None
         if kernel is not None and residual.dtype == x.dtype and residual.is_contiguous():
             op = self._blocked_add if kernel == "blocked" else self._fused_add
             return op(x, residual) if kernel == "onednn" else self._in_tiles(op, x, residual)
@@ -259,7 +273,7 @@ class OneDnnLinear(ExactCopyLinear):
 
 # the op each product feeds (what is timed: oneDNN fuses SwiGLU and the residual add into its own product)
 PRODUCT_OPS = {"gate_up_proj": "swiglu", "o_proj": "add", "down_proj": "add"}
-KERNELS = ("gemv", "amx", "onednn", "stock", "tiles", "blocked")
+KERNELS = ("gemv", "amx", "amx_gemm", "onednn", "stock", "tiles", "blocked")
 
 
 def _onednn_linears(module: nn.Module, name: str = ""):
