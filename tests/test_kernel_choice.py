@@ -111,9 +111,10 @@ def test_every_kernel_the_chooser_may_pick_computes_the_linear(op, rows, tmp_pat
 
 
 @native_bf16
+@pytest.mark.parametrize("down_kernel", ["same", "amx_gemm"])
 @pytest.mark.parametrize("kernel", ["tiles", "blocked"])
 @pytest.mark.parametrize("rows", [600, 1100])
-def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows, kernel):
+def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows, kernel, down_kernel):
     """Where the gate/up product runs in tiles, the MLP runs tile by tile (each tile's SwiGLU straight into the down
     projection with its residual add): the model's own MLP to bf16 rounding, and the two-step tiled path's rows to
     that of one down projection; elsewhere it declines and the caller runs the two steps."""
@@ -126,6 +127,10 @@ def test_the_mlp_tile_by_tile_is_the_two_step_mlp(rows, kernel):
     x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
     res = torch.randn(1, rows, 64, dtype=torch.bfloat16)
     gate_up.kernels = down_copy.kernels = [kernel] * len(PROBE_ROWS)
+    if down_kernel == "amx_gemm":  # the down projection on the many-row AMX kernel, its residual add inside
+        if not down_copy.takes("amx_gemm", TILE_ROWS):
+            pytest.skip("the AMX kernels are built only on CPUs with AMX-BF16")
+        down_copy.kernels = ["amx_gemm"] * len(PROBE_ROWS)
     want = res.float() + torch.nn.functional.linear(
         torch.nn.functional.silu(torch.nn.functional.linear(x.float(), gate.weight.float()))
         * torch.nn.functional.linear(x.float(), up.weight.float()), down.weight.float())

@@ -214,7 +214,9 @@ class OneDnnLinear(ExactCopyLinear):
         if kernel not in ("tiles", "blocked") or rows <= TILE_ROWS or not isinstance(down, OneDnnLinear) \
                 or residual.dtype != x.dtype or not residual.is_contiguous():
             return None
-        if down._post_op_kernel(rows) == "blocked":
+        if down.kernel_for_rows(min(rows, TILE_ROWS)) == "amx_gemm":  # the tiles' rows, as each tile runs
+            add = lambda s, r: down.add_to(r, s)  # noqa: E731
+        elif down._post_op_kernel(rows) == "blocked":
             add = down._blocked_add
         elif down.fuses_post_ops():
             add = down._fused_add
