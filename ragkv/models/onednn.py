@@ -127,10 +127,10 @@ class OneDnnLinear(ExactCopyLinear):
 
     def kernel_for_rows(self, rows: int) -> str:
         """bf16: "gemv" (ragkv's product kernel, few rows), "amx" (ragkv's AMX kernel on gemv's copy, up to
-        amx_kernel.MAX_ROWS rows), "amx_gemm" (its many-row kernel, with the op fused), "onednn" (oneDNN on W in place), "stock" (F.linear), "tiles" (oneDNN on W in
-        place over TILE_ROWS-row tiles, more rows only) or "blocked" (oneDNN on its blocked copy, in tiles of
-        TILE_ROWS rows): what `choose_kernels` measured fastest for this many rows, else gemv wherever it takes
-        the rows."""
+        amx_kernel.MAX_ROWS rows), "amx_gemm" (its many-row kernel, with the op fused), "onednn" (oneDNN on W in
+        place), "stock" (F.linear), "tiles" (oneDNN on W in place over TILE_ROWS-row tiles, more rows only) or
+        "blocked" (oneDNN on its blocked copy, in tiles of TILE_ROWS rows): what `choose_kernels` measured fastest
+        for this many rows, else gemv wherever it takes the rows."""
         if self.kernels is not None:
             kernel = self.kernels[row_class(rows)]
             if self.takes(kernel, rows):

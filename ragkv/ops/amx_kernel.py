@@ -30,6 +30,7 @@ from ragkv.ops.trace import traced
 
 MAX_ROWS = 128  # rows offered to the chooser: above, oneDNN's blocked GEMM reuses each weight tile better
 GEMM_MIN_ROWS = 17  # `gemm` works on 32-row blocks: offered from the chooser's 17-128 row class on
+_EMPTY = torch.empty(0, dtype=torch.bfloat16)  # `gemm`'s residual where there is none
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -309,5 +310,3 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features
         y = kernel().gemm(x2, packed, bias, res, out_features, op)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
-
-_EMPTY = torch.empty(0, dtype=torch.bfloat16)
