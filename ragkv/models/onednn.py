@@ -2,10 +2,10 @@
 
 `OneDnnLinear` runs a linear (or several reading one input, joined) on the model's own weights: fp32 through oneDNN in
 place; bf16 through whichever kernel `choose_kernels` measured fastest on this machine for that product and row
-count: ragkv's kernels on a packed copy (ops/gemv_kernel and ops/amx_kernel for decode rows; amx_kernel's `gemm`, with
-SwiGLU or the residual add fused, for a prefill's), oneDNN on
+count: ragkv's kernels on a packed copy for decode rows (ops/gemv_kernel, ops/amx_kernel), amx_kernel's `gemm` for a
+prefill's rows (on a copy of its own, with SwiGLU or the residual add fused), oneDNN on
 W in place, torch's stock `F.linear`, and oneDNN on a copy reordered into its blocked layout (the AMX layout, so no
-reorder per call), whole or in 512-row tiles. That copy is made only for products that time or chose it.
+reorder per call), whole or in 512-row tiles. Those two copies are made only for products that time or chose them.
 """
 
 from __future__ import annotations
@@ -97,6 +97,13 @@ class OneDnnLinear(ExactCopyLinear):
         self.gemv = None
         self.blocked: list[torch.Tensor] | None = None  # oneDNN's blocked copy: one per part of a gate/up pair
         self.blockable = False  # whether the blocked copy may be made (built when first timed or chosen)
+        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # amx_kernel.gemm's copy, made as `blocked` is
+        # a joined gate/up (two parts of one size) is copied paired, so that `gemm` writes SwiGLU from its sums
+        self.paired = len(self.parts) == 2 and self.parts[0].out_features == self.parts[1].out_features \
+            and self.parts[0].out_features % 16 == 0
+        self.tileable = self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
+            and (len(self.parts) != 2 or self.paired) and amx_kernel.gemm_takes(amx_kernel.GEMM_MIN_ROWS,
+                                                                                 self.in_features)
         if self.weight.dtype == torch.bfloat16:
             if gemv_kernel.packable(self.weight):
                 self.gemv = gemv_kernel.pack(self.weight, self.bias)
@@ -115,8 +122,8 @@ class OneDnnLinear(ExactCopyLinear):
                 return gemv_kernel.gemv(x, *self.gemv, self.out_features)
             if kernel == "amx":  # the matrix unit over the same packed copy
                 return amx_kernel.product(x, self.gemv[0], self.gemv[2], self.out_features)
-            if kernel == "amx_gemm":  # ... many rows at a time
-                return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features)
+            if kernel == "amx_gemm":  # ... many rows at a time, on a copy of its own
+                return amx_kernel.gemm(x, *self.tiles_copy(), self.out_features, paired=self.paired)
             if kernel == "stock":  # torch's own product (oneDNN picks AMX by itself where there is one)
                 return nn.functional.linear(x, self.weight, self.bias)
             return self.few_rows(x)
@@ -144,7 +151,7 @@ class OneDnnLinear(ExactCopyLinear):
         if kernel == "amx":
             return self.gemv is not None and amx_kernel.takes(rows, self.in_features)
         if kernel == "amx_gemm":
-            return self.gemv is not None and amx_kernel.gemm_takes(rows, self.in_features, self.out_features)
+            return self.tileable and amx_kernel.gemm_takes(rows, self.in_features)
         if kernel == "blocked":
             return self.blockable
         if kernel in ("stock", "tiles") and self.weight.is_mkldnn:
@@ -179,9 +186,8 @@ class OneDnnLinear(ExactCopyLinear):
         one pass where that kernel is built (int8_kernel.silu_mul: torch's ops pass over [rows, I] three times),
         else torch's ops."""
         rows = x.numel() // self.in_features
-        if len(self.parts) == 2 and self.kernel_for_rows(rows) == "amx_gemm" \
-                and amx_kernel.gemm_takes(rows, self.in_features, self.out_features, swiglu=True):
-            return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features, swiglu=True)
+        if self.paired and self.kernel_for_rows(rows) == "amx_gemm":
+            return amx_kernel.gemm(x, *self.tiles_copy(), self.out_features // 2, swiglu=True)
         kernel = self._post_op_kernel(rows) if len(self.parts) == 2 else None
         if kernel is not None:
             op = self._blocked_swiglu if kernel == "blocked" else self._fused_swiglu
@@ -198,7 +204,7 @@ class OneDnnLinear(ExactCopyLinear):
         product."""
         rows = x.numel() // self.in_features
         if len(self.parts) == 1 and self.kernel_for_rows(rows) == "amx_gemm" and residual.dtype == x.dtype:
-            return amx_kernel.gemm(x, self.gemv[0], self.gemv[2], self.out_features, residual=residual)
+            return amx_kernel.gemm(x, *self.tiles_copy(), self.out_features, residual=residual)
         kernel = self._post_op_kernel(rows) if len(self.parts) == 1 else None
         if kernel is not None and residual.dtype == x.dtype and residual.is_contiguous():
             op = self._blocked_add if kernel == "blocked" else self._fused_add
@@ -244,6 +250,15 @@ class OneDnnLinear(ExactCopyLinear):
     def drop_blocked(self) -> None:
         """No row class runs on the blocked copy: free it, and offer it no more."""
         self.blocked, self.blockable = None, False
+
+    def tiles_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`amx_gemm`'s copy (amx_kernel.pack_tiles), made on first need as the blocked copy is."""
+        if self.tiles is None:
+            self.tiles = amx_kernel.pack_tiles(self.weight, self.bias, paired=self.paired)
+        return self.tiles
+
+    def drop_tiles(self) -> None:
+        self.tiles, self.tileable = None, False
 
     def _blocked_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each blocked weight's product (the whole linear, or gate and up)."""
@@ -331,12 +346,16 @@ def choose_kernels(copy_: nn.Module, chooser: KernelChooser) -> None:
             # the probe's cost bound reads the chosen product's MACs alone: an MLP's 1,024-row probe stays measured
             choices[product] = chooser.choose(product, m.weight.dtype, m.in_features * m.out_features,
                                               {k: _probe(m, op, k, down) for k in KERNELS}, "onednn",
-                                              with_copy=("blocked",))
+                                              with_copy=("blocked", "amx_gemm"))
         m.kernels = choices[product]
-        if "blocked" not in m.kernels:  # the copy no row class runs on
+        if "blocked" not in m.kernels:  # the copies no row class runs on
             m.drop_blocked()
         elif m.blockable:  # made now, at load, not at the first request's product
             m.blocked_copy()
+        if "amx_gemm" not in m.kernels:
+            m.drop_tiles()
+        elif m.tileable:
+            m.tiles_copy()
     args = getattr(copy_, "args", None)
     if args is not None:  # and its attention: the prefills' (ragkv's kernel or SDPA), decode's (AVX-512 or AMX)
         choose_prefill_attention(chooser, torch.bfloat16, args.num_heads, args.num_kv_heads, args.head_dim)

@@ -10,12 +10,13 @@ tiles while K streams through, then adds the bias in fp32 and rounds to bf16 onc
 block stays in L2 between groups). `tdpbf16ps` multiplies bf16 pairs exactly and sums in fp32: results equal
 F.linear's to bf16 rounding, not bitwise.
 
-`gemm` works on 32 rows x 32 outputs at a time (two A tiles, two B tiles, four accumulators: all eight tile
-registers), the rows in chunks of 256 whose x stays in L2 while each thread walks its share of the output blocks.
-The op is applied in fp32 to the accumulators before the one rounding to bf16: the residual added (oneDNN's fused
-add does the same), or for a joined gate/up copy (gate's blocks first) silu(gate) * up of the block pairs, so the
-[rows, 2I] product is never written (AMX Xeon, 1,329 x 896 -> 2 x 4,864: as fast as oneDNN's two products alone,
-which then need a ~3 ms SwiGLU pass; its output and down projections ~1.1-1.7x oneDNN's rate).
+`gemm` reads a copy of its own (`pack_tiles`): pieces of 32 outputs whose B tiles lie contiguous, 1 KB each (in
+gemv's layout a tile's rows are 256 B apart and a piece does not stay in L1: 0.80-0.88x the rate). It works on 32
+rows x 32 outputs at a time (two A tiles, two B tiles, four accumulators: all eight tile registers): each thread
+walks its share of the pieces, each piece's 256-k chunks held in L1 while four 32-row blocks pass (their x from
+L2, their accumulators kept between chunks). The op is applied in fp32 to the accumulators before the one rounding
+to bf16: the residual added (oneDNN's fused add does the same), or, in a paired copy of a joined gate/up (each
+piece: 16 outputs of gate beside the same 16 of up), silu(gate) * up, so the [rows, 2I] product is never written.
 
 Built where the compiler targets AMX-BF16 (-march=native on an AMX CPU) and the kernel grants this process the
 tile state (arch_prctl ARCH_REQ_XCOMP_PERM); elsewhere `kernel()` is None and the chooser never offers it.
@@ -90,25 +91,24 @@ static void configure_full() {
   _tile_loadconfig(&cfg);
 }
 
-static inline void block32(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t Kp,
-                           float* acc) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t kp = 0; kp < Kp; kp += 16) {
+// k-steps [k0, k1) of a 32-row block against one piece of the tile copy (two B tiles of 1 KB each per step of 32
+// k), the accumulators read from / written to c (32 x 32 fp32, rows 128 B apart) unless it is the first chunk
+static inline void block32(const uint16_t* a, int64_t lda, const uint16_t* piece, int64_t k0, int64_t k1, float* c,
+                           bool first) {
+  if (first) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+  else { _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128); _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128); }
+  for (int64_t kp = k0; kp < k1; kp += 16) {
+    const uint16_t* b = piece + kp * 64;  // this step's two tiles, 1 KB apart
     _tile_loadd(4, a + 2 * kp, lda * 2);
-    _tile_loadd(6, b0 + kp * 128, 256);
+    _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b1 + kp * 128, 256);
+    _tile_loadd(7, b + 512, 64);
     _tile_dpbf16ps(1, 4, 7);
     _tile_loadd(5, a + 16 * lda + 2 * kp, lda * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, acc, 128); _tile_stored(1, acc + 16, 128);
-  _tile_stored(2, acc + 512, 128); _tile_stored(3, acc + 528, 128);
-}
-
-static inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128); _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
 }
 
 // silu(v) = v sigmoid(v), the sigmoid from e^-|v| (no overflow), 1 / (1 + e) by rcp14 and one Newton step
@@ -181,74 +181,76 @@ torch::Tensor product(torch::Tensor x, torch::Tensor packed, torch::Tensor bias,
 
 enum Op { PLAIN = 0, ADD = 1, SWIGLU = 2 };
 
-// x [M, K] bf16 (rows contiguous), packed [NB, K/2, 64, 2] -> [M, N] (PLAIN: + bias; ADD: + residual [M, N] bf16)
-// or [M, N/2] (SWIGLU: gate the first N/2 outputs, up the rest, N/2 a multiple of 64)
-torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor residual, int64_t N,
-                   int64_t op) {
+// x [M, K] bf16 (rows contiguous), tiles [P, K/32, 2, 16, 16, 2] (`pack_tiles`) -> [M, N]: PLAIN + bias, ADD +
+// residual [M, N] bf16, or (a paired copy, gate beside up in each piece) SWIGLU silu(gate) * up with N = I
+torch::Tensor gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias, torch::Tensor residual, int64_t N,
+                   int64_t op, bool paired) {
   TORCH_CHECK(available(), "built without AMX-BF16, or the tile state was refused");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous [M, K] bf16");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), Kp = packed.size(1);
-  TORCH_CHECK(Kp * 2 == K && K % 32 == 0, "x has ", K, " columns, the weight ", Kp * 2, " (a multiple of 32)");
-  TORCH_CHECK(op != SWIGLU || (N % 128 == 0 && NB * 64 == N), "SwiGLU needs gate and up of a multiple of 64 outputs");
-  const int64_t blocks = op == SWIGLU ? NB / 2 : NB, cols = op == SWIGLU ? N / 2 : N;
+  TORCH_CHECK(tiles.dim() == 6 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous(), "tiles from pack_tiles");
+  const int64_t M = x.size(0), K = x.size(1), P = tiles.size(0), Kp = K / 2;
+  TORCH_CHECK(K % 32 == 0 && tiles.size(1) * 32 == K, "x has ", K, " columns, the weight ", tiles.size(1) * 32);
+  TORCH_CHECK(op != SWIGLU || (paired && P * 16 == N), "SwiGLU needs a paired copy of gate and up, I = ", P * 16);
+  const int64_t I = paired ? P * 16 : 0;  // a paired copy's plain product: gate's columns, then up's
+  const int64_t cols = op == SWIGLU ? N : paired ? 2 * I : N;
   TORCH_CHECK(op != ADD || (residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() &&
                             residual.numel() == M * cols), "the residual must be contiguous bf16 [M, N]");
   auto y = torch::empty({M, cols}, x.options());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const uint16_t* rp = op == ADD ? reinterpret_cast<const uint16_t*>(residual.data_ptr<at::BFloat16>()) : nullptr;
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t row_blocks = (M + 31) / 32, whole = M / 32;
   std::vector<uint16_t> tail(M % 32 ? 32 * K : 0, 0);  // the last rows, zero-padded to a block
   if (M % 32) std::memcpy(tail.data(), xp + whole * 32 * K, (M - whole * 32) * K * 2);
-  const int64_t chunk = 8;  // row blocks whose x stays in L2 while a thread walks its output blocks
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
+  // a piece's 256-k chunk (16 KB) stays in L1 while 4 row blocks (their x from L2) pass it, their accumulators
+  // kept in a 16 KB buffer between chunks (AMX Xeon: 1.13-1.25x the rate of whole-K blocks over a strided copy)
+  const int64_t chunk = 4, k_chunk = 128;  // k_chunk in pair-rows: 256 k
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), P)));
   #pragma omp parallel num_threads(threads)
   {
     configure_full();
-    alignas(64) float acc[32 * 32];
+    alignas(64) float acc[chunk * 32 * 32];
     const int t = omp_get_thread_num();
-    const int64_t o0 = blocks * t / threads, o1 = blocks * (t + 1) / threads;
+    const int64_t p0 = P * t / threads, p1 = P * (t + 1) / threads;
     for (int64_t c = 0; c < row_blocks; c += chunk) {
       const int64_t c1 = std::min(row_blocks, c + chunk);
-      for (int64_t ob = o0; ob < o1; ++ob) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* piece = wp + p * Kp * 64;
+        for (int64_t k0 = 0; k0 < Kp; k0 += k_chunk)
+          for (int64_t rb = c; rb < c1; ++rb)
+            block32(rb == whole ? tail.data() : xp + rb * 32 * K, K, piece, k0, std::min(Kp, k0 + k_chunk),
+                    acc + (rb - c) * 1024, k0 == 0);
+        // the piece's two 16-column halves land at columns c0 and c1 (a paired copy: gate's and up's)
+        const int64_t col0 = paired ? p * 16 : p * 32, col1 = paired ? I + p * 16 : p * 32 + 16;
         for (int64_t rb = c; rb < c1; ++rb) {
-          const uint16_t* a = rb == whole ? tail.data() : xp + rb * 32 * K;
+          const float* a = acc + (rb - c) * 1024;
           const int64_t rows = rb == whole ? M - rb * 32 : 32;
-          for (int q = 0; q < (op == SWIGLU ? 4 : 2); ++q) {
-            if (op == SWIGLU) {  // 16 gate outputs beside the same 16 of up -> 16 outputs
-              const int64_t c0 = ob * 64 + q * 16;
-              block32(a, K, wp + ob * Kp * 128 + q * 32, wp + (ob + blocks) * Kp * 128 + q * 32, Kp, acc);
-              const __m512 bg = bp ? _mm512_loadu_ps(bp + c0) : _mm512_setzero_ps();
-              const __m512 bu = bp ? _mm512_loadu_ps(bp + cols + c0) : _mm512_setzero_ps();
-              for (int64_t r = 0; r < rows; ++r) {
-                const __m512 g = _mm512_add_ps(_mm512_load_ps(acc + r * 32), bg);
-                const __m512 u = _mm512_add_ps(_mm512_load_ps(acc + r * 32 + 16), bu);
-                _mm256_storeu_si256((__m256i*)(yp + (rb * 32 + r) * cols + c0),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu16(g), u)));
-              }
-              continue;
-            }
-            const int64_t c0 = ob * 64 + q * 32, valid = std::min<int64_t>(32, cols - c0);
-            if (valid <= 0) continue;
-            block32(a, K, wp + ob * Kp * 128 + q * 64, wp + ob * Kp * 128 + q * 64 + 32, Kp, acc);
-            const __m512 b0 = bp ? _mm512_loadu_ps(bp + c0) : _mm512_setzero_ps();  // the bias is padded to blocks
-            const __m512 b1 = bp ? _mm512_loadu_ps(bp + c0 + 16) : _mm512_setzero_ps();
-            const __mmask32 keep = valid == 32 ? ~(__mmask32)0 : (__mmask32)((1u << valid) - 1);
+          if (op == SWIGLU) {
+            const __m512 bg = bp ? _mm512_loadu_ps(bp + col0) : _mm512_setzero_ps();
+            const __m512 bu = bp ? _mm512_loadu_ps(bp + col1) : _mm512_setzero_ps();
             for (int64_t r = 0; r < rows; ++r) {
-              __m512 v0 = _mm512_add_ps(_mm512_load_ps(acc + r * 32), b0);
-              __m512 v1 = _mm512_add_ps(_mm512_load_ps(acc + r * 32 + 16), b1);
+              const __m512 g = _mm512_add_ps(_mm512_load_ps(a + r * 32), bg);
+              const __m512 u = _mm512_add_ps(_mm512_load_ps(a + r * 32 + 16), bu);
+              _mm256_storeu_si256((__m256i*)(yp + (rb * 32 + r) * cols + col0),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu16(g), u)));
+            }
+            continue;
+          }
+          for (int h = 0; h < 2; ++h) {  // each half: bias, residual, one rounding; the last may end early
+            const int64_t c0 = h ? col1 : col0, valid = std::min<int64_t>(16, cols - c0);
+            if (valid <= 0) continue;
+            const __mmask16 keep = valid == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+            const __m512 bv = bp ? _mm512_loadu_ps(bp + c0) : _mm512_setzero_ps();  // the bias is padded
+            for (int64_t r = 0; r < rows; ++r) {
+              __m512 v = _mm512_add_ps(_mm512_load_ps(a + r * 32 + 16 * h), bv);
               const int64_t at = (rb * 32 + r) * cols + c0;
-              if (op == ADD) {  // a masked load: the residual's last block may end before 32 columns
-                const __m512i s = _mm512_maskz_loadu_epi16(keep, rp + at);
-                v0 = _mm512_add_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(s)), 16)));
-                v1 = _mm512_add_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(s, 1)), 16)));
-              }
-              _mm512_mask_storeu_epi16(yp + at, keep, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+              if (op == ADD)
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, rp + at)), 16)));
+              _mm256_mask_storeu_epi16(yp + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
             }
           }
         }
@@ -288,18 +290,37 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_featu
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def gemm_takes(rows: int, in_features: int, out_features: int, swiglu: bool = False) -> bool:
-    """Whether `gemm` can take this product: built here, at least GEMM_MIN_ROWS rows, K a multiple of 32; SwiGLU needs
-    gate and up of a multiple of 64 outputs each (each gate block beside its up block in the packed copy)."""
-    return in_features % 32 == 0 and rows >= GEMM_MIN_ROWS and kernel() is not None \
-        and (not swiglu or out_features % 128 == 0)
+def gemm_takes(rows: int, in_features: int) -> bool:
+    """Whether `gemm` can take this product: built here, at least GEMM_MIN_ROWS rows, K a multiple of 32."""
+    return in_features % 32 == 0 and rows >= GEMM_MIN_ROWS and kernel() is not None
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int,
-         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    """x [..., K] bf16 -> x W^T + b [..., out_features] over gemv_kernel.pack's weights, many rows at a time; with
-    `residual` ([..., out_features]) added before the rounding; `swiglu`: silu(gate) * up [..., out_features / 2] of
-    a joined gate/up copy."""
+def pack_tiles(w: torch.Tensor, bias: torch.Tensor | None, paired: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] bf16 -> `gemm`'s copy: pieces of 32 outputs as [P, K/32, 2, 16, 16, 2] (each step's two B tiles of
+    16 pair-rows x 16 outputs, 1 KB each, contiguous), zero outputs padding N; and the bias as fp32 [P * 32] (or an
+    empty tensor). `paired` (a joined gate/up, N = 2I, I a multiple of 16): piece j holds gate's outputs 16j.. beside
+    up's, so SwiGLU multiplies them in the epilogue."""
+    N, K = w.shape
+    w = w.detach().to(torch.bfloat16)
+    b = None if bias is None else bias.detach().float()
+    if paired:
+        half = N // 2
+        w = torch.stack([w[:half].view(half // 16, 16, K), w[half:].view(half // 16, 16, K)], dim=1)
+    else:
+        pad = -N % 32
+        w = torch.nn.functional.pad(w, (0, 0, 0, pad)).view((N + pad) // 32, 2, 16, K)
+        b = None if b is None else torch.nn.functional.pad(b, (0, pad))
+    pieces = w.shape[0]  # [P, 2 halves, 16 outputs, K] -> [P, K/32 steps, 2, 16 pair-rows, 16 outputs, 2]
+    tiles = w.view(pieces, 2, 16, K // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return tiles, (torch.empty(0) if b is None else b)
+
+
+def gemm(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor, out_features: int,
+         residual: torch.Tensor | None = None, swiglu: bool = False, paired: bool = False) -> torch.Tensor:
+    """x [..., K] bf16 -> x W^T + b [..., out_features] over `pack_tiles`' copy, many rows at a time; with `residual`
+    ([..., out_features]) added before the rounding; `swiglu` (a paired copy): silu(gate) * up [..., I] with
+    out_features = I."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     op, res = 0, _EMPTY
     if swiglu:
@@ -307,6 +328,5 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features
     elif residual is not None:
         op, res = 1, residual.reshape(x2.shape[0], out_features).contiguous()
     with traced("ragkv::amx_gemm"):
-        y = kernel().gemm(x2, packed, bias, res, out_features, op)
+        y = kernel().gemm(x2, tiles, bias, res, out_features, op, paired or swiglu)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
