@@ -1,8 +1,8 @@
-"""CPU kernels for bf16 products on the AMX matrix unit, over ragkv's packed copy of the weights: y = x W^T (+ b).
-`product` takes a few to ~a hundred rows (decode); `gemm` takes a prefill's many rows and writes its op as it goes
-(the residual add, or SwiGLU's silu(gate) * up).
+"""CPU kernels for bf16 products on the AMX matrix unit: y = x W^T (+ b). `product` takes a few to ~a hundred rows
+(decode); `gemm` takes a prefill's many rows and writes its op as it goes (the residual add, or SwiGLU's silu(gate) *
+up).
 
-It reads the weights ragkv's gemv kernel packs ([N/64][K/2][64][2], ops/gemv_kernel.py), which is AMX's own B layout:
+`product` reads the weights ragkv's gemv kernel packs ([N/64][K/2][64][2], ops/gemv_kernel.py), which is AMX's own B layout:
 rows of K-pairs, each pair interleaved per output, so 16 consecutive pair-rows of 16 outputs are one B tile (a
 strided tile load, 256 bytes apart), and the four tiles of a 64-output block cover one contiguous 4 KB run. A tile
 of up to 16 rows of x is the A tile as it lies in memory. Each 64-output block keeps four 16 x 16 fp32 accumulator
