@@ -101,15 +101,16 @@ class OneDnnLinear(ExactCopyLinear):
         # a joined gate/up (two parts of one size) is copied paired, so that `gemm` writes SwiGLU from its sums
         self.paired = len(self.parts) == 2 and self.parts[0].out_features == self.parts[1].out_features \
             and self.parts[0].out_features % 16 == 0
-        self.tileable = self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
-            and (len(self.parts) != 2 or self.paired) and amx_kernel.gemm_takes(amx_kernel.GEMM_MIN_ROWS,
-                                                                                 self.in_features)
         if self.weight.dtype == torch.bfloat16:
             if gemv_kernel.packable(self.weight):
                 self.gemv = gemv_kernel.pack(self.weight, self.bias)
                 self.blockable = True
             else:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
+        # W in place (not oneDNN's reordered tensor, which cannot be viewed), K a multiple of 32, built here
+        self.tileable = self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
+            and not self.weight.is_mkldnn and (len(self.parts) != 2 or self.paired) \
+            and amx_kernel.gemm_takes(amx_kernel.GEMM_MIN_ROWS, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16:
