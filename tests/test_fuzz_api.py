@@ -30,10 +30,10 @@ def test_the_openapi_document_describes_every_request_body(server):
 
 
 def test_no_generated_request_gets_a_5xx(server):
-    result = fuzz(server.url, FuzzConfig(examples=60), say=lambda msg: None)
+    result = fuzz(server.url, FuzzConfig(examples=35), say=lambda msg: None)
     assert not result["failures"], result["failures"][:5]
     statuses = result["statuses"]
-    assert result["requests"] >= len(ROUTES) * 60 * 0.8 and any(s < 300 for s in statuses), statuses
+    assert result["requests"] >= len(ROUTES) * 35 * 0.8 and any(s < 300 for s in statuses), statuses
     assert any(400 <= s < 500 for s in statuses)  # invalid bodies were generated and refused
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # still serving
 

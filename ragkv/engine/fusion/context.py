@@ -98,18 +98,31 @@ def load_context_layer(plan, layer: int) -> None:
 
 
 @torch.inference_mode()
-def prefill_over_context(model, layer_iter, layout: Layout, query_ids: list[int], capacity: int,
-                         stats: RequestStats, attention: AttentionPolicy | None = None) -> Steps[DecodeState]:
-    """Query prefill over cached context fetched layer by layer from `layer_iter` (one list of (K, V) per layer,
-    in cache order). Fetching layer i+1 can overlap computing layer i when the store pipelines."""
+def query_rows_over_context(model, layer_iter, layout: Layout, query_ids: list[int], capacity: int,
+                            stats: RequestStats, attention: AttentionPolicy | None = None
+                            ) -> Steps[tuple[DecodeState, torch.Tensor]]:
+    """The query's rows over cached context fetched layer by layer from `layer_iter` (one list of (K, V) per layer,
+    in cache order); fetching layer i+1 can overlap computing layer i when the store pipelines. Returns the state
+    with no logits yet and the last row's hidden state [1, 1, H]: a caller that runs the LM head over more rows
+    later (query-aware's stage 2) reads its weights once for both."""
     N, Tq = layout.context_len, len(query_ids)
     cache = KVCache.for_model(model, max(capacity, N + Tq))
     t0, before = time.perf_counter(), stats.fetch_ms + stats.rerotate_ms
     plan = ContextPlan(model, cache, layer_iter, layout, Tq, stats, attention)
     x = yield from computed(Forward(model, model.embed(torch.tensor([query_ids], device=model.device)), plan))
     cache.commit(N + Tq)
-    logits = model.logits(x[:, -1:])[0, -1]
     stats.query_prefill_ms += _ms(t0) - (stats.fetch_ms + stats.rerotate_ms - before)
     stats.reused_tokens += N
     stats.recomputed_tokens += Tq
-    return DecodeState(cache, layout.query_start + Tq, logits, attention)
+    return DecodeState(cache, layout.query_start + Tq, None, attention), x[:, -1:]
+
+
+def prefill_over_context(model, layer_iter, layout: Layout, query_ids: list[int], capacity: int,
+                         stats: RequestStats, attention: AttentionPolicy | None = None) -> Steps[DecodeState]:
+    """Query prefill over cached context (`query_rows_over_context`), the next token's distribution computed."""
+    state, last = yield from query_rows_over_context(model, layer_iter, layout, query_ids, capacity, stats, attention)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        state.logits = model.logits(last)[0, -1]
+    stats.query_prefill_ms += _ms(t0)
+    return state

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ragkv.engine.fusion.context import prefill_over_context
+from ragkv.engine.fusion.context import query_rows_over_context
 from ragkv.engine.fusion.layout import Layout
 from ragkv.engine.kv.state import DecodeState, decode_step
 from ragkv.engine.measure.flops import attention_flops, head_flops, linear_flops, rows_flops
@@ -63,9 +63,9 @@ class QueryAttentionRecorder:
         if self.N and (not self.layers or layer in self.layers):
             # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
             Hkv, D = k.shape[1], q.shape[-1]
-            qg = q.float().reshape(1, Hkv, -1, D)  # [1, Hkv, groups * Tq, D]
+            qg = q.float().reshape(1, Hkv, -1, D) * (1.0 / math.sqrt(D))  # [1, Hkv, groups * Tq, D], scaled here
             ctx = k[:, :, :self.N].float()
-            probs = (qg @ ctx.transpose(-1, -2) / math.sqrt(D)).softmax(dim=-1)  # [1, Hkv, groups * Tq, N]
+            probs = (qg @ ctx.transpose(-1, -2)).softmax(dim=-1)  # [1, Hkv, groups * Tq, N]
             self.layer_scores.append(probs.sum(dim=(1, 2))[0])
         return out
 
@@ -121,8 +121,10 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
     check_recomputable(model, layout, total)
     recorder = QueryAttentionRecorder(N, score_layers)
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
-    stage1 = yield from prefill_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
+    stage1, last = yield from query_rows_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
+    if draft_tokens and N:  # the draft starts from stage 1's next token
+        stage1.logits = model.logits(last)[0, -1]
     draft, draft_ms = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and N else ([], 0.0)
     score = fuse_layer_scores(recorder.layer_scores) if N else None
     logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
@@ -137,7 +139,12 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         ids = torch.tensor(context_ids + query_ids + draft, device=model.device)[rows].unsqueeze(0)
         x = yield from computed(Forward(model, model.embed(ids), SelectedRowsPlan(stage1.cache, rows,
                                                                                   total + len(draft))))
-        out = model.logits(x[:, -1 - len(draft):])[0]
+        rows_out = x[:, -1 - len(draft):]
+        if logits is None:  # stage 1's LM head runs beside stage 2's: its weights (~0.3 GB on the 0.5B) read once
+            out = model.logits(torch.cat([last, rows_out], dim=1))[0]
+            logits, out = out[0], out[1:]
+        else:
+            out = model.logits(rows_out)[0]
         new, ahead = out[0], list(zip(draft, out[1:]))
         stats.recomputed_token_layers += len(rows) * L
         estimate = None if expect is None else expect(new, stats.recomputed_token_layers / max(1, total * L))
@@ -145,6 +152,8 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         logits = new
         if max_signal is None or risks[-1][signal] <= max_signal:
             break
+    if logits is None:  # nothing was recomputed: the answer is stage 1's
+        logits = model.logits(last)[0, -1]
     stats.recompute_ms += (time.perf_counter() - t0) * 1000
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
