@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.cpp_build import SILU_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 MAX_ROWS = 128  # rows offered to the chooser: above, oneDNN's blocked GEMM reuses each weight tile better
@@ -81,7 +81,7 @@ static void block_group(const uint16_t* x, int64_t K, const uint16_t* w, int64_t
   _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256);
   _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
 }
-""" + EXP2_NEG_AVX512 + r"""// -- many rows: 32 x 32 blocks, the op in the epilogue -------------------------------------------------------------
+""" + SILU_AVX512 + r"""// -- many rows: 32 x 32 blocks, the op in the epilogue -------------------------------------------------------------
 // C tiles 0 (rows 0-15, B0), 1 (rows 0-15, B1), 2 (rows 16-31, B0), 3 (rows 16-31, B1); A tiles 4-5, B tiles 6-7
 static void configure_full() {
   TileConfig cfg;
@@ -111,17 +111,6 @@ static inline void block32(const uint16_t* a, int64_t lda, const uint16_t* piece
   _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128); _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
 }
 
-// silu(v) = v sigmoid(v), the sigmoid from e^-|v| (no overflow), 1 / (1 + e) by rcp14 and one Newton step
-static inline __m512 silu16(__m512 v) {
-  const __m512 e = exp2_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)),
-                                          _mm512_set1_ps(1.4426950409f)));
-  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ), e,
-                                          _mm512_set1_ps(1.f));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-  __m512 r = _mm512_rcp14_ps(d);
-  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
-  return _mm512_mul_ps(v, _mm512_mul_ps(num, r));
-}
 #endif
 
 bool available() {
@@ -270,7 +259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_amx_product_v4"
+_NAME = "ragkv_bf16_amx_product_v5"
 # the compiled module where this CPU has AMX-BF16, else None (the chooser offers only the other kernels)
 kernel = LazyExtension(_NAME, _SOURCE, "AMX bf16 product kernel", needs=torch.cpu._is_amx_tile_supported)
 

@@ -98,6 +98,22 @@ static inline __m512 exp2_neg(__m512 x) {
 """
 
 
+# silu(v) = v sigmoid(v) on 16 fp32 lanes, for the kernels that end in SwiGLU (the AMX product's epilogue, w8a8's
+# rescale, the bf16 silu(gate) * up pass): the sigmoid from e^-|v| (no overflow), 1 / (1 + e) by rcp14 and one Newton
+# step (relative error ~2^-28; 1 + e lies in [1, 2], well inside rcp14's range). Brings exp2_neg with it.
+SILU_AVX512 = EXP2_NEG_AVX512 + r"""static inline __m512 silu16(__m512 v) {
+  const __m512 e = exp2_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)),
+                                          _mm512_set1_ps(1.4426950409f)));
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                          _mm512_set1_ps(1.f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(v, _mm512_mul_ps(num, r));
+}
+
+"""
+
 # 16 bf16 values widened to fp32 (exact: a 16-bit shift), for the bf16 passes' AVX-512 BF16 loops (RMSNorm, RoPE):
 # spliced into their sources inside their own __AVX512BF16__ guard, after <immintrin.h>.
 WIDEN_BF16_AVX512 = r"""static inline __m512 widen(const at::BFloat16* p) {

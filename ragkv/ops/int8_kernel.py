@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.cpp_build import SILU_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 _SOURCE = r"""
@@ -53,9 +53,7 @@ static inline __m256i bf16_16(__m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
 }
-""" + EXP2_NEG_AVX512 + r"""// e^x for x <= 0 (and -inf -> 0), as 2^(x log2 e)
-static inline __m512 exp_nonpositive16(__m512 x) { return exp2_neg(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f))); }
-#endif
+""" + SILU_AVX512 + r"""#endif
 
 template <typename T>
 static void quantize_impl(const T* x, int64_t M, int64_t K, int64_t ld, int8_t* q, float* s) {
@@ -154,15 +152,11 @@ torch::Tensor dequantize(torch::Tensor y, torch::Tensor xs, torch::Tensor ws, to
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(t, row + n)), xv),
                                  _mm512_maskz_loadu_ps(t, wp + n));
         if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(t, bp + n));
-        if (swiglu) {  // silu(v) * u, sigmoid from e^-|v| (no overflow)
+        if (swiglu) {  // silu(v) * u
           __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(t, row + O + n)), xv),
                                    _mm512_maskz_loadu_ps(t, wp + O + n));
           if (bp) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(t, bp + O + n));
-          __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
-          __mmask16 pos = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-          __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.f));
-          __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-          v = _mm512_mul_ps(_mm512_mul_ps(v, sig), u);
+          v = _mm512_mul_ps(silu16(v), u);
         }
         if (to_bf16) _mm256_mask_storeu_epi16(ob + m * O + n, t, bf16_16(v));
         else _mm512_mask_storeu_ps(of + m * O + n, t, v);
@@ -209,17 +203,10 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     const at::BFloat16* grow = gp + m * lg;
     const at::BFloat16* urow = upp + m * lu;
 #ifdef __AVX512F__
-    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
     for (int64_t n = 0; n < O; n += 16) {
       __mmask16 t = tail(O - n);
       __m512 v = load16(grow + n, t), u = load16(urow + n, t);
-      __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
-      __mmask16 pos = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-      __m512 d = _mm512_add_ps(one, e);  // in [1, 2]: rcp14 is well inside its range
-      __m512 r = _mm512_rcp14_ps(d);
-      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));
-      __m512 sig = _mm512_mul_ps(_mm512_mask_blend_ps(pos, e, one), r);
-      _mm256_mask_storeu_epi16(ob + m * O + n, t, bf16_16(_mm512_mul_ps(_mm512_mul_ps(v, sig), u)));
+      _mm256_mask_storeu_epi16(ob + m * O + n, t, bf16_16(_mm512_mul_ps(silu16(v), u)));
     }
 #else
     for (int64_t n = 0; n < O; ++n) {
@@ -239,7 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_int8_passes_v6"
+_NAME = "ragkv_int8_passes_v7"
 kernel = LazyExtension(_NAME, _SOURCE, "int8 quantize/dequantize passes",
                        needs=lambda: torch.backends.mkldnn.is_available())
 
