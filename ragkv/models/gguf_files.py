@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,28 @@ def converted_dir(digest: str) -> Path:
     return converted_root() / digest[:32]
 
 
+@contextmanager
+def one_parse_per_file():
+    """transformers parses a GGUF's header afresh for the config, the tokenizer and the weights (each parse ~6 s for
+    a 49K-token vocabulary, most of a small model's conversion): inside this, one reader per file serves them all
+    (its tensors are read-only memory maps, so sharing it changes nothing it returns)."""
+    import gguf as gguf_pkg
+
+    original, readers = gguf_pkg.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf_pkg.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_pkg.GGUFReader = original
+
+
 def convert_file(gguf: Path, target: Path, note: dict | None = None) -> None:
     """Dequantize one GGUF to fp32 safetensors + config + tokenizer (chat template included) in a private
     temporary folder beside `target`, renamed into place only when complete: an interrupted conversion leaves
@@ -158,7 +181,9 @@ def convert_file(gguf: Path, target: Path, note: dict | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is as readable as one made by mkdir
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with one_parse_per_file():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # save_pretrained refuses a GGUF-loaded model until its quantization marks are removed.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -166,7 +191,7 @@ def convert_file(gguf: Path, target: Path, note: dict | None = None) -> None:
         model.is_quantized = False
         model.save_pretrained(str(tmp))
         del model
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
         if note is not None:
             (tmp / SOURCE_NOTE).write_text(json.dumps(note, indent=1), encoding="utf-8")
         if is_converted(target):
