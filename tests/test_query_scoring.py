@@ -95,6 +95,22 @@ def test_score_layers_ranks_by_those_layers_alone(tiny_engine):
     assert len(rec.layer_scores) == 1
 
 
+@pytest.mark.parametrize("spread", [1.0, 40.0])
+def test_the_recorders_score_is_the_softmax_over_the_context_summed(spread):
+    """alpha_l(t) = sum over heads and query rows of softmax_t(q k_t / sqrt(d)) over the context keys only (the
+    recorder computes it by hand, query heads grouped by their KV head); `spread` 40 puts rows' scores hundreds
+    apart, as the real model's heads do, where the recorder holds probabilities under e^-80 of the row's largest."""
+    torch.manual_seed(0)
+    N, Tq, D = 50, 3, 16
+    q, k = torch.randn(1, 4, Tq, D) * spread, torch.randn(1, 2, N + Tq, D)
+    rec = QueryAttentionRecorder(N)
+    rec(0, q, k, k)
+    kx = k[:, :, :N].repeat_interleave(2, dim=1)  # query head h reads KV head h // 2
+    expected = (q @ kx.transpose(-1, -2) / D ** 0.5).softmax(dim=-1).sum(dim=(0, 1, 2))
+    assert torch.allclose(rec.layer_scores[0], expected, rtol=1e-5, atol=1e-6)
+    assert abs(float(expected.sum()) - 4 * Tq) < 1e-4
+
+
 def test_the_options_are_refused_where_they_mean_nothing(tiny_engine):
     eng = tiny_engine("llama")
     segs = make_segs()
