@@ -319,10 +319,11 @@ def test_the_amx_kernel_computes_the_linear_with_its_bias(rows, shape):
 
 @pytest.mark.skipif(amx_kernel.kernel() is None, reason="the AMX kernel is built only on CPUs with AMX-BF16")
 @pytest.mark.parametrize("rows", [17, 32, 50, 600])
-@pytest.mark.parametrize("shape", [(100, 64), (1152, 896), (896, 4864), (1280, 256)])
+@pytest.mark.parametrize("shape", [(100, 64), (1152, 896), (896, 4864), (1280, 256), (4160, 256)])
 def test_the_amx_gemm_computes_the_linear_with_its_op(rows, shape):
     """The many-row AMX kernel over its tile copy, at row counts that fill 32-row blocks or leave a short last one,
-    K over one or several of its 256-k chunks, and output counts that are not a multiple of its 32-wide pieces: fp32
+    K over one or several of its 256-k chunks, output counts that are not a multiple of its 32-wide pieces, and a
+    weight whose share per thread outgrows 1 MB (row blocks then pass it in groups of up to 16, not 4): fp32
     F.linear's result with its bias, with a residual added, and over a paired copy of a joined gate/up (gate first)
     the plain product and silu(gate) * up, each to bf16 rounding."""
     torch.manual_seed(rows)
