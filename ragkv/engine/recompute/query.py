@@ -65,9 +65,10 @@ class QueryAttentionRecorder:
             Hkv, D = k.shape[1], q.shape[-1]
             qg = q.float().reshape(1, Hkv, -1, D) * (1.0 / math.sqrt(D))  # [1, Hkv, groups * Tq, D], scaled here
             s = qg @ k[:, :, :self.N].float().transpose(-1, -2)  # [1, Hkv, groups * Tq, N]
-            # the softmax by hand: the real model's heads spread a row's scores over 100+, and e^x far below -88
-            # takes torch's exp to a slow path (3.5 ms a layer at 1.3K tokens, 4x this); a probability under e^-80
-            # of the row's largest (a share < 2e-35) is held there. The rows' sums of probabilities are one product.
+            # the softmax by hand: where a row's scores spread over 100+ (as some heads' do), e^x far below -88
+            # sends torch's exp to a slow path (3.1 ms against 0.8 for 322 rows x 1.3K keys, random scores); a
+            # probability under e^-80 of the row's largest (a share < 2e-35) is held there. The rows' sums of
+            # probabilities are one product.
             e = s.sub_(s.amax(dim=-1, keepdim=True)).clamp_(min=-80.0).exp_()
             inverse_sums = e.sum(dim=-1, keepdim=True).reciprocal_()  # [1, Hkv, groups * Tq, 1]
             self.layer_scores.append((inverse_sums.transpose(-1, -2) @ e).sum(dim=(0, 1, 2)))
