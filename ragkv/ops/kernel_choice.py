@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 # class of its own: on an AMX Xeon oneDNN's one product of 1,024-2,048 rows ran at 1.15-2.7 TFLOP/s depending on the
 # count, where 512-row tiles held 1.9-2.6 (a 1,329-row down projection: 1.18 against 1.96). That class is timed at
 # 1,024 rows, a RAG prompt's size: timed at 1,536, the MLP chose a kernel 1.2x slower at 1,024 (same AMX Xeon).
+# 129-512 is timed at 256, the rows it mostly serves (blend's and query-aware's selected rows, ~200-450): timed at
+# 512, its edge, the AMX product and oneDNN tied on the 0.5B's QKV, output and down projections, where at 256 the
+# AMX product was 7-12% faster (and query-aware's prefill 2.6%, blend's 5%, with it; AMX Xeon).
 ROW_CLASSES = ((1, 1), (2, 4), (5, 16), (17, 128), (129, 512), (513, None))
-PROBE_ROWS = (1, 4, 16, 128, 512, 1024)
+PROBE_ROWS = (1, 4, 16, 128, 256, 1024)
 MAX_PROBE_MACS = 1.4e10  # a class whose probe would cost more (an LM head at 128 rows) keeps the default kernel
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 REPEATS = 7
