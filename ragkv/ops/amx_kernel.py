@@ -13,8 +13,9 @@ F.linear's to bf16 rounding, not bitwise.
 `gemm` reads a copy of its own (`pack_tiles`): pieces of 32 outputs whose B tiles lie contiguous, 1 KB each (in
 gemv's layout a tile's rows are 256 B apart and a piece does not stay in L1: 0.80-0.88x the rate). It works on 32
 rows x 32 outputs at a time (two A tiles, two B tiles, four accumulators: all eight tile registers): each thread
-walks its share of the pieces, each piece's 256-k chunks held in L1 while four 32-row blocks pass (their x from
-L2, their accumulators kept between chunks). The op is applied in fp32 to the accumulators before the one rounding
+walks its share of the pieces, each piece's 256-k chunks held in L1 while a group of 32-row blocks passes (their x
+from L2, their accumulators kept between chunks): 4 blocks, or up to 16 where the thread's share of the weights
+outgrows 1 MB (each group streams that share once). The op is applied in fp32 to the accumulators before the one rounding
 to bf16: the residual added (oneDNN's fused add does the same), or, in a paired copy of a joined gate/up (each
 piece: 16 outputs of gate beside the same 16 of up), silu(gate) * up, so the [rows, 2I] product is never written.
 
