@@ -128,8 +128,11 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
     room = max(capacity, total + draft_tokens)  # the draft's rows too, so its decode never regrows the cache
     stage1, last = yield from query_rows_over_context(model, layer_iter, layout, query_ids, room, stats, recorder)
     stats.recomputed_token_layers += Tq * L
+    def stage1_logits():  # alone: a draft needs them first, or nothing was recomputed
+        return model.logits(last)[0, -1]
+
     if draft_tokens and N:  # the draft starts from stage 1's next token
-        stage1.logits = model.logits(last)[0, -1]
+        stage1.logits = stage1_logits()
     draft, draft_ms = record_draft(model, stage1, recorder, draft_tokens, stats) if draft_tokens and N else ([], 0.0)
     score = fuse_layer_scores(recorder.layer_scores) if N else None
     logits, chosen, risks, ahead = stage1.logits, torch.zeros(0, dtype=torch.long, device=model.device), [], []
@@ -158,7 +161,7 @@ def prefill_query_aware(model, layer_iter, layout: Layout, context_ids: list[int
         if max_signal is None or risks[-1][signal] <= max_signal:
             break
     if logits is None:  # nothing was recomputed: the answer is stage 1's
-        logits = model.logits(last)[0, -1]
+        logits = stage1_logits()
     stats.recompute_ms += (time.perf_counter() - t0) * 1000
     stats.reused_tokens -= len(chosen)
     stats.recomputed_tokens += len(chosen)
