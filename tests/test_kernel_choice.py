@@ -71,6 +71,31 @@ def test_candidates_are_timed_in_turn_and_a_copy_must_win_by_a_margin(tmp_path):
     assert fastest({"blocked": 0.5}, ("blocked",)) == "blocked"
 
 
+def test_a_copy_one_class_runs_on_is_taken_by_time_alone_in_the_others(tmp_path):
+    """The copy margin weighs memory not yet spent: once a class's margin is cleared, the copy exists and a class
+    where it is 2% faster takes it too; where no class clears the margin, none takes it."""
+    from ragkv.ops.kernel_choice import choose_per_class
+
+    times = [{"onednn": 1.0, "amx_gemm": 0.7}, {"onednn": 1.0, "amx_gemm": 0.98}, {"onednn": 1.0, "amx_gemm": 1.1}]
+    assert choose_per_class(times, "onednn", ("amx_gemm",)) == ["amx_gemm", "amx_gemm", "onednn"]
+    assert choose_per_class(times[1:], "onednn", ("amx_gemm",)) == ["onednn", "onednn"]
+    # a second copy must still clear the margin against every kernel already held
+    both = [{"onednn": 1.0, "amx_gemm": 0.7, "blocked": 0.8}, {"onednn": 1.0, "amx_gemm": 0.98, "blocked": 0.96}]
+    assert choose_per_class(both, "onednn", ("amx_gemm", "blocked")) == ["amx_gemm", "amx_gemm"]
+    assert choose_per_class([{}, {"onednn": 1.0}], "stock", ("amx_gemm",)) == ["stock", "onednn"]
+    # a cached entry is chosen again by this rule, not re-measured
+    clock = FakeClock({"onednn": lambda r: 1.0, "amx_gemm": lambda r: 0.7 if r <= 16 else 0.98})
+    candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("onednn", "amx_gemm")}
+    chooser = KernelChooser(tmp_path / "k.json", timer=clock)
+    assert chooser.choose("plain 4->4", torch.bfloat16, 0, candidates, "onednn", ("amx_gemm",)) \
+        == ["amx_gemm"] * len(PROBE_ROWS)
+    next(iter(chooser.table.values()))["choice"] = ["onednn"] * len(PROBE_ROWS)  # as an older rule stored it
+    chooser.save()
+    again = KernelChooser(tmp_path / "k.json", timer=lambda: pytest.fail("measured again"))
+    assert again.choose("plain 4->4", torch.bfloat16, 0, candidates, "onednn", ("amx_gemm",)) \
+        == ["amx_gemm"] * len(PROBE_ROWS)
+
+
 def test_a_class_too_costly_to_probe_keeps_the_default_and_row_classes_cover_every_count(tmp_path):
     clock = FakeClock({"stock": lambda r: 1.0, "onednn": lambda r: 2.0})
     candidates = {n: (lambda n: lambda rows: clock.kernel(n, rows))(n) for n in ("stock", "onednn")}

@@ -47,7 +47,8 @@ def run_kernels_bench(model: str, out_dir: Path, progress=print, refresh: bool =
     save_json(out_dir / "kernels.json", result)
     md = (f"Kernels per product and row class on {machine()['cpu']} (bf16, median ms of {REPEATS} rounds "
           "timing each candidate in turn, after one untimed call each; a kernel on a copy of its own must win by "
-          f"{COPY_MARGIN:.0%}, else the fastest is chosen; last column: its time over oneDNN's):\n\n"
+          f"{COPY_MARGIN:.0%} unless another row class already runs on that copy, else the fastest is chosen; last "
+          "column: its time over oneDNN's):\n\n"
           + markdown_table(["product", "rows", *(f"{k} ms" for k in KERNELS), "chosen", "vs onednn"], rows)
           + "\n\nPrefill attention (square causal rows; kernel and amx: ragkv's kernel on AVX-512 BF16 and on AMX "
           "tiles, sdpa: torch's; last column: the chosen one's time over SDPA's):\n\n"

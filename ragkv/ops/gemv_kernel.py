@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.ops.cpp_build import LazyExtension
+from ragkv.ops.huge_pages import on_huge_pages
 from ragkv.ops.trace import traced
 
 BLOCK = 64  # outputs per packed block: four 16-lane accumulators per row
@@ -183,7 +184,8 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] (K even) -> (W as [ceil(N/64), K/2, 64, 2], zero rows padding N; fp32 scales [padded N] or an empty
     tensor; bias as fp32 [padded N], or an empty tensor). bf16 W as it is; `int8`: each output's weights as
-    round(w / scale) with scale = max |w| / 127 (symmetric, per output channel), computed from W in fp32."""
+    round(w / scale) with scale = max |w| / 127 (symmetric, per output channel), computed from W in fp32. The packed
+    copy lies in 2 MB pages where granted (ops/huge_pages: a decode step streams it whole)."""
     N, K = w.shape
     pad = -N % BLOCK
     w = torch.nn.functional.pad(w.detach(), (0, 0, 0, pad))
@@ -194,7 +196,7 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
         w = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
     else:
         w = w.to(torch.bfloat16)
-    packed = w.view((N + pad) // BLOCK, BLOCK, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = on_huge_pages(w.view((N + pad) // BLOCK, BLOCK, K // 2, 2).permute(0, 2, 1, 3))
     b = torch.empty(0) if bias is None else torch.nn.functional.pad(bias.detach().float(), (0, pad))
     return packed, scales, b
 
