@@ -53,7 +53,8 @@ def test_an_engine_with_a_fit_states_it_per_reply(tiny_engine, tmp_path):
 
     engine = tiny_engine()
     fits = fidelity_fit.fit(synthetic(300, 4))
-    fits["reuse|"]["share_range"] = [0.0, 1.0]  # synthetic shares are not the tiny engine's: call every share fitted
+    # synthetic features are not the tiny engine's: call every share, entropy and margin fitted
+    fits["reuse|"].update(share_range=[0.0, 1.0], entropy_range=[0.0, 100.0], margin_range=[0.0, 1.0])
     doc = fidelity_fit.document("tiny", "float32", "synthetic", fits)
     path = fidelity_fit_path(engine.model_name.replace("/", "_"))
     path.parent.mkdir(parents=True, exist_ok=True)

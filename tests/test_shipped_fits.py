@@ -1,6 +1,7 @@
 """Each shipped fidelity fit (ragkv/engine/measure/fidelity_fits/) holds what its file states: re-fitted from the
 committed records it names, the coefficients and the held-out figures come out the same; it applies to its own
-dtype only; a reply outside the recomputed shares a key was fitted on says it is an extrapolation."""
+dtype only; a reply outside the recomputed shares, first-token entropies or margins a key was fitted on says it is an
+extrapolation."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_a_shipped_fit_is_re_derived_from_its_committed_records(path):
         again = fidelity_fit.fit(rows)[key]
         for field in ("top1", "log_kl"):
             assert again[field] == pytest.approx(shipped[field], abs=1e-5), (key, field)
-        assert (again["n"], again["share_range"]) == (shipped["n"], shipped["share_range"])
+        for field in ("n", "share_range", "entropy_range", "margin_range"):
+            assert again[field] == shipped[field], (key, field)
         test = _records(shipped.get("test_records") or []) or None
         judged = fidelity_fit.held_out(rows, test)
         assert fidelity_fit.held_out_figures(judged, key) == shipped["held_out"], key
@@ -51,3 +53,19 @@ def test_a_reply_outside_the_fitted_shares_says_it_is_extrapolated():
     outside = fits.predict("blend", "query", [0.05, 1.0, 0.5])
     assert inside["calibration"] == "fitted"
     assert outside["calibration"] == "extrapolated" and f"{lo:.2f}-{hi:.2f}" in outside["source"]
+
+
+def test_a_reply_whose_first_token_is_unlike_the_fits_says_it_is_extrapolated():
+    """The 1.5B was fitted on NQ-10 under the RAG prompt: a reply whose first-token entropy or margin lies outside
+    those (a short-answer prompt's, mostly) states its estimate as an extrapolation, naming the feature."""
+    fits = FidelityFits.load(ROOT / "ragkv/engine/measure/fidelity_fits/qwen2.5-coder-1.5b.json")
+    f = fits.fits["blend|query"]
+    share = sum(f["share_range"]) / 2
+    (e0, e1), (m0, m1) = f["entropy_range"], f["margin_range"]
+    assert fits.predict("blend", "query", [share, (e0 + e1) / 2, (m0 + m1) / 2])["calibration"] == "fitted"
+    high = fits.predict("blend", "query", [share, e1 + 1.0, (m0 + m1) / 2])
+    assert high["calibration"] == "extrapolated" and f"first-token entropy {e0:.2f}-{e1:.2f}" in high["source"]
+    wide = fits.predict("blend", "query", [share, (e0 + e1) / 2, min(1.0, m1 + 0.2)])
+    assert wide["calibration"] == "extrapolated" and "first-token margin" in wide["source"]
+    both = fits.predict("blend", "query", [0.05, e1 + 1.0, (m0 + m1) / 2])
+    assert "recomputed shares" in both["source"] and "first-token entropy" in both["source"]

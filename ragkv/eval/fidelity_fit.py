@@ -68,8 +68,9 @@ def _ridge(X: np.ndarray, y: np.ndarray, lam: float = 1e-2) -> np.ndarray:
 
 
 def fit(records: list[dict]) -> dict:
-    """{key: {top1, log_kl, smear, n, share_range}} for every (mode, selection) with enough records; share_range:
-    the recomputed shares it was fitted on (a reply outside them is an extrapolation)."""
+    """{key: {top1, log_kl, smear, n, share_range, entropy_range, margin_range}} for every (mode, selection) with
+    enough records; the ranges: the recomputed shares and first-token entropies and margins it was fitted on (a reply
+    outside them is an extrapolation)."""
     groups: dict[str, list[dict]] = {}
     for r in usable(records):
         groups.setdefault(record_key(r), []).append(r)
@@ -84,7 +85,8 @@ def fit(records: list[dict]) -> dict:
         smear = float(np.mean(np.exp(log_kl - X @ w_kl)))
         out[key] = {"top1": _logistic(X, top1).round(6).tolist(), "log_kl": w_kl.round(6).tolist(),
                     "smear": round(smear, 6), "kl_floor": KL_FLOOR, "n": len(rows),
-                    "share_range": [round(float(X[:, 1].min()), 4), round(float(X[:, 1].max()), 4)]}
+                    **{f"{name}_range": [round(float(X[:, i].min()), 4), round(float(X[:, i].max()), 4)]
+                       for i, name in ((1, "share"), (2, "entropy"), (3, "margin"))}}
     return out
 
 

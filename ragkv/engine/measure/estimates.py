@@ -90,7 +90,8 @@ SHARE_SLACK = 0.02  # a reply's recomputed share this far outside a fit's range 
 class FidelityFits:
     """Per (mode, selection): a logistic model of "the first token is full's" and a log-linear one of the first-token
     KL, on FEATURES, fitted on one model in one dtype. Keys without a fit fall back to the population estimate; a
-    reply whose recomputed share lies outside the shares a key was fitted on says `calibration: "extrapolated"`."""
+    reply whose recomputed share, first-token entropy or margin lies outside those a key was fitted on says
+    `calibration: "extrapolated"`."""
 
     def __init__(self, fits: dict, source: str, calibration: str = "fitted", dtype: str | None = None):
         self.fits, self.source, self.calibration, self.dtype = fits, source, calibration, dtype
@@ -119,10 +120,19 @@ class FidelityFits:
         log_kl = sum(w * v for w, v in zip(f["log_kl"], z))
         kl = max(0.0, math.exp(min(log_kl, 10.0)) * f["smear"] - f["kl_floor"])
         source, calibration = f.get("source") or self.source, self.calibration
+        beyond = []  # features outside what the key was fitted on: a guess beyond the data
         lo, hi = f.get("share_range") or (0.0, 1.0)
-        if not lo - SHARE_SLACK <= x[0] <= hi + SHARE_SLACK:  # fitted on other shares: a guess beyond the data
+        if not lo - SHARE_SLACK <= x[0] <= hi + SHARE_SLACK:
+            beyond.append(f"recomputed shares {lo:.2f}-{hi:.2f}, this reply's {x[0]:.2f}")
+        # a prompt unlike the fit's shows in the first token (the 1.5B fitted on NQ-10 under the RAG prompt, entropy
+        # 0.76-2.34: under a short-answer prompt 50 of its 60 MuSiQue replies lay above, their KL 3x the estimate)
+        for name, v in (("entropy", x[1]), ("margin", x[2])):
+            rng = f.get(f"{name}_range")
+            if rng is not None and not rng[0] <= v <= rng[1]:
+                beyond.append(f"first-token {name} {rng[0]:.2f}-{rng[1]:.2f}, this reply's {v:.2f}")
+        if beyond:
             calibration = "extrapolated"
-            source = f"{source}; fitted on recomputed shares {lo:.2f}-{hi:.2f}, this reply's {x[0]:.2f}"
+            source = f"{source}; fitted on " + "; ".join(beyond)
         return {"expected_kl": round(kl, 4), "expected_top1": round(top1, 4), "calibration": calibration,
                 "basis": "per-reply", "source": source}
 
