@@ -105,8 +105,8 @@ def _profile(engine, segs, steps: int = 8) -> dict:
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     """The machine's read bandwidth, STREAM-like: the best of `repeats` sums over `gib` GiB (far beyond any cache),
-    on torch's threads, in GB/s. What a decode step's weight reads are bound by: read from 2 MB pages, as the packed
-    weights are where the kernel grants them (ops/huge_pages), so the bound is the machine's, not the page size's."""
+    on torch's threads, in GB/s. What a decode step's weight reads are bound by: read from pages of the size the
+    packed weights lie in (2 MB under RAGKV_HUGE_PAGES=1, ops/huge_pages), so the bound and the step compare alike."""
     from ragkv.ops.huge_pages import on_huge_pages
 
     buf = on_huge_pages(torch.ones(int(gib * 2 ** 30) // 4, dtype=torch.float32))

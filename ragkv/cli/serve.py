@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import argparse
 import logging
 import math
+import os
 
 from ragkv.cli.common import (
     add_fusion_args,

@@ -185,7 +185,8 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None, int8: bool = False
     """W [N, K] (K even) -> (W as [ceil(N/64), K/2, 64, 2], zero rows padding N; fp32 scales [padded N] or an empty
     tensor; bias as fp32 [padded N], or an empty tensor). bf16 W as it is; `int8`: each output's weights as
     round(w / scale) with scale = max |w| / 127 (symmetric, per output channel), computed from W in fp32. The packed
-    copy lies in 2 MB pages where granted (ops/huge_pages: a decode step streams it whole)."""
+    copy lies in 2 MB pages under RAGKV_HUGE_PAGES=1, `ragkv serve`'s default (ops/huge_pages: a decode step streams
+    it whole)."""
     N, K = w.shape
     pad = -N % BLOCK
     w = torch.nn.functional.pad(w.detach(), (0, 0, 0, pad))
