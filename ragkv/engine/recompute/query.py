@@ -43,6 +43,7 @@ from ragkv.engine.recompute.registry import register
 from ragkv.engine.recompute.rows import SelectedRowsPlan, check_recomputable, choose_tokens, keep_count
 from ragkv.models.loop import Forward, computed
 from ragkv.ops.attention import causal_attention, prefill_mask
+from ragkv.ops.context_mass import context_mass
 
 
 class QueryAttentionRecorder:
@@ -61,6 +62,10 @@ class QueryAttentionRecorder:
         Tq, total = q.shape[2], k.shape[2]
         out = causal_attention(q, k, v, total - Tq, prefill_mask(Tq, total, None, q.device))
         if self.N and (not self.layers or layer in self.layers):
+            mass = context_mass(q, k, self.N)  # bf16 on AVX-512 BF16: one pass (ops/context_mass.py)
+            if mass is not None:
+                self.layer_scores.append(mass)
+                return out
             # query heads grouped by the KV head they share (head h reads KV head h // groups): no K copy
             Hkv, D = k.shape[1], q.shape[-1]
             qg = q.float().reshape(1, Hkv, -1, D) * (1.0 / math.sqrt(D))  # [1, Hkv, groups * Tq, D], scaled here
