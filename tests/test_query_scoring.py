@@ -113,20 +113,23 @@ def test_the_recorders_score_is_the_softmax_over_the_context_summed(spread):
 
 @pytest.mark.parametrize("n", [50, 64, 1300])
 @pytest.mark.parametrize("spread", [1.0, 8.0])
-def test_the_one_pass_context_mass_is_the_softmax_over_the_context_summed(n, spread):
-    """ops/context_mass (bf16 on AVX-512 BF16): the same score as the fp32 products of the bf16 values, over a slice
-    of a longer cache (K's heads a capacity apart, the query's own keys after the context), to fp32 rounding."""
+@pytest.mark.parametrize("D", [64, 32, 128])
+def test_the_one_pass_context_mass_is_the_softmax_over_the_context_summed(n, spread, D):
+    """ops/context_mass (bf16 on AVX-512 BF16; head dim 64 on AMX tiles where the CPU has them, other dims on
+    AVX-512): the same score as the fp32 products of the bf16 values, over a slice of a longer cache (K's heads a
+    capacity apart, the query's own keys after the context), to fp32 rounding."""
     from ragkv.ops.context_mass import context_mass, kernel
 
     if kernel() is None:
         pytest.skip("the pass is built only where the CPU has AVX-512 BF16")
     torch.manual_seed(n)
-    Tq, D = 5, 64
+    Tq = 5
     q = (torch.randn(1, 14, Tq, D) * spread).bfloat16()
     k = torch.randn(1, 2, n + Tq + 40, D).bfloat16()[:, :, :n + Tq]
     kx = k[:, :, :n].float().repeat_interleave(7, dim=1)
     expected = (q.float() @ kx.transpose(-1, -2) / D ** 0.5).softmax(dim=-1).sum(dim=(0, 1, 2))
     got = context_mass(q, k, n)
+    assert got.shape == (n,)
     assert torch.allclose(got, expected, rtol=2e-5, atol=1e-6)
     rec = QueryAttentionRecorder(n)  # the recorder takes this pass for bf16
     rec(0, q, k, k)
