@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.cpp_build import AMX_TILES, EXP2_NEG_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 _SOURCE = r"""
@@ -82,18 +82,7 @@ static void scores4(const uint32_t* const* qr, const uint32_t* kh, int64_t P, in
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-struct TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static bool amx_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-// scores of 16 query rows (a: 16 rows of D = 64 bf16, 128 bytes apart) against keys [0, Np) of one KV head laid
+""" + AMX_TILES + r"""// scores of 16 query rows (a: 16 rows of D = 64 bf16, 128 bytes apart) against keys [0, Np) of one KV head laid
 // out [32 pairs][Np] words: that layout is AMX's B tile as it lies (16 pair-rows Np words apart, 16 keys each), so
 // 16 rows x 64 keys take 8 tile products. Tiles 0-3: the four 16 x 16 fp32 blocks, 4-5: A (dims 0-31, 32-63), 6-7: B
 static void scores16(const uint16_t* a, const uint32_t* kh, int64_t Np, float* s) {
@@ -151,13 +140,7 @@ torch::Tensor context_mass(torch::Tensor q, torch::Tensor k, int64_t N, int64_t 
     float* col = sums.data() + omp_get_thread_num() * Np;
     std::vector<float> s(block * Np);
 #ifdef HAVE_AMX
-    if (tiles) {
-      TileConfig cfg;
-      std::memset(&cfg, 0, sizeof(cfg));
-      cfg.palette_id = 1;
-      for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-      _tile_loadconfig(&cfg);
-    }
+    if (tiles) configure_tiles(8);
 #endif
     #pragma omp for schedule(static)
     for (int64_t bk = 0; bk < blocks; ++bk) {
@@ -203,7 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-kernel = LazyExtension("ragkv_context_mass_v7", _SOURCE, "context attention mass pass",
+kernel = LazyExtension("ragkv_context_mass_v8", _SOURCE, "context attention mass pass",
                        needs=torch.cpu._is_avx512_bf16_supported)
 
 

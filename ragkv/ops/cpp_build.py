@@ -141,3 +141,29 @@ static inline void store(at::BFloat16* p, float v) {
   *reinterpret_cast<uint16_t*>(p) = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 """
+
+
+# AMX's tile palette 1 and the tile state asked of the kernel once per process (ARCH_REQ_XCOMP_PERM, XTILEDATA), for
+# the kernels that use the matrix unit: spliced into their sources inside their own __AMX_TILE__ / __AMX_BF16__ guard,
+# after <immintrin.h>, <sys/syscall.h>, <unistd.h> and <cstring>. `configure_tiles(n)`: tiles 0..n-1 at 16 rows of
+# 64 bytes (a 16 x 16 fp32 block, 16 x 32 bf16, or 16 pair-rows of 16 outputs).
+AMX_TILES = r"""struct TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+static void configure_tiles(int n) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < n; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+"""
