@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import SILU_AVX512, LazyExtension
+from ragkv.ops.cpp_build import AMX_TILES, SILU_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 MAX_ROWS = 128  # rows offered to the chooser: above, oneDNN's blocked GEMM reuses each weight tile better
@@ -46,17 +46,9 @@ _SOURCE = r"""
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pair-rows x 16 outputs x 2)
-struct TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+""" + AMX_TILES + r"""// tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pair-rows x 16 outputs x 2)
 static void configure(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  TileConfig cfg = palette_one();
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }
   for (int t = 5; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
@@ -84,14 +76,6 @@ static void block_group(const uint16_t* x, int64_t K, const uint16_t* w, int64_t
 }
 """ + SILU_AVX512 + r"""// -- many rows: 32 x 32 blocks, the op in the epilogue -------------------------------------------------------------
 // C tiles 0 (rows 0-15, B0), 1 (rows 0-15, B1), 2 (rows 16-31, B0), 3 (rows 16-31, B1); A tiles 4-5, B tiles 6-7
-static void configure_full() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-}
-
 // k-steps [k0, k1) of a 32-row block against one piece of the tile copy (two B tiles of 1 KB each per step of 32
 // k), the accumulators read from / written to c (32 x 32 fp32, rows 128 B apart) unless it is the first chunk
 static inline void block32(const uint16_t* a, int64_t lda, const uint16_t* piece, int64_t k0, int64_t k1, float* c,
@@ -116,8 +100,7 @@ static inline void block32(const uint16_t* a, int64_t lda, const uint16_t* piece
 
 bool available() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
+  return amx_granted();
 #else
   return false;
 #endif
@@ -206,7 +189,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor bias, tor
   const int64_t k_chunk = 128;  // in pair-rows: 256 k
   #pragma omp parallel num_threads(threads)
   {
-    configure_full();
+    configure_tiles(8);
     alignas(64) float acc[16 * 32 * 32];
     const int t = omp_get_thread_num();
     const int64_t p0 = P * t / threads, p1 = P * (t + 1) / threads;
@@ -265,7 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_amx_product_v6"
+_NAME = "ragkv_bf16_amx_product_v7"
 # the compiled module where this CPU has AMX-BF16, else None (the chooser offers only the other kernels)
 kernel = LazyExtension(_NAME, _SOURCE, "AMX bf16 product kernel", needs=torch.cpu._is_amx_tile_supported)
 

@@ -186,7 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-kernel = LazyExtension("ragkv_context_mass_v8", _SOURCE, "context attention mass pass",
+kernel = LazyExtension("ragkv_context_mass_v9", _SOURCE, "context attention mass pass",
                        needs=torch.cpu._is_avx512_bf16_supported)
 
 

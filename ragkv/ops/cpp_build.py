@@ -146,7 +146,7 @@ static inline void store(at::BFloat16* p, float v) {
 # AMX's tile palette 1 and the tile state asked of the kernel once per process (ARCH_REQ_XCOMP_PERM, XTILEDATA), for
 # the kernels that use the matrix unit: spliced into their sources inside their own __AMX_TILE__ / __AMX_BF16__ guard,
 # after <immintrin.h>, <sys/syscall.h>, <unistd.h> and <cstring>. `configure_tiles(n)`: tiles 0..n-1 at 16 rows of
-# 64 bytes (a 16 x 16 fp32 block, 16 x 32 bf16, or 16 pair-rows of 16 outputs).
+# 64 bytes (a 16 x 16 fp32 block, 16 x 32 bf16, or 16 pair-rows of 16 outputs); `palette_one()` for other shapes.
 AMX_TILES = r"""struct TileConfig {
   uint8_t palette_id, start_row, reserved[14];
   uint16_t colsb[16];
@@ -158,10 +158,15 @@ static bool amx_granted() {
   return granted;
 }
 
-static void configure_tiles(int n) {
+static TileConfig palette_one() {  // every tile unused; a kernel sets the shapes it needs, then _tile_loadconfig
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
+  return cfg;
+}
+
+static void configure_tiles(int n) {
+  TileConfig cfg = palette_one();
   for (int t = 0; t < n; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
 }

@@ -11,6 +11,8 @@ attention on AMX does too; the output is within bf16 rounding of fp32 attention,
 On an Intel Xeon (2 cores) the AVX-512 BF16 path ran ~3x slower than on a Zen 5 (its scores are shuffle-bound).
 """
 
+from ragkv.ops.cpp_build import AMX_TILES
+
 AMX_PATH = r"""
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -19,25 +21,13 @@ AMX_PATH = r"""
 
 static std::atomic<bool> amx_chosen{false};  // set by the measured choice (ops/attention.choose_decode_attention)
 
-static bool amx_granted() {  // the tile state, asked of the kernel once per process (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct AmxConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+""" + AMX_TILES + r"""
 // W: the query rows a tile holds (8 where the GQA group has at most 8: two keys' scores share a vector, halving the
 // softmax's work, and P V runs on 8-row tiles; else 16).
 // Scores: 0-3 key slices (16 keys x 32 dims), 4-5 the query rows (16 dim pairs x W), 6-7 scores (16 keys x W fp32).
 template <int W>
 static void amx_configure_scores() {
-  AmxConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  TileConfig cfg = palette_one();
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = t < 4 ? 64 : 4 * W; }
   _tile_loadconfig(&cfg);
 }
@@ -46,9 +36,7 @@ static void amx_configure_scores() {
 // pairs x 16 dims x 2).
 template <int W>
 static void amx_configure_pv() {
-  AmxConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  TileConfig cfg = palette_one();
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < 5 ? W : 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
 }

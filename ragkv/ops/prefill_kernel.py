@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.ops.cpp_build import EXP2_NEG_AVX512, LazyExtension
+from ragkv.ops.cpp_build import AMX_TILES, EXP2_NEG_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
 _SOURCE = r"""
@@ -43,16 +43,6 @@ _SOURCE = r"""
 bool available() {
 #ifdef __AVX512BF16__
   return true;
-#else
-  return false;
-#endif
-}
-
-// the AMX path: built for AMX-BF16 (-march=native on an AMX CPU) and granted the tile state by the kernel
-bool amx_available() {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
 #else
   return false;
 #endif
@@ -245,15 +235,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 static constexpr int AMX_KB = 32;
 static constexpr float LAZY_MAX = 8.f;
 
-static void configure_tiles() {
-  struct { uint8_t palette_id, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-  _tile_loadconfig(&cfg);
-}
-
-static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
+""" + AMX_TILES + r"""static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
                              float scale2, uint16_t* const* out, float* lse) {
   constexpr int D = 64;
   float m[16], alpha[16];
@@ -350,7 +332,7 @@ static void run_amx(const torch::Tensor& q, const torch::Tensor& k, const torch:
   int64_t blocks = (T + 15) / 16, items = Hq * blocks;
   #pragma omp parallel num_threads(at::get_num_threads())
   {
-    configure_tiles();
+    configure_tiles(8);
     alignas(64) uint16_t qb[16 * D];
     #pragma omp for schedule(dynamic, 4)
     for (int64_t it = 0; it < items; ++it) {
@@ -376,6 +358,15 @@ static void run_amx(const torch::Tensor& q, const torch::Tensor& k, const torch:
 }
 #endif
 #endif
+
+// the AMX path: built for AMX-BF16 (-march=native on an AMX CPU) and granted the tile state by the kernel
+bool amx_available() {
+#ifdef RAGKV_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
 
 // q [1, Hq, T, D], k, v [1, Hkv, S, D] bf16 with unit stride on D -> (out [1, Hq, T, D] bf16, lse [1, Hq, T] fp32)
 // row_limits (int64 [T], or empty): row i sees keys 0..row_limits[i] (then `past` and `causal` are unused)
@@ -414,7 +405,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v5"
+_NAME = "ragkv_bf16_prefill_attention_v6"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
