@@ -27,7 +27,7 @@ PY
 common=(--model "$model" --dtype bfloat16 --device cuda)
 timeout 150 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,8192 --modes full,prefix,reuse,ape,blend \
     --repeats 5 --output-dir "$out" 2>&1 | tail -20
-# reuse with the blocks read in place (issue 28), then its batched decode against the copied layout
+# reuse with the blocks read in place, then its batched decode against the copied layout
 timeout 60 python3 -m ragkv.cli bench ttft "${common[@]}" --contexts 1024,4096,8192 --modes reuse --kv-layout shared \
     --repeats 5 --output-dir "$out/shared_ttft" 2>&1 | tail -6
 timeout 90 python3 -m ragkv.cli bench shared "${common[@]}" --output-dir "$out" 2>&1 | tail -6

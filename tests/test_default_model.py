@@ -105,7 +105,7 @@ def test_overlong_prompt_is_refused_with_both_numbers(default_engine):
 
 def test_cold_and_warm_caches_give_the_same_greedy_answer_through_the_disk_tier(default_engine, hotpot_example,
                                                                                 tmp_path):
-    """Issue 52 (as sglang#34683 asked of SGLang): each exact mode's greedy answer is the same with a cold cache and
+    """As sglang#34683 asked of SGLang: each exact mode's greedy answer is the same with a cold cache and
     with a warm one read back from the disk tier by a fresh store (the bytes went through serialization), and the
     hit counters prove the warm run read the cache; the approximate modes give the same answer cold and warm too."""
     from ragkv.store.disk import DiskStore

@@ -1,4 +1,4 @@
-"""One set of defaults (issue 11): every command and the server share the store, dtype and index; the optional
+"""One set of defaults: every command and the server share the store, dtype and index; the optional
 settings file changes them for all, flags override it."""
 
 import json

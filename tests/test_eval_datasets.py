@@ -237,7 +237,7 @@ def test_every_named_dataset_has_a_known_format():
     assert all(info.fmt in FORMATS for info in DATASETS.values())
 
 
-# --- NQ-open with 10 passages at a fixed gold position (issue 14: "lost in the middle" per mode) ---
+# --- NQ-open with 10 passages at a fixed gold position ("lost in the middle" per mode) ---
 
 @needs_data
 def test_real_nq10_gold_positions_0_4_9():

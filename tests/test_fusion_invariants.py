@@ -373,7 +373,7 @@ def test_recent_selection_recomputes_the_tokens_nearest_the_query(tiny_engine, p
 
 @pytest.mark.parametrize("check_rows,per_block", [("all", False), ("selected", True), ("all", True)])
 def test_blend_variants_keep_the_extremes(tiny_engine, check_rows, per_block):
-    """Invariant 6 for the drift-study variants (issue 14): r=1 is full; r=0 is reuse when only the selected
+    """Invariant 6 for the drift-study variants: r=1 is full; r=0 is reuse when only the selected
     rows run the check layer (check_rows="all" recomputes every row there by design)."""
     eng = tiny_engine("llama")
     segs = make_segs(blocks=(20, 30, 25))

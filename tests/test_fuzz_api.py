@@ -1,4 +1,4 @@
-"""No 5xx from any input (issue 52): `ragkv bench fuzz`'s property-based requests (schemathesis over the server's own
+"""No 5xx from any input: `ragkv bench fuzz`'s property-based requests (schemathesis over the server's own
 OpenAPI document, serve/openapi.py) against a real `ragkv serve` on 127.0.0.1, bounded here to a few hundred
 requests with a fixed seed; `ragkv bench fuzz --examples N` runs more."""
 

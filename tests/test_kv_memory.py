@@ -1,4 +1,4 @@
-"""Bounded KV memory (issue 30): n choices share their prompt's KV, caches grow with the answer instead of being
+"""Bounded KV memory: n choices share their prompt's KV, caches grow with the answer instead of being
 allocated for max_tokens, a finished or cancelled sequence gives its KV back at once, and the scheduler admits
 generations by the KV they may hold."""
 

@@ -1,4 +1,4 @@
-"""The document library is durable and shared (issue 12): several processes write one SQLite library without
+"""The document library is durable and shared: several processes write one SQLite library without
 losing each other's documents, a SIGKILL mid-add leaves every document whole or absent, and a server sees what
 another process added without a restart."""
 

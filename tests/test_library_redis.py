@@ -1,4 +1,4 @@
-"""The document library shared by replicas (issue 16): a library in Redis or a Redis Cluster (`--library`) that
+"""The document library shared by replicas: a library in Redis or a Redis Cluster (`--library`) that
 several servers read and write, each document whole or absent, tenants isolated as in the embedded library, and a
 document added through one `ragkv serve` retrievable through another within a second."""
 

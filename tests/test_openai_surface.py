@@ -1,4 +1,4 @@
-"""The OpenAI surface as vLLM serves it (issue 15, item 1), each feature through the official `openai` client against
+"""The OpenAI surface as vLLM serves it, each feature through the official `openai` client against
 one real `ragkv serve` on 127.0.0.1 (default model, fp32, CPU): log-probabilities (chat and legacy formats, streamed
 too), top_k / min_p / penalties, n choices, response_format, top-level documents, cache_salt, embeddings,
 tokenize / detokenize and served model names."""

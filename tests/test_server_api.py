@@ -1,5 +1,5 @@
 """Answers that match the API, jobs that survive a restart, a store that starts degraded and metrics that tell the
-truth (issue 30, items 3-6), each through a real HTTP client against the real app (uvicorn on 127.0.0.1, in this
+truth, each through a real HTTP client against the real app (uvicorn on 127.0.0.1, in this
 process, over the default model loaded once; one test starts `ragkv serve` itself)."""
 
 import contextlib
@@ -203,7 +203,7 @@ def test_document_ids_are_nfc_refuse_invisible_characters_and_errors_name_the_do
 
 
 def test_hostile_values_get_a_400_naming_the_field_never_a_500(api):
-    """What the hostile probe found (issue 52): a 5,000-digit seed, a boolean for a number, an empty namespace, an id
+    """What the hostile probe found: a 5,000-digit seed, a boolean for a number, an empty namespace, an id
     of only spaces, an impossible check layer; each is a 400 whose `param` names the field, extension fields as
     `ragkv.<field>`, and the server answers normally afterwards."""
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -438,7 +438,7 @@ def test_serve_starts_with_its_redis_tier_down_and_uses_it_once_it_answers(tmp_p
     assert log.count("failed on start") == 1, log[-3000:]  # logged once, not once per request
 
 
-# -- chat history as blocks (issue 29) --------------------------------------------------------------------------
+# -- chat history as blocks -------------------------------------------------------------------------------------
 def idle(url: str, timeout_s: float = 120.0) -> None:
     """Wait until the server has no background work left (the turns of the last chat encoded as blocks)."""
     deadline = time.monotonic() + timeout_s

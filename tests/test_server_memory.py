@@ -1,4 +1,4 @@
-"""Bounded memory in `ragkv serve` (issue 30), over real HTTP against a real server process serving a tiny random
+"""Bounded memory in `ragkv serve`, over real HTTP against a real server process serving a tiny random
 model (byte tokenizer, 8 KiB of KV per token): abandoned streams give their KV and their memory back, n choices do
 not multiply the prompt's KV, a request whose KV cannot fit now waits, and one that never could gets a 400 naming
 the limit."""
@@ -173,7 +173,7 @@ def test_blend_over_pooled_blocks_gives_back_what_it_did_not_keep(server):
 def test_a_generation_the_deadline_ends_keeps_its_text(tmp_path):
     """--timeout 2 and 8,000 forced tokens (thousands of decode steps, several seconds even for the tiny model): the
     non-streamed and the streamed reply are a 200 with the text decoded so far, finish_reason "length" (as
-    llama-server's time limit ends one) and `ragkv.stopped: "deadline"`; a 504 threw the work away (issue 52's soak)."""
+    llama-server's time limit ends one) and `ragkv.stopped: "deadline"`; a 504 threw the work away (the hostile soak)."""
     model = make_tiny_served(tmp_path)
     extra = ("--served-model-name", "tiny", "--timeout", "2", "--no-startup-profile")
     body = chat_body(max_tokens=8000) | {"min_tokens": 8000}

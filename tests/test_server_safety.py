@@ -1,4 +1,4 @@
-"""A server that is safe to share (issue 12), against a real `ragkv serve` on 127.0.0.1 with two tenants' keys:
+"""A server that is safe to share, against a real `ragkv serve` on 127.0.0.1 with two tenants' keys:
 every bad input is a 4xx naming the field and the server keeps answering; keys and tenants separate documents and
 KV; ingestion runs as a background job that can be polled and cancelled."""
 

@@ -1,4 +1,4 @@
-"""Shared block attention (issue 28, ragkv.engine.fusion.shared_attention): `reuse` reading pooled blocks in place equals
+"""Shared block attention (ragkv.engine.fusion.shared_attention): `reuse` reading pooled blocks in place equals
 `reuse` over its own re-rotated copy (fp32, 1e-4), in prefill and decode, alone, forked and batched, with the same
 block at different offsets in different sequences; the pool reads each block from the store once and stays
 bounded."""

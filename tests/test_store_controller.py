@@ -51,7 +51,7 @@ def test_measure_and_cache_bandwidth(tmp_path, monkeypatch):
 @pytest.mark.parametrize("delay_ms,mbps", [(5.0, None), (0.0, 50.0)])
 def test_profile_separates_per_read_latency_from_bandwidth(delay_ms, mbps):
     """A tier whose every layer read waits a fixed delay (a remote round trip) is priced by that latency, not by
-    a bandwidth that one big probe would mistake it for (the bench controller's finding, issue 13)."""
+    a bandwidth that one big probe would mistake it for (the bench controller's finding)."""
     from ragkv.bench.controller import ThrottledStore
 
     tier = ThrottledStore(MemoryStore(), delay_ms / 1e3, mbps * 1e6 if mbps else None)
@@ -86,7 +86,7 @@ def test_default_profile_location_is_under_cache_dir(tmp_path, monkeypatch):
 
 
 def test_engine_reads_each_block_from_the_tier_its_schedule_names(tiny_engine, tmp_path):
-    """Issue 13: a block may be in several tiers; the load schedule names the one it is read from, and the engine
+    """A block may be in several tiers; the load schedule names the one it is read from, and the engine
     obeys."""
     from tiny import make_segs
 
@@ -149,7 +149,7 @@ def test_recompute_cost_is_interpolated_between_measured_lengths(tmp_path):
 
 @pytest.mark.parametrize("disk_hides,expected", [(True, "disk"), (False, "memory")])
 def test_new_blocks_go_to_the_cheapest_tier_whose_load_hides(tiny_engine, tmp_path, disk_hides, expected):
-    """Issue 13: with ?cost= in the spec, a new block is placed in the cheapest tier whose loading still hides
+    """With ?cost= in the spec, a new block is placed in the cheapest tier whose loading still hides
     behind the recompute at r = 0.15, else in the fastest."""
     from tiny import make_segs
 

@@ -1,4 +1,4 @@
-"""Store faults degrade, never fail (issue 12): whatever the store does, a request is answered with the same
+"""Store faults degrade, never fail: whatever the store does, a request is answered with the same
 logits as with a healthy store, and its stats say what was not cached. Real tiers (memory, disk, a real Redis)."""
 
 import errno

@@ -1,4 +1,4 @@
-"""The Redis Cluster tier (issue 16) against a real local cluster of 3 masters + 3 replicas that the tests start
+"""The Redis Cluster tier against a real local cluster of 3 masters + 3 replicas that the tests start
 (redis_cluster_fixture): hash-tagged keys keep a block on one node, two engines share blocks through the cluster,
 a migrating slot is followed, and a master killed mid-run degrades requests to recompute (never an error) until
 its replica is promoted and hits return."""

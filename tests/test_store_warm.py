@@ -66,7 +66,7 @@ def test_warm_refuses_bad_input_before_loading_the_model(tmp_path, docs_dir, cac
 
 
 def test_default_store_follows_the_cache_dir(tmp_path, cache_env):
-    """One default store for every command and the server (issue 11): memory in front of the shared disk tier."""
+    """One default store for every command and the server: memory in front of the shared disk tier."""
     assert default_store_spec() == f"memory:2GiB,disk:{tmp_path / 'cache' / 'kv'}:20GiB"
 
 

@@ -1,4 +1,4 @@
-"""Structured output (issue 50): `response_format` json_object / json_schema by constrained decoding
+"""Structured output: `response_format` json_object / json_schema by constrained decoding
 (engine/decode/constrained.py, llguidance): greedy answers of the default model on a set of JSON schemas are all valid
 JSON that the schema accepts; a step with no allowed token ends cleanly; the server takes the OpenAI fields and
 answers a bad schema with a 400 naming it."""

@@ -146,7 +146,7 @@ def quality_vs_work(paths: list[Path], png: Path | None = None, metric: str = "a
     """Per mode and model: the work it did (mean `recompute_vs_full`) against what it kept (the paired difference of
     `metric` to `full`, pooled over every run given, e.g. the gold positions of NQ-10, with its 95% interval, and
     the mean first-token KL to full), on the questions every mode finished (only `modes` and `full`, when given: a
-    mode that ran on some runs only would otherwise shrink the comparison to those). The issue-27 comparison at
+    mode that ran on some runs only would otherwise shrink the comparison to those). The comparison at
     equal work.
     Returns {"models": {model: {"n", "modes": {mode: {...}}}}, "markdown"}; writes a two-panel figure to `png`."""
     by_model: dict[str, list[dict]] = {}
