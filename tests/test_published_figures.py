@@ -401,12 +401,15 @@ def test_no_session_or_issue_numbers(path):
 
 @pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_the_quality_suites_table_is_what_its_records_give(model):
-    """docs/results/quality_suite/README.md's pooled table per model: every row as `ragkv report --share-of-full`
-    prints it from the committed records (the shares' bootstrap is seeded: the intervals too)."""
+    """docs/results/quality_suite/README.md's pooled table per model: every row as `ragkv report --share-of-full
+    --modes <the keys every file holds>` prints it from the committed records (the shares' bootstrap is seeded: the
+    intervals too)."""
     from ragkv.bench.share_of_full import share_of_full
 
     folder = RESULTS / "quality_suite"
-    out = share_of_full(sorted(folder.glob(f"eval-*-{model}.jsonl")))
+    files = sorted(folder.glob(f"eval-*-{model}.jsonl"))
+    held = [list(dict.fromkeys(r["mode_key"] for _, _, records in read_runs([f]) for r in records)) for f in files]
+    out = share_of_full(files, modes=[k for k in held[0] if k != "full" and all(k in h for h in held)])
     rows = [line for line in out["markdown"].splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) >= 8
     for row in rows:
