@@ -416,6 +416,27 @@ def test_the_quality_suites_table_is_what_its_records_give(model):
         stated("docs/results/quality_suite/README.md", row)
 
 
+SUITE_FILES = {  # the four-set table per model: short-answer HotpotQA and MuSiQue, MultiNews, NQ-10 (RAG prompt)
+    "qwen2.5-coder-0.5b": ["short/eval-hotpotqa", "short/eval-musique", "multi_news/eval-multi_news",
+                           "eval-nq-distractors"],
+}
+
+
+@pytest.mark.parametrize("model", sorted(SUITE_FILES))
+def test_the_four_set_table_is_what_its_records_give(model):
+    """The suite's table per model (docs/results/quality_suite/README.md, "four sets, the four keys"): each row as
+    `ragkv report --share-of-full --modes reuse,blend:r=0.14,blend:sel=query,r=0.14,sfrom=0.5` prints it."""
+    from ragkv.bench.share_of_full import share_of_full
+
+    folder = RESULTS / "quality_suite"
+    files = [folder / f"{name}-{model}.jsonl" for name in SUITE_FILES[model]]
+    out = share_of_full(files, modes=["reuse", "blend:r=0.14", "blend:sel=query,r=0.14,sfrom=0.5"])
+    rows = [line for line in out["markdown"].splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 4
+    for row in rows:
+        stated("docs/results/quality_suite/README.md", row)
+
+
 def test_the_screens_table_is_what_its_records_give():
     """docs/results/quality_suite/screens/README.md: each key's mean first-token KL per file, as its row states."""
     folder = RESULTS / "quality_suite" / "screens"
