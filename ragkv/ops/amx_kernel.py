@@ -46,7 +46,8 @@ _SOURCE = r"""
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-""" + AMX_TILES + r"""// tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pair-rows x 16 outputs x 2)
+""" + AMX_TILES + r"""
+// tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pair-rows x 16 outputs x 2)
 static void configure(int rows) {
   TileConfig cfg = palette_one();
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }

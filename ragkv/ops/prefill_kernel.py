@@ -235,7 +235,8 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 static constexpr int AMX_KB = 32;
 static constexpr float LAZY_MAX = 8.f;
 
-""" + AMX_TILES + r"""static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
+""" + AMX_TILES + r"""
+static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
                              float scale2, uint16_t* const* out, float* lse) {
   constexpr int D = 64;
   float m[16], alpha[16];
