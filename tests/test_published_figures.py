@@ -419,6 +419,8 @@ def test_the_quality_suites_table_is_what_its_records_give(model):
 SUITE_FILES = {  # the four-set table per model: short-answer HotpotQA and MuSiQue, MultiNews, NQ-10 (RAG prompt)
     "qwen2.5-coder-0.5b": ["short/eval-hotpotqa", "short/eval-musique", "multi_news/eval-multi_news",
                            "eval-nq-distractors"],
+    "qwen2.5-coder-1.5b": ["short/eval-hotpotqa", "short/eval-musique", "multi_news/eval-multi_news",
+                           "eval-nq-distractors"],
 }
 
 
@@ -435,6 +437,8 @@ def test_the_four_set_table_is_what_its_records_give(model):
     assert len(rows) == 4
     for row in rows:
         stated("docs/results/quality_suite/README.md", row)
+    default = out["models"][f"{model} bfloat16"]["blend:sel=query,r=0.14,sfrom=0.5"]["pooled"]
+    stated(README, f"{100 * default['share']:.1f}% [{100 * default['ci'][0]:.1f}, {100 * default['ci'][1]:.1f}]")
 
 
 def test_the_screens_table_is_what_its_records_give():
