@@ -237,7 +237,7 @@ def test_auto_on_qwen_05bs_fit_over_the_threshold():
            f"None of the {len(lost)} is among the {len(over)} answers over the threshold ({len(escalated)} escalated")
 
 
-@pytest.mark.parametrize("run,cpu", [("zen4_row_kernel", "Zen 4"), ("zen5_decode_kernel", "Zen 5")])
+@pytest.mark.parametrize("run,cpu", [("zen4_current", "Zen 4"), ("zen5_decode_kernel", "Zen 5")])
 def test_serving_against_vllm(run, cpu):
     from ragkv.bench.serve.peer import peer_ratios
 
@@ -344,7 +344,7 @@ def test_cpu_bf16_speed_and_w8a8():
                    f"({decode['onednn']} against {decode['exact']} tok/s")
     stated(REFERENCE, f"went from {decode['exact']} to {decode['onednn']} tok/s at 2.4K-token prompts")
     engine = {(r["tokens"], r["weights"]): r["ratio"]
-              for r in json.loads((cpu / "engine_s37" / "engine_vs_hf.json").read_text())["rows"]}
+              for r in json.loads((cpu / "engine_zen4_current" / "engine_vs_hf.json").read_text())["rows"]}
     stated(README, f"takes {engine[1024, 'onednn']:.2f}x transformers' time at 1,024 tokens, "
                    f"{engine[2048, 'onednn']:.2f}x at 2,048")
     stated(REFERENCE, f"{engine[1024, 'onednn']}x transformers' time at 1,024 tokens and "
