@@ -104,3 +104,27 @@ def test_weights_measures_an_approximate_copys_fidelity(tiny_engine, tmp_path):
     fid = run_weights_bench(engines, cfg, segs, tmp_path, quiet)["fidelity"]["w8a8"]
     assert fid["prompts"] == 3 and 0 < fid["first_token_kl_mean"] <= fid["first_token_kl_max"] < 0.05
     assert 0 <= fid["greedy_agreement"] <= fid["top1_agreement"] <= 1 and fid["greedy_tokens"] == 5
+
+
+def test_decode_bench_judges_its_rounds_by_the_median_of_bandwidth_probes_around_them(tiny_engine, tmp_path,
+                                                                                      monkeypatch):
+    """A shared host's bandwidth moves within minutes: the bench probes it before every round and after the last,
+    and the bound is the median probe's, with the range stated."""
+    import ragkv.bench.decode as bench_decode
+    from ragkv.engine.engine import Engine
+
+    eng = tiny_engine()
+    eng.tokenizer, eng.eos_ids = IdText(), set()
+    probes = iter([10.0, 40.0, 20.0, 30.0])
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: eng))
+    monkeypatch.setattr(bench_decode, "_requests", lambda engine, n, k: [make_segs(seed=i) for i in range(n)])
+    monkeypatch.setattr(bench_decode, "read_bandwidth_gbs", lambda: next(probes))
+    cfg = bench_decode.DecodeBenchConfig(model="tiny", configs=(("float32", "exact"),), batch_sizes=(2,), steps=3,
+                                         rounds=3, fidelity_examples=0)
+    res = bench_decode.run_decode_bench(cfg, tmp_path, quiet)
+    assert res["read_bandwidth_probes_gbs"] == [10.0, 40.0, 20.0, 30.0] and res["read_bandwidth_gbs"] == 25.0
+    row = res["rows"][0]
+    reads = row["bytes_per_step"]
+    assert row["bandwidth_bound_tokens_per_s"] == round(25e9 / (reads["weights"] + reads["kv"]), 1)
+    assert "the median of 4 probes, one before each round and one after: 10.0-40.0 GB/s" in \
+        (tmp_path / "decode.md").read_text()

@@ -151,16 +151,23 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
     ref_engine = engines.get(("float32", "exact")) or Engine.load(cfg.model, dtype="float32", device="cpu")
     reqs = _requests(ref_engine, max(cfg.fidelity_examples, max(cfg.batch_sizes)), cfg.passages)
     prompt_mean = sum(s.num_tokens for s in reqs) / len(reqs)
-    bandwidth = read_bandwidth_gbs()
     progress(f"[bench decode] {len(reqs)} MuSiQue requests, {prompt_mean:.0f} tokens on average; CPU {cpu_name()}, "
-             f"{torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s")
+             f"{torch.get_num_threads()} threads")
 
+    # a shared host's bandwidth moves (a 2-core Zen 4: 32 to 65 GB/s within minutes), so it is probed before
+    # every round and after the last, and the bound uses the median probe: one probe would judge every round by
+    # whatever moment it fell on
+    probes: list[float] = []
     step_times = {c: [] for c in cfg.configs}
     for r in range(cfg.rounds):
+        probes.append(read_bandwidth_gbs())
         for c, eng in engines.items():
             step_times[c] += _step_ms(eng, reqs[r % len(reqs)], cfg.steps)
         progress(f"[bench decode] round {r + 1}/{cfg.rounds}: " + ", ".join(
-            f"{c[0]}/{c[1]} {1000 / statistics.median(step_times[c]):.1f} tok/s" for c in cfg.configs))
+            f"{c[0]}/{c[1]} {1000 / statistics.median(step_times[c]):.1f} tok/s" for c in cfg.configs)
+            + f"; read bandwidth {probes[-1]:.1f} GB/s before it")
+    probes.append(read_bandwidth_gbs())
+    bandwidth = statistics.median(probes)
 
     # fidelity: the exact fp32 greedy tokens fed to every configuration
     refs = []
@@ -195,7 +202,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
         progress(f"[bench decode] {c[0]}/{c[1]}: {rows[-1]['tokens_per_s']} tok/s, batched {batched}, "
                  f"KL {rows[-1]['kl_to_fp32_exact']}, top-1 {rows[-1]['top1_agreement']}, profile {prof}")
     result = {"config": asdict(cfg), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-              "read_bandwidth_gbs": round(bandwidth, 1), "prompt_tokens_mean": round(prompt_mean, 1), "rows": rows}
+              "read_bandwidth_gbs": round(bandwidth, 1), "read_bandwidth_probes_gbs": [round(b, 1) for b in probes],
+              "prompt_tokens_mean": round(prompt_mean, 1), "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_json(out_dir / "decode.json", result)
     (out_dir / "decode.md").write_text(render_markdown(result))
@@ -219,9 +227,12 @@ def render_markdown(result: dict) -> str:
                        r["batched_tokens_per_s"].get(str(b)) for b in bs]
                     + [r["kl_to_fp32_exact"], r["top1_agreement"],
                        f"{p['weight matmuls']} / {p['attention']} / {p['other ops']} ({p['ops per step']})"])
+    probes = result.get("read_bandwidth_probes_gbs")
+    spread = f", the median of {len(probes)} probes, one before each round and one after: {min(probes)}-" \
+        f"{max(probes)} GB/s" if probes else ""
     return (f"# Decode speed and fidelity\n\nCPU: {result['cpu']}, {result['threads']} threads; "
             f"{result['prompt_tokens_mean']} prompt tokens on average (MuSiQue, 4 passages, reuse); "
             f"{result['config']['steps']} steps x {result['config']['rounds']} rounds. Read bandwidth "
-            f"{result.get('read_bandwidth_gbs', '?')} GB/s (a sum over 1 GiB); the bound is that over the bytes a step "
-            f"reads (weights at the copy's width, the prompt's KV).\n\n"
+            f"{result.get('read_bandwidth_gbs', '?')} GB/s (a sum over 1 GiB{spread}); the bound is that over the "
+            f"bytes a step reads (weights at the copy's width, the prompt's KV).\n\n"
             + markdown_table(headers, rows) + "\n")
