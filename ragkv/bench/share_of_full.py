@@ -4,8 +4,9 @@ pooled, per model, with its work, and a picture of share against work.
 
 Per data set: share = sum of the key's scores / sum of full's, over the questions both answered (each set's own
 metric: the records name it). Pooled: the mean of the sets' shares (each set weighs the same, as the papers
-average). Intervals: a percentile bootstrap by question, the same resampled questions for every key (paired), and
-for the pooled share each set resampled on its own (stratified). Work: the key's mean `recompute_vs_full` (pooled:
+average). Intervals: a percentile bootstrap by question, each key's questions drawn anew from one generator that
+runs through the sets and keys in turn (so a key added to a file moves the draws of the keys after it: the intervals
+are not paired between keys), and for the pooled share each set resampled on its own (stratified). Work: the key's mean `recompute_vs_full` (pooled:
 the mean of the sets' means).
 """
 
