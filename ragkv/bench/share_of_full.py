@@ -4,9 +4,10 @@ pooled, per model, with its work, and a picture of share against work.
 
 Per data set: share = sum of the key's scores / sum of full's, over the questions both answered (each set's own
 metric: the records name it). Pooled: the mean of the sets' shares (each set weighs the same, as the papers
-average). Intervals: a percentile bootstrap by question, each key's questions drawn anew from one generator that
-runs through the sets and keys in turn (so a key added to a file moves the draws of the keys after it: the intervals
-are not paired between keys), and for the pooled share each set resampled on its own (stratified). Work: the key's mean `recompute_vs_full` (pooled:
+average). Intervals: a percentile bootstrap by question, the key's and full's scores on the same drawn questions
+(paired with full); each key's questions are drawn anew from one generator that runs through the sets and keys in
+turn, so the intervals are not paired between keys and a key added to a file moves the draws of the keys after it.
+For the pooled share each set is resampled on its own (stratified). Work: the key's mean `recompute_vs_full` (pooled:
 the mean of the sets' means).
 """
 
