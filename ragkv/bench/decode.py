@@ -4,6 +4,8 @@ Each request is a MuSiQue question over 4 of its passages (~1.3K tokens), prefil
 - single-stream decode tokens/s (the median step time over `steps` steps, configurations interleaved per round,
   so machine noise hits all of them alike);
 - batched decode tokens/s at each batch size (one batched forward per step, all sequences advancing);
+- the bandwidth bound: the bytes a step reads over the machine's read bandwidth, probed before every round and
+  after the last (the median probe; the JSON keeps them all);
 - a profile of one decode step by kind of work (weight matmuls, attention, the rest: launch overhead);
 - fidelity against the exact fp32 path: the reference's greedy tokens are fed to every configuration (teacher
   forcing) and each step's distribution is compared: mean KL(ref || cfg) and top-1 agreement.
