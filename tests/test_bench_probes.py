@@ -118,7 +118,8 @@ def test_decode_bench_judges_its_rounds_by_the_median_of_bandwidth_probes_around
     probes = iter([10.0, 40.0, 20.0, 30.0])
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: eng))
     monkeypatch.setattr(bench_decode, "_requests", lambda engine, n, k: [make_segs(seed=i) for i in range(n)])
-    monkeypatch.setattr(bench_decode, "read_bandwidth_gbs", lambda: next(probes))
+    monkeypatch.setattr(bench_decode, "probe_buffer", lambda: None)
+    monkeypatch.setattr(bench_decode, "read_bandwidth_gbs", lambda buf: next(probes))
     cfg = bench_decode.DecodeBenchConfig(model="tiny", configs=(("float32", "exact"),), batch_sizes=(2,), steps=3,
                                          rounds=3, fidelity_examples=0)
     res = bench_decode.run_decode_bench(cfg, tmp_path, quiet)

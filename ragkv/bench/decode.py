@@ -105,14 +105,22 @@ def _profile(engine, segs, steps: int = 8) -> dict:
     return out
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """The machine's read bandwidth, STREAM-like: the best of `repeats` sums over `gib` GiB (far beyond any cache),
-    on torch's threads, in GB/s. What a decode step's weight reads are bound by: read from pages of the size the
-    packed weights lie in (2 MB under RAGKV_HUGE_PAGES=1, ops/huge_pages), so the bound and the step compare alike."""
+def probe_buffer(gib: float = 1.0) -> torch.Tensor:
+    """`gib` GiB to sum, in pages of the size the packed weights lie in (2 MB under RAGKV_HUGE_PAGES=1,
+    ops/huge_pages), touched once: made once for a bench's several probes (2 MB pages fault in at ~5 s a GiB)."""
     from ragkv.ops.huge_pages import on_huge_pages
 
     buf = on_huge_pages(torch.ones(int(gib * 2 ** 30) // 4, dtype=torch.float32))
-    buf.sum()  # pages touched before timing
+    buf.sum()
+    return buf
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, buf: torch.Tensor | None = None) -> float:
+    """The machine's read bandwidth, STREAM-like: the best of `repeats` sums over `gib` GiB (far beyond any cache;
+    `buf`, a `probe_buffer`, if given), on torch's threads, in GB/s. What a decode step's weight reads are bound by:
+    read from pages of the packed weights' size, so the bound and the step compare alike."""
+    if buf is None:
+        buf = probe_buffer(gib)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -160,15 +168,17 @@ def run_decode_bench(cfg: DecodeBenchConfig, out_dir: Path, progress=print) -> d
     # every round and after the last, and the bound uses the median probe: one probe would judge every round by
     # whatever moment it fell on
     probes: list[float] = []
+    buf = probe_buffer()
     step_times = {c: [] for c in cfg.configs}
     for r in range(cfg.rounds):
-        probes.append(read_bandwidth_gbs())
+        probes.append(read_bandwidth_gbs(buf=buf))
         for c, eng in engines.items():
             step_times[c] += _step_ms(eng, reqs[r % len(reqs)], cfg.steps)
         progress(f"[bench decode] round {r + 1}/{cfg.rounds}: " + ", ".join(
             f"{c[0]}/{c[1]} {1000 / statistics.median(step_times[c]):.1f} tok/s" for c in cfg.configs)
             + f"; read bandwidth {probes[-1]:.1f} GB/s before it")
-    probes.append(read_bandwidth_gbs())
+    probes.append(read_bandwidth_gbs(buf=buf))
+    del buf
     bandwidth = statistics.median(probes)
 
     # fidelity: the exact fp32 greedy tokens fed to every configuration
