@@ -5,7 +5,9 @@ cores reach in a bf16 GEMM (~430): at 1.3K tokens it was 19-24% of Qwen 0.5B's `
 both products with `vdpbf16ps`: Q K^T with K packed per KV head as [S/16][D/2][16][2] (16 keys per vector, a
 broadcast pair of the query's dimensions), P V with V packed as [S/2][D][2] (a broadcast pair of probabilities).
 Scores, the running max and sum, and the output are fp32; the probabilities are rounded to bf16 for P V, as
-torch's bf16 kernel does. Every query head of a KV group reads the same packed K/V (grouped-query attention without
+torch's bf16 kernel does. The running maximum is lazy (FlashAttention-4's conditional rescaling, as the AMX path
+below): a row's reference moves, and its output is rescaled, only when a score passes it by more than 2^8, which
+took 11% off the kernel's time at 1,024 causal rows on a Zen 4. Every query head of a KV group reads the same packed K/V (grouped-query attention without
 copies). Rows see keys causally from `past` on (row i at position past + i sees keys 0..past + i), or every key,
 or each up to its own position (`row_limits`: the scattered rows a selective recompute runs).
 Returns the output in bf16 and, if asked, each row's log-sum-exp (natural log) in fp32.
@@ -50,6 +52,7 @@ bool available() {
 
 #ifdef __AVX512BF16__
 static constexpr int KB = 64;  // keys per block: four vectors of 16 scores per row
+static constexpr float LAZY_MAX = 8.f;  // P <= 2^8 between rescalings (both paths)
 
 """ + EXP2_NEG_AVX512 + r"""// R query rows (one head) against every visible key block; D = 32 * DP.
 template <int R, int DP>
@@ -57,6 +60,8 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
                         float scale2, uint16_t* const* out, float* lse) {
   constexpr int D = 32 * DP;
   float m[R], l[R];
+  __m512 lv[R];  // each row's sum of P, lane-wise (reduced once at the end)
+  for (int r = 0; r < R; ++r) lv[r] = _mm512_setzero_ps();
   alignas(64) float o[R][D];
   alignas(64) uint16_t p16[R][KB];
   for (int r = 0; r < R; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
@@ -79,33 +84,38 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
     }
     for (int r = 0; r < R; ++r) {
       __mmask16 ok[4];
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      const __m512 sc = _mm512_set1_ps(scale2);
+      // a lazy maximum, as the AMX path keeps: the reference m moves only when a score passes it by more than 2^8
+      const __m512 bar = _mm512_set1_ps(m[r] + LAZY_MAX);
+      __mmask16 over = 0;
       for (int t = 0; t < 4; ++t) {
         int64_t first = k0 + 16 * t;  // keys first..first+15 visible while <= limit[r]
         int64_t n = limit[r] - first + 1;
         ok[t] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-        s[r][t] = _mm512_mul_ps(s[r][t], _mm512_set1_ps(scale2));
-        mx = _mm512_mask_max_ps(mx, ok[t], mx, s[r][t]);
+        s[r][t] = _mm512_mul_ps(s[r][t], sc);
+        over |= _mm512_mask_cmp_ps_mask(ok[t], s[r][t], bar, _CMP_GT_OQ);
       }
-      float bm = _mm512_reduce_max_ps(mx);
-      float mnew = bm > m[r] ? bm : m[r];
-      if (mnew == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
+      if (over) {  // a score passed the reference by more than 2^8: move it to this block's max
+        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int t = 0; t < 4; ++t) mx = _mm512_mask_max_ps(mx, ok[t], mx, s[r][t]);
+        float mnew = _mm512_reduce_max_ps(mx);
+        float alpha = std::exp2(m[r] - mnew);  // 0 on the row's first visible block (m = -inf)
+        m[r] = mnew;
+        lv[r] = _mm512_mul_ps(lv[r], _mm512_set1_ps(alpha));
+        __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(o[r] + c, _mm512_mul_ps(_mm512_loadu_ps(o[r] + c), av));
+      }
+      if (m[r] == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
         std::memset(p16[r], 0, sizeof(p16[r]));
         continue;
       }
-      float alpha = std::exp2(m[r] - mnew);  // 0 on the first block (m = -inf)
-      __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+      __m512 mv = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
       for (int t = 0; t < 4; ++t) {
         __m512 p = _mm512_maskz_mov_ps(ok[t], exp2_neg(_mm512_sub_ps(s[r][t], mv)));
         sum = _mm512_add_ps(sum, p);
         _mm256_storeu_si256((__m256i*)(p16[r] + 16 * t), (__m256i)_mm512_cvtneps_pbh(p));
       }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      m[r] = mnew;
-      if (alpha != 1.f) {
-        __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(o[r] + c, _mm512_mul_ps(_mm512_loadu_ps(o[r] + c), av));
-      }
+      lv[r] = _mm512_add_ps(lv[r], sum);
     }
     // O += P V over the block's 32 key pairs; V pair j holds D dims x 2 keys
     const uint16_t* vb = vp + (k0 / 2) * (D * 2);
@@ -127,6 +137,7 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * DP; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
   }
+  for (int r = 0; r < R; ++r) l[r] = _mm512_reduce_add_ps(lv[r]);
   for (int r = 0; r < R; ++r) {
     float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int c = 0; c < D; c += 16) {
@@ -233,7 +244,6 @@ static void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 // more than LAZY_MAX, so P <= 2^LAZY_MAX and the O tiles are stored, rescaled and reloaded only on those steps (the
 // softmax is the same for any reference; only roundings differ).
 static constexpr int AMX_KB = 32;
-static constexpr float LAZY_MAX = 8.f;
 
 """ + AMX_TILES + r"""
 static void block_attend_amx(const uint16_t* qb, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
@@ -406,7 +416,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v6"
+_NAME = "ragkv_bf16_prefill_attention_v7"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
