@@ -28,7 +28,7 @@ def _bf16_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @needs_kernel
 @pytest.mark.parametrize("out_features,in_features", [(1152, 896), (130, 64), (64, 4864), (1000, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 16, 21])
 def test_product_kernel_equals_torch_to_bf16_rounding(out_features, in_features, rows):
     """Each output is one fp32 sum of the same products, rounded to bf16 once: against the fp32 product it errs no
     more than torch's own bf16 kernel does (one bf16 rounding, ~2^-8 relative), with or without bias, at any
@@ -45,6 +45,22 @@ def test_product_kernel_equals_torch_to_bf16_rounding(out_features, in_features,
             assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
             assert _bf16_rel_err(got, exact) <= max(torch_err, 2 ** -8) * 1.01, (_bf16_rel_err(got, exact),
                                                                                  torch_err)
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_a_rows_product_is_the_same_whatever_rows_share_it(int8):
+    """From 2 rows on, every row's sums run over the weight's pairs in one order (more than 4 rows: a range of pairs
+    at a time for every group of rows, the sums carried between ranges): a row's output is bitwise the same in a
+    product of 2, 4, 5, 9 or 16 rows (a decode step's batch does not change a sequence's numbers)."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(200, 4864, generator=g) * 0.05).bfloat16()  # 2,432 pairs: many ranges, a short last one
+    packed = gemv_kernel.pack(w, torch.randn(200, generator=g).bfloat16(), int8=int8)
+    x = torch.randn(16, 4864, generator=g).bfloat16()
+    full = gemv_kernel.gemv(x, *packed, 200)
+    for rows in (2, 4, 5, 9):
+        assert torch.equal(gemv_kernel.gemv(x[:rows], *packed, 200), full[:rows]), rows
+        assert torch.equal(gemv_kernel.gemv(x[-rows:], *packed, 200), full[-rows:]), rows
 
 
 @needs_kernel
