@@ -9,8 +9,10 @@ of the pairs are summed in fp32, bias added in fp32, rounded to bf16 once (as on
 from oneDNN's, so results equal to bf16 rounding, not bitwise. From 2 rows on every row's sums run over the pairs in
 one order, so a row's output is bitwise the same in a product of 2 or 16 rows. More than 4 rows (a batched decode
 step) read each block a range of pairs at a time, every group of 4 rows computing over the range while it is in
-L1 and asking memory for a share of the next: at 16 rows on a 2-core Zen 4 a step's products took 0.81x the time
-of groups that each ran over the whole block (the first streaming it, the others computing from L2, in turn).
+L1 and asking memory for a share of the next: at 16 rows on a 2-core Zen 4 a step's products (Qwen 0.5B's shapes,
+24 layers of weights from memory) took 0.81x the time of groups that each ran over the whole block (the first
+streaming it, the others computing from L2, in turn), and a 16-sequence decode step over 2.4K-token prompts 104 ms
+against 110 (the two kernels interleaved in one process).
 
 The same kernel takes int8 weights (symmetric, one fp32 scale per output; `pack(..., int8=True)`): each 32 weights
 are converted to bf16 in registers (exactly: |q| <= 127), multiplied as above, and the fp32 sums scaled once per
