@@ -7,10 +7,10 @@ broadcast pair of the query's dimensions), P V with V packed as [S/2][D][2] (a b
 Scores, the running max and sum, and the output are fp32; the probabilities are rounded to bf16 for P V, as
 torch's bf16 kernel does. The running maximum is lazy (FlashAttention-4's conditional rescaling, as the AMX path
 below): a row's reference moves, and its output is rescaled, only when a score passes it by more than 2^8, which
-took 11% off the kernel's time at 1,024 causal rows on a Zen 4. Every query head of a KV group reads the same packed K/V (grouped-query attention without
-copies). Rows see keys causally from `past` on (row i at position past + i sees keys 0..past + i), or every key,
-or each up to its own position (`row_limits`: the scattered rows a selective recompute runs).
-Returns the output in bf16 and, if asked, each row's log-sum-exp (natural log) in fp32.
+took 11% off the kernel's time at 1,024 causal rows on a Zen 4. Every query head of a KV group reads the same
+packed K/V (grouped-query attention without copies). Rows see keys causally from `past` on (row i at position
+past + i sees keys 0..past + i), or every key, or each up to its own position (`row_limits`: the scattered rows a
+selective recompute runs). Returns the output in bf16 and, if asked, each row's log-sum-exp (natural log) in fp32.
 
 The AMX path (`amx=True`, head dim 64) reads the same packed K and V, which are AMX's B-tile layouts as they lie: 16
 query rows a block, both products on the matrix unit (`tdpbf16ps`), the output accumulated in tiles across the key
