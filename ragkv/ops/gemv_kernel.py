@@ -92,48 +92,9 @@ static inline void finish_rows(const float* sums, int R, const float* scale, con
   }
 }
 
-// R rows of x against one packed block of 64 outputs: R x 4 accumulators of 16 fp32 lanes. `w` is the block's
-// first weight; `scale` (int8 only) is the per-output scale, applied once to the fp32 sums.
-template <int R, bool I8>
-static inline void block_rows(const uint32_t* x, int64_t xstride, const void* w, int64_t Kp, const float* scale,
-                              const float* bias, uint16_t* y, int64_t ystride, int64_t n0, int64_t N) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  int64_t kp = 0;
-  if (R == 1) {  // one row: a second set of accumulators over odd pairs, or vdpbf16ps waits on its own latency
-    __m512 odd[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; kp + 2 <= Kp; kp += 2) {
-      int64_t t = kp * 128;
-      prefetch_ahead<I8, 8>(w, t);
-      __m512bh xe = (__m512bh)_mm512_set1_epi32(x[kp]), xo = (__m512bh)_mm512_set1_epi32(x[kp + 1]);
-      for (int j = 0; j < 4; ++j) {
-        acc[0][j] = _mm512_dpbf16_ps(acc[0][j], xe, load_w<I8>(w, t + 32 * j));
-        odd[j] = _mm512_dpbf16_ps(odd[j], xo, load_w<I8>(w, t + 128 + 32 * j));
-      }
-    }
-    for (int j = 0; j < 4; ++j) acc[0][j] = _mm512_add_ps(acc[0][j], odd[j]);
-  }
-  for (; kp < Kp; ++kp) {
-    int64_t t = kp * 128;
-    if (R > 1) prefetch_ahead<I8, 4>(w, t);
-    __m512bh w0 = load_w<I8>(w, t), w1 = load_w<I8>(w, t + 32), w2 = load_w<I8>(w, t + 64), w3 = load_w<I8>(w, t + 96);
-    for (int r = 0; r < R; ++r) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * xstride + kp]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
-    }
-  }
-  alignas(64) float sums[R * 64];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(sums + r * 64 + 16 * j, acc[r][j]);
-  finish_rows<I8>(sums, R, scale, bias, y, ystride, n0, N);
-}
-
-// Rows R at a time over pairs kp0..kp1 of one block, their sums carried in `sums` ([R][64] fp32) from one range of
-// pairs to the next: the same additions in the same order as one pass (block_rows with R > 1), only paused.
+// R rows over pairs kp0..kp1 of one block, their fp32 sums carried in `sums` ([R][64]) from one range of pairs to
+// the next (a range or the whole block: the same additions in the same order); `prefetch` asks for the lines just
+// ahead into L1, and `lines` lines a pair from `next` on into L2 (none: 0).
 template <int R, bool I8>
 static inline void accumulate(const uint32_t* x, int64_t xstride, const void* w, int64_t kp0, int64_t kp1,
                               bool prefetch, const char* next, int lines, float* sums) {
@@ -155,6 +116,33 @@ static inline void accumulate(const uint32_t* x, int64_t xstride, const void* w,
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_ps(sums + r * 64 + 16 * j, acc[r][j]);
+}
+
+// R rows of x against one packed block of 64 outputs: R x 4 accumulators of 16 fp32 lanes. `w` is the block's
+// first weight; `scale` (int8 only) is the per-output scale, applied once to the fp32 sums.
+template <int R, bool I8>
+static inline void block_rows(const uint32_t* x, int64_t xstride, const void* w, int64_t Kp, const float* scale,
+                              const float* bias, uint16_t* y, int64_t ystride, int64_t n0, int64_t N) {
+  alignas(64) float sums[R * 64];
+  int64_t kp = 0;
+  if (R == 1) {  // one row: a second set of accumulators over odd pairs, or vdpbf16ps waits on its own latency
+    __m512 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
+    for (; kp + 2 <= Kp; kp += 2) {
+      int64_t t = kp * 128;
+      prefetch_ahead<I8, 8>(w, t);
+      __m512bh xe = (__m512bh)_mm512_set1_epi32(x[kp]), xo = (__m512bh)_mm512_set1_epi32(x[kp + 1]);
+      for (int j = 0; j < 4; ++j) {
+        even[j] = _mm512_dpbf16_ps(even[j], xe, load_w<I8>(w, t + 32 * j));
+        odd[j] = _mm512_dpbf16_ps(odd[j], xo, load_w<I8>(w, t + 128 + 32 * j));
+      }
+    }
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(sums + 16 * j, _mm512_add_ps(even[j], odd[j]));
+  } else {
+    std::memset(sums, 0, sizeof(sums));
+  }
+  accumulate<R, I8>(x, xstride, w, kp, Kp, R > 1, nullptr, 0, sums);  // R > 1: every pair; one row: an odd last
+  finish_rows<I8>(sums, R, scale, bias, y, ystride, n0, N);
 }
 
 // More than 4 rows against one block: the weights are read KC pairs at a time, every group of 4 rows runs over them
@@ -246,7 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_gemv_v7"
+_NAME = "ragkv_bf16_gemv_v8"
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=torch.cpu._is_avx512_bf16_supported)
 
