@@ -208,8 +208,8 @@ def test_the_lazy_maximum_keeps_softmax_exact_over_wide_scores(spread):
     log-sum-exp (the AMX path where this CPU has it)."""
     from ragkv.ops.attention import attention_with_lse, causal_mask
 
-    paths = [False] + ([True] if prefill_kernel.amx_applies(torch.empty(1, 1, 17, 64, dtype=torch.bfloat16),
-                                                            torch.empty(1, 1, 17, 64, dtype=torch.bfloat16)) else [])
+    shape = torch.empty(1, 1, 17, 64, dtype=torch.bfloat16)
+    paths = [False] + ([True] if prefill_kernel.amx_applies(shape, shape) else [])
     g = torch.Generator().manual_seed(spread)
     rows = 260
     q = torch.randn(1, 4, rows, 64, generator=g).bfloat16()

@@ -59,12 +59,12 @@ template <int R, int DP>
 static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint16_t* vp, const int64_t* limit,
                         float scale2, uint16_t* const* out, float* lse) {
   constexpr int D = 32 * DP;
-  float m[R], l[R];
+  float m[R];
   __m512 lv[R];  // each row's sum of P, lane-wise (reduced once at the end)
-  for (int r = 0; r < R; ++r) lv[r] = _mm512_setzero_ps();
   alignas(64) float o[R][D];
   alignas(64) uint16_t p16[R][KB];
-  for (int r = 0; r < R; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
+  const __m512 sc = _mm512_set1_ps(scale2);
+  for (int r = 0; r < R; ++r) { m[r] = -std::numeric_limits<float>::infinity(); lv[r] = _mm512_setzero_ps(); }
   std::memset(o, 0, sizeof(o));
   int64_t last = limit[0];
   for (int r = 1; r < R; ++r) last = limit[r] > last ? limit[r] : last;
@@ -84,7 +84,6 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
     }
     for (int r = 0; r < R; ++r) {
       __mmask16 ok[4];
-      const __m512 sc = _mm512_set1_ps(scale2);
       // a lazy maximum, as the AMX path keeps: the reference m moves only when a score passes it by more than 2^8
       const __m512 bar = _mm512_set1_ps(m[r] + LAZY_MAX);
       __mmask16 over = 0;
@@ -137,15 +136,15 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * DP; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
   }
-  for (int r = 0; r < R; ++r) l[r] = _mm512_reduce_add_ps(lv[r]);
   for (int r = 0; r < R; ++r) {
-    float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float l = _mm512_reduce_add_ps(lv[r]);
+    float inv = l > 0.f ? 1.f / l : 0.f;
     for (int c = 0; c < D; c += 16) {
       __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o[r] + c), _mm512_set1_ps(inv));
       _mm256_storeu_si256((__m256i*)(out[r] + c), (__m256i)_mm512_cvtneps_pbh(v));
     }
-    if (lse) lse[r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * 0.69314718055994531f
-                                 : -std::numeric_limits<float>::infinity();
+    if (lse) lse[r] = l > 0.f ? (m[r] + std::log2(l)) * 0.69314718055994531f
+                           : -std::numeric_limits<float>::infinity();
   }
 }
 
@@ -416,7 +415,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_bf16_prefill_attention_v7"
+_NAME = "ragkv_bf16_prefill_attention_v8"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
 kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
