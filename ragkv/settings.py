@@ -64,6 +64,10 @@ class ServeDefaults:
     # --startup-profile: measure the loading controller's profile (tier speeds, the model's recompute cost) at
     # start-up where none is saved: ~14 s of forwards for SmolLM2 on 2 cores, run while the server is idle
     startup_profile: bool = True
+    # --keep-alive: seconds an idle connection stays open. Longer than clients' own idle expiry (httpx's 5 s), so a
+    # client never sends on a connection the server is closing that instant (uvicorn's 5 s raced httpx's: a request
+    # now and then met "Server disconnected without sending a response")
+    keep_alive_s: float = 75.0
     max_body_bytes: int = 8 << 20      # --max-body: larger bodies get 413 before being read
     max_documents: int = 64            # --max-documents: inline documents per request, or per POST /v1/documents
     max_document_chars: int = 1_000_000  # --max-document-chars: characters of one document

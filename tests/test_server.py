@@ -1,5 +1,6 @@
 """The official `openai` client against real `ragkv serve` processes on 127.0.0.1 (default model, fp32)."""
 
+import http.client
 import threading
 import time
 from pathlib import Path
@@ -78,6 +79,22 @@ def test_health_counts_the_pooled_blocks_that_shared_requests_read(server):
 def test_completions_endpoint(server):
     r = server.client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5)
     assert r.choices[0].text and r.usage.completion_tokens <= 5
+
+
+def test_an_idle_connection_outlives_the_clients_own_expiry(server):
+    """A connection idle for longer than httpx's 5 s expiry is still open: the server never closes one at the
+    instant a client reuses it (with uvicorn's 5 s, requests met "Server disconnected without sending a response")."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        time.sleep(5.5)
+        conn.request("GET", "/health")  # on the same socket: a closed one raises RemoteDisconnected here
+        assert conn.sock is first and conn.getresponse().status == 200
+    finally:
+        conn.close()
 
 
 def test_documents_and_retrieval(server):

@@ -108,6 +108,8 @@ def _add_limits(p) -> None:
                      help="characters per document")
     lim.add_argument("--max-prompt-tokens", type=int, default=SERVE.max_prompt_tokens,
                      help="prompt tokens (default: the model's)")
+    lim.add_argument("--keep-alive", type=float, default=SERVE.keep_alive_s, metavar="S",
+                     help="seconds an idle HTTP connection stays open (above clients' own expiry: httpx's is 5)")
     lim.add_argument("--ingest-timeout", type=float, default=SERVE.ingest_timeout_s,
                      help="seconds a document ingestion job may run")
     lim.add_argument("--kv-memory", type=size_arg, default=SERVE.kv_memory_bytes, metavar="SIZE",
@@ -241,7 +243,7 @@ def run_serve(args) -> int:
     # HTTP on a thread, the model on the main thread: OpenMP kernels launched from another thread ran 40%
     # slower (decode 39 vs 64 tokens/s, measured).
     http = uvicorn.Server(uvicorn.Config(create_app(server, args.metrics_need_key), host=args.host, port=args.port,
-                                         log_level="warning"))
+                                         log_level="warning", timeout_keep_alive=args.keep_alive))
     web = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="ragkv-http", daemon=True)
 
     def stop(signum, frame):

@@ -76,7 +76,7 @@ def run_replicas(args, build_server) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": args.keep_alive})
         make_server = partial(build_server, args, worker_thread=True, keys=keys)
         app = build_app(make_server, args.replicas, args.replica_threads, args.router, args.affinity_slack,
                         args.max_batch + args.max_queue, args.metrics_need_key)
