@@ -139,6 +139,7 @@ def test_a_broken_model_folder_is_one_line_before_anything_is_allocated(capsys, 
     (["--api-key", "short"], "API key"), (["--api-keys", "/no/such/keys.txt"], "--api-keys"),
     (["--api-key", "key-aaaaaaaa:../tenant"], "namespace"), (["--mode", "blend", "--ratio", "2"], "ratio"),
     (["--prefill-stall-ms", "-5"], "--prefill-stall-ms"), (["--prefill-stall-ms", "inf"], "--prefill-stall-ms"),
+    (["--keep-alive", "0"], "--keep-alive"),
 ])
 def test_serve_flags_are_checked_before_the_model_loads(capsys, argv, needle):
     code, _, err = run(capsys, "serve", "--model", "/no/such/model", *argv)

@@ -169,7 +169,7 @@ def check_flags(args) -> None:
     if not (math.isfinite(args.prefill_stall_ms) and args.prefill_stall_ms >= 0):
         raise InvalidRequestError(f"--prefill-stall-ms must be a number of milliseconds >= 0, got "
                                   f"{args.prefill_stall_ms}")
-    for flag in ("timeout", "ingest_timeout"):
+    for flag in ("timeout", "ingest_timeout", "keep_alive"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
