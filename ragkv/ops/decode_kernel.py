@@ -88,6 +88,8 @@ struct Rows {
   Rows(const at::Tensor& a, const at::Tensor* b)
       : p1(a.data_ptr<T>()), h1(a.stride(0)), r1(a.stride(1)), n1(a.size(1)),
         p2(b ? b->data_ptr<T>() : nullptr), h2(b ? b->stride(0) : 0), r2(b ? b->stride(1) : 0) {}
+  // the first n rows of a buffer [Hkv, capacity, D] given by its strides (no view made)
+  Rows(const T* p, int64_t h, int64_t r, int64_t n) : p1(p), h1(h), r1(r), n1(n), p2(nullptr), h2(0), r2(0) {}
   inline const T* row(int64_t h, int64_t s) const {
     return s < n1 ? p1 + h * h1 + s * r1 : p2 + h * h2 + (s - n1) * r2;
   }
@@ -227,7 +229,8 @@ at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::
 // A decode step's plain sequences in one call, their new rows written first: k_new / v_new [B, Hkv, D] go to row
 // lengths[b] of each cache's buffers kbufs[b] / vbufs[b] [1, Hkv, capacity, D] (capacity > lengths[b]), then each
 // sequence attends over its lengths[b] + 1 rows, as `decode_attention_many` over those views would (bitwise). One
-// call a layer instead of two slice copies and two views a sequence from Python.
+// call a layer instead of two slice copies and two views a sequence from Python; on the bf16 paths no view at all
+// (four per sequence and layer were ~1,500 view ops a 16-sequence step).
 at::Tensor append_attention_many(at::Tensor q, at::Tensor k_new, at::Tensor v_new, std::vector<at::Tensor> kbufs,
                                  std::vector<at::Tensor> vbufs, std::vector<int64_t> lengths, double scale) {
   const int64_t B = q.size(0);
@@ -236,24 +239,44 @@ at::Tensor append_attention_many(at::Tensor q, at::Tensor k_new, at::Tensor v_ne
   TORCH_CHECK(k_new.scalar_type() == q.scalar_type() && v_new.scalar_type() == q.scalar_type() &&
               k_new.stride(2) == 1 && v_new.stride(2) == 1, "new rows in q's dtype, unit stride along D");
   const int64_t Hkv = k_new.size(1), D = k_new.size(2), es = k_new.element_size();
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && Hkv > 0 && q.size(1) % Hkv == 0, "q [B, Hq, D], Hq a multiple of Hkv");
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor &kb = kbufs[b], &vb = vbufs[b];  // [1, Hkv, capacity, D], read through strides 1-3
+    TORCH_CHECK(kb.dim() == 4 && kb.size(0) == 1 && vb.sizes() == kb.sizes() && lengths[b] >= 0 &&
+                lengths[b] < kb.size(2) && kb.size(1) == Hkv && kb.size(3) == D && kb.stride(3) == 1 &&
+                vb.stride(3) == 1 && kb.scalar_type() == q.scalar_type() && vb.scalar_type() == q.scalar_type(),
+                "a cache buffer [1, Hkv, capacity, D] in q's dtype with room for its row");
+    for (const auto& [dst, src] : {std::pair<const at::Tensor&, const at::Tensor&>(kb, k_new),
+                                   std::pair<const at::Tensor&, const at::Tensor&>(vb, v_new)}) {
+      char* d = static_cast<char*>(dst.data_ptr()) + lengths[b] * dst.stride(2) * es;
+      const char* from = static_cast<const char*>(src.data_ptr()) + b * src.stride(0) * es;
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(d + h * dst.stride(1) * es, from + h * src.stride(1) * es, D * es);
+    }
+  }
+#ifdef __AVX512BF16__
+  if (q.scalar_type() == at::kBFloat16 && B > 0) {  // each cache's rows read through its strides: no views
+    q = q.contiguous();
+    const int64_t Hq = q.size(1);
+    auto out = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+    std::vector<SeqView> seqs;
+    seqs.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const at::Tensor &kb = kbufs[b], &vb = vbufs[b];  // [1, Hkv, capacity, D]
+      seqs.push_back({reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + b * Hq * D,
+                      Rows<at::BFloat16>(kb.data_ptr<at::BFloat16>(), kb.stride(1), kb.stride(2), lengths[b] + 1),
+                      Rows<at::BFloat16>(vb.data_ptr<at::BFloat16>(), vb.stride(1), vb.stride(2), lengths[b] + 1),
+                      lengths[b] + 1, out.data_ptr<float>() + b * Hq * D});
+    }
+    if (decode_fast(seqs, Hq / Hkv, Hkv, D, scale)) return out;
+  }
+#endif
   std::vector<at::Tensor> ks, vs;
   ks.reserve(B);
   vs.reserve(B);
   for (int64_t b = 0; b < B; ++b) {
-    at::Tensor kb = kbufs[b].select(0, 0), vb = vbufs[b].select(0, 0);  // [Hkv, capacity, D]
-    TORCH_CHECK(kb.dim() == 3 && vb.sizes() == kb.sizes() && lengths[b] >= 0 && lengths[b] < kb.size(1) &&
-                kb.size(0) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.stride(2) == 1 &&
-                kb.scalar_type() == q.scalar_type() && vb.scalar_type() == q.scalar_type(),
-                "a cache buffer [1, Hkv, capacity, D] in q's dtype with room for its row");
-    for (const auto& [dst, src] : {std::pair<const at::Tensor&, const at::Tensor&>(kb, k_new),
-                                   std::pair<const at::Tensor&, const at::Tensor&>(vb, v_new)}) {
-      char* d = static_cast<char*>(dst.data_ptr()) + lengths[b] * dst.stride(1) * es;
-      const char* from = static_cast<const char*>(src.data_ptr()) + b * src.stride(0) * es;
-      for (int64_t h = 0; h < Hkv; ++h)
-        std::memcpy(d + h * dst.stride(0) * es, from + h * src.stride(1) * es, D * es);
-    }
-    ks.push_back(kb.narrow(1, 0, lengths[b] + 1));
-    vs.push_back(vb.narrow(1, 0, lengths[b] + 1));
+    ks.push_back(kbufs[b].select(0, 0).narrow(1, 0, lengths[b] + 1));
+    vs.push_back(vbufs[b].select(0, 0).narrow(1, 0, lengths[b] + 1));
   }
   return decode_attention_many(q, ks, vs, scale);
 }
@@ -426,7 +449,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v23"
+_NAME = "ragkv_decode_attention_v24"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
