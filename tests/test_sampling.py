@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ragkv.engine.decode.sampling import apply_penalties, sample, token_logprob
+from ragkv.engine.decode.sampling import apply_penalties, finite_or_tied, greedy_token, sample, token_logprob
 from ragkv.engine.options import FusionOptions, GenerationOptions
 from ragkv.engine.request.segments import Passage
 
@@ -41,6 +41,22 @@ def test_a_vanishing_temperature_is_greedy(temperature):
     logits = torch.randn(500, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(2130)
     assert sample(logits, temperature, 0.17, g) == sample(logits, temperature, 1.0, g, 5, 0.5) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("size", [5, 127, 128, 300, 49152, 151936, 151936 + 37])
+def test_the_greedy_token_is_torchs_argmax_ties_included(size):
+    """greedy_token (row maxima, then the row) picks what torch.argmax picks: the first of tied maxima, wherever
+    they fall (one row, two rows, the tail past the last whole row), with -inf entries beside them."""
+    g = torch.Generator().manual_seed(size)
+    for trial in range(6):
+        logits = torch.randn(size, generator=g)
+        logits[torch.randint(0, size, (size // 10,), generator=g)] = float("-inf")
+        if trial:  # tied maxima at random places, the last possibly in the tail
+            where = torch.randint(0, size, (trial,), generator=g)
+            logits[where] = 50.0
+            logits[size - 1] = 50.0 if trial % 2 else logits[size - 1]
+        assert greedy_token(logits) == int(torch.argmax(logits))
+        assert finite_or_tied(logits) is logits  # a finite maximum: the logits as they are
 
 
 def test_a_vanishing_repetition_penalty_leaves_a_valid_draw():

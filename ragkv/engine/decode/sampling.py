@@ -3,6 +3,7 @@ and top-p (nucleus) sampling with a seeded generator; and the log-probabilities 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,10 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
 def finite_or_tied(logits: torch.Tensor) -> torch.Tensor:
     """Logits a draw can use whatever the penalties did: a repetition penalty of 3e-250 (valid: > 0; a fuzzer's)
     divides a positive logit into +inf, and softmax then gives NaN probabilities, a failed draw. The tokens at +inf
-    tie as the only choices; NaN is never chosen."""
-    if bool(torch.isfinite(logits).all()):
+    tie as the only choices; NaN is never chosen. A finite maximum (max propagates NaN) means no +inf and no NaN:
+    the logits are used as they are (-inf entries draw nothing either way); one pass, where `isfinite().all()` took
+    ~0.25 ms a row of 152K on a 2-core Zen 4, paid by every sequence at every step."""
+    if math.isfinite(float(logits.amax())):
         return logits
     top = logits == float("inf")
     if bool(top.any()):
@@ -49,12 +52,27 @@ def finite_or_tied(logits: torch.Tensor) -> torch.Tensor:
 GREEDY_BELOW = 1e-5
 
 
+def greedy_token(logits: torch.Tensor, width: int = 128) -> int:
+    """torch.argmax(logits) for [V] logits without NaN (the first of tied maxima): the maxima of rows of `width`
+    (vectorized), then the first row holding the largest and its first maximum. torch's argmax over a vocabulary of
+    152K took ~0.13-0.25 ms on a 2-core Zen 4, this ~0.03."""
+    n = logits.shape[0] // width * width
+    if n == 0:
+        return int(torch.argmax(logits))
+    rows = logits[:n].reshape(-1, width).amax(dim=1)
+    r = int(torch.argmax(rows))
+    tail = logits[n:]
+    if tail.numel() and bool(tail.amax() > rows[r]):  # strictly: on a tie the earlier row's index comes first
+        return n + int(torch.argmax(tail))
+    return r * width + int(torch.argmax(logits[r * width:(r + 1) * width]))
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, top_k: int = 0, min_p: float = 0.0) -> int:
     """logits: [V] fp32 -> token id. top_k <= 0 and min_p == 0 are off; temperature 0 is greedy."""
     logits = finite_or_tied(logits.float())
     if temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]

@@ -138,7 +138,9 @@ class DecodePlan:
         where the kernel is not the path, written here for the others' path (kv gets their parts), and None."""
         idx, (k, v) = self.direct, self._new
         caches = [self.states[b].cache for b in idx]
-        pick = (lambda t: t[idx[0]:idx[0] + 1]) if len(idx) == 1 else (lambda t: t[idx])
+        # consecutive rows (every row, as a plain batch has) are a view; others a gather (3 copies a layer)
+        first, n = idx[0], len(idx)
+        pick = (lambda t: t[first:first + n]) if idx[-1] - first + 1 == n else (lambda t: t[idx])
         got = append_attention_many(pick(q), pick(k), pick(v), [c.keys[layer] for c in caches],
                                     [c.values[layer] for c in caches], [c.length for c in caches])
         if got is not None:
