@@ -22,6 +22,7 @@ import torch
 
 from ragkv.bench.common import markdown_table, save_json
 from ragkv.config import cpu_name
+from ragkv.engine.decode.sampling import greedy_token
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,10 @@ def _step_ms(engine, segs, steps: int) -> list[float]:
     from ragkv.engine.kv.state import decode_step
 
     state = _prefill(engine, segs, steps)
-    tok, times = int(state.logits.argmax()), []
+    tok, times = greedy_token(state.logits), []
     for _ in range(steps):
         t0 = time.perf_counter()
-        tok = int(decode_step(engine.decode_model, state, tok).argmax())
+        tok = greedy_token(decode_step(engine.decode_model, state, tok))
         times.append((time.perf_counter() - t0) * 1000)
     return times
 
@@ -68,11 +69,10 @@ def _batched_tok_s(engine, reqs, batch: int, steps: int) -> float:
     from ragkv.engine.kv.state import decode_batch
 
     states = [_prefill(engine, reqs[i % len(reqs)], steps) for i in range(batch)]
-    tokens = [int(s.logits.argmax()) for s in states]
-    decode_batch(engine.decode_model, states, tokens)  # warm-up step
+    decode_batch(engine.decode_model, states, [greedy_token(s.logits) for s in states])  # warm-up step
     t0 = time.perf_counter()
-    for _ in range(steps - 1):
-        tokens = decode_batch(engine.decode_model, states, [int(s.logits.argmax()) for s in states]).argmax(-1)
+    for _ in range(steps - 1):  # each sequence's token chosen as the server's greedy sampler does
+        decode_batch(engine.decode_model, states, [greedy_token(s.logits) for s in states])
     return batch * (steps - 1) / (time.perf_counter() - t0)
 
 
