@@ -94,14 +94,17 @@ static void decode_bf16(const std::vector<SeqView>& seqs, int64_t Hkv, float sca
       __m512bh qv[G][NQ];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < NQ; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(sq.q + (h * G + g) * D + 32 * j);
+      // the chunk's first keys asked for at once (the loop below asks PREFETCH rows ahead of itself); its last
+      // blocks ask for the first values, which P V reads next
+      for (int64_t j = 0; j < std::min<int64_t>(n, PREFETCH); ++j) prefetch_row(sq.k.row(h, s0 + j), D);
       for (int64_t b = 0; b < n; b += 16) {  // scores, 16 keys at a time
         const int nb = static_cast<int>(std::min<int64_t>(16, n - b));
         const uint16_t* krow[16];
         for (int j = 0; j < 16; ++j)  // a short last block repeats its last key; those lanes are not stored
           krow[j] = reinterpret_cast<const uint16_t*>(sq.k.row(h, s0 + b + std::min(j, nb - 1)));
         const __mmask16 keep = static_cast<__mmask16>((1u << nb) - 1);
-        for (int64_t j = b + PREFETCH; j < std::min(n, b + PREFETCH + 16); ++j)  // keys a few blocks ahead
-          prefetch_row(sq.k.row(h, s0 + j), D);
+        for (int64_t j = b + PREFETCH; j < std::min(n + std::min(n, PREFETCH), b + PREFETCH + 16); ++j)  // keys, values
+          prefetch_row(j < n ? sq.k.row(h, s0 + j) : sq.v.row(h, s0 + j - n), D);
         for (int g = 0; g < G; ++g) {
           __m512 acc[16];
           for (int j = 0; j < 16; ++j) {
