@@ -4,8 +4,9 @@
 Scores of 16 keys at a time come from `vdpbf16ps` (bf16 pairs multiplied exactly, summed in fp32) and their 16
 lane-vectors are reduced together (`sum16`); the softmax's exp is a vector polynomial; its numerators are rounded to
 bf16 and P V runs on `vdpbf16ps` over pairs of keys, as the AMX path and SDPA's flash attention on AMX do (the
-divisor sums the rounded numerators, so the weights P V applies sum to it). Rows are prefetched a few blocks ahead. Several sequences share one parallel loop over (sequence, KV head, chunk), each
-sequence's chunks set by its own length, so its numbers are those it gets alone. Measured on a 2-core Zen 5 at 2.4K
+divisor sums the rounded numerators, so the weights P V applies sum to it). Rows are prefetched a few blocks
+ahead. Several sequences share one parallel loop over (sequence, KV head, chunk), each sequence's chunks set by its
+own length, so its numbers are those it gets alone. Measured on a 2-core Zen 5 at 2.4K
 keys: ~210 us per layer for the generic loop (~5 GB/s), 34-55 us here (L3 or memory); a 16-sequence step's attention 80 -> 17 ms.
 P V in bf16 pairs against fp32 (2-core Zen 4, 16 sequences x 2.4K keys, 24 layers, interleaved): 0.90x the time
 from memory, 0.85x from cache; a 16-sequence decode step of the 0.5B 0.95x.
@@ -103,7 +104,8 @@ static void decode_bf16(const std::vector<SeqView>& seqs, int64_t Hkv, float sca
         for (int j = 0; j < 16; ++j)  // a short last block repeats its last key; those lanes are not stored
           krow[j] = reinterpret_cast<const uint16_t*>(sq.k.row(h, s0 + b + std::min(j, nb - 1)));
         const __mmask16 keep = static_cast<__mmask16>((1u << nb) - 1);
-        for (int64_t j = b + PREFETCH; j < std::min(n + std::min(n, PREFETCH), b + PREFETCH + 16); ++j)  // keys, values
+        const int64_t ahead = std::min(n + std::min(n, PREFETCH), b + PREFETCH + 16);  // keys, then values
+        for (int64_t j = b + PREFETCH; j < ahead; ++j)
           prefetch_row(j < n ? sq.k.row(h, s0 + j) : sq.v.row(h, s0 + j - n), D);
         for (int g = 0; g < G; ++g) {
           __m512 acc[16];
