@@ -100,8 +100,8 @@ static void rows_attend(const uint32_t* const* q, const uint16_t* kp, const uint
         float mnew = _mm512_reduce_max_ps(mx);
         float alpha = std::exp2(m[r] - mnew);  // 0 on the row's first visible block (m = -inf)
         m[r] = mnew;
-        lv[r] = _mm512_mul_ps(lv[r], _mm512_set1_ps(alpha));
-        __m512 av = _mm512_set1_ps(alpha);
+        const __m512 av = _mm512_set1_ps(alpha);
+        lv[r] = _mm512_mul_ps(lv[r], av);
         for (int c = 0; c < D; c += 16) _mm512_storeu_ps(o[r] + c, _mm512_mul_ps(_mm512_loadu_ps(o[r] + c), av));
       }
       if (m[r] == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
