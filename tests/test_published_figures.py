@@ -480,7 +480,10 @@ def test_the_scoring_layers_screen_is_what_its_records_give():
             "blend:sel=query,r=0.15,slayers=0+1+2+3+4+5+6": "| r=0.15, layers 0-6 |",
             "blend:sel=query,r=0.14": "| query-aware r=0.14 (uniform) |",
             f"blend:sel=query,r=0.14,slayers={half}": "| **r=0.14, layers 14-27",
-            "blend:sel=query,r=0.13,draft=8": "| r=0.13 + an 8-token draft"}
+            "blend:sel=query,r=0.13,draft=8": "| r=0.13 + an 8-token draft",
+            "blend:sel=query,r=0.14,sfrom=0.5": "| r=0.14, `sfrom=0.5` (layers 14-27) |",
+            "blend:sel=query,r=0.14,sfrom=0.5,cond=prefix": "| r=0.14, `sfrom=0.5`, `cond=prefix` |",
+            "blend:sel=query,r=0.14,sfrom=0.75": "| r=0.14, `sfrom=0.75`", "blend:sel=query,r=0.14,sfrom=0.35": "| r=0.14, `sfrom=0.35`"}
     for key, label in rows.items():
         row = next(line for line in lines if line.startswith(label))
         assert len(kl[key]) == 30
