@@ -10,6 +10,9 @@ own length, so its numbers are those it gets alone. Measured on a 2-core Zen 5 a
 keys: ~210 us per layer for the generic loop (~5 GB/s), 34-55 us here (L3 or memory); a 16-sequence step's attention 80 -> 17 ms.
 P V in bf16 pairs against fp32 (2-core Zen 4, 16 sequences x 2.4K keys, 24 layers, interleaved): 0.90x the time
 from memory, 0.85x from cache; a 16-sequence decode step of the 0.5B 0.95x.
+K stays row-major: a key-major copy kept beside the cache (16 keys' pair of dims a register, no `sum16`, each key
+read once for the G rows) took 0.74x the time from cache but 0.94x from memory (2-core Zen 4, 16 x 2.4K keys,
+where a step's caches far exceed L3): from memory the loop reads ~14-17 GB/s of the ~20 a two-thread sum read then.
 """
 
 BF16_PATH = r"""
