@@ -300,7 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v24"
+_NAME = "ragkv_decode_attention_v25"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
