@@ -62,7 +62,8 @@ static inline __m512 widen16(const uint16_t* p) { return widen16(_mm256_loadu_si
 
 // Rows read this far ahead are asked of memory first, into L2: the scores and P V spend ~50 cycles a key, so the
 // hardware prefetcher alone left a cache far beyond L3 read at ~15 GB/s, a third of what the machine streams; asked
-// into L1 instead, a 16-sequence step's attention took 1.11x the time (2-core Zen 4: L1's few miss buffers).
+// into L1 instead, a 16-sequence step's attention took 1.11x the time (2-core Zen 4: L1's few miss buffers). The AMX
+// path (decode_amx.py) asks through this too, not yet timed both ways on an AMX CPU.
 constexpr int64_t PREFETCH = 64;
 static inline void prefetch_row(const at::BFloat16* row, int64_t D) {
   for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
