@@ -41,3 +41,18 @@ def test_shapes_the_pass_does_not_take_fall_back_to_torch():
     assert rope_kernel.rope_pass(x.half().unsqueeze(0), cos, sin) is None  # fp16
     from ragkv.ops.rope import apply_rope
     assert torch.equal(apply_rope(x, cos, sin), torch_rope(x, cos, sin))
+
+
+def test_broadcasts_to_agrees_with_torch_broadcast_shapes():
+    from itertools import product
+
+    from ragkv.ops.rope_kernel import broadcasts_to
+
+    dims = (0, 1, 2, 3)
+    shapes = [torch.Size(s) for n in range(4) for s in product(dims, repeat=n)]
+    for shape, target in product(shapes, [torch.Size(t) for t in product(dims, repeat=3)]):
+        try:
+            torch_says = torch.broadcast_shapes(shape, target) == target
+        except RuntimeError:
+            torch_says = False
+        assert broadcasts_to(shape, target) == torch_says, (shape, target)

@@ -108,6 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 kernel = LazyExtension("ragkv_rope_v2", _SOURCE, "RoPE pass")
 
 
+def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether `shape` broadcasts to `target` unchanged: `torch.broadcast_shapes(shape, target) == target`, without
+    its Python reference path (~26 us a call, 1.2 ms of a one-stream decode step of the 0.5B at two calls a layer)."""
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x rotated in one pass, or None where the pass does not apply (another device or dtype, a gradient wanted,
     shapes it does not take, or no kernel here): the caller then runs torch's ops."""
@@ -116,10 +122,7 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
             or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad))):
         return None
-    try:
-        if cos.shape != sin.shape or torch.broadcast_shapes(cos.shape, x.shape) != x.shape:
-            return None
-    except RuntimeError:
+    if cos.shape != sin.shape or not broadcasts_to(cos.shape, x.shape):
         return None
     k = kernel()
     if k is None:
