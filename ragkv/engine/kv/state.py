@@ -144,8 +144,9 @@ class DecodePlan:
         got = append_attention_many(pick(q), pick(k), pick(v), [c.keys[layer] for c in caches],
                                     [c.values[layer] for c in caches], [c.length for c in caches])
         if got is not None:
-            for i, b in enumerate(idx):
-                outs[b] = got[i:i + 1]
+            if n < len(self.states):  # others attend apart: each row to its place (all direct: `got` as it is)
+                for i, b in enumerate(idx):
+                    outs[b] = got[i:i + 1]
             return got
         for b, c in zip(idx, caches):
             kv[b] = c.append_parts(layer, k[b:b + 1], v[b:b + 1])
