@@ -13,7 +13,6 @@ first-token KL of each variant (and of the unwrapped default).
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import sys
 
@@ -22,9 +21,11 @@ from ragkv.engine.fusion.ape import ApeAttention
 from ragkv.engine.options import FusionOptions
 from ragkv.engine.recompute import rows
 from ragkv.eval.datasets import dataset_prompt, load_dataset
-from ragkv.eval.harness import FULL, _answer, forget_example
+from ragkv.eval.harness import forget_example
 from ragkv.eval.metrics import first_token_kl
+from ragkv.eval.summary import bootstrap_ci
 
+FULL = FusionOptions(mode="full")
 DEFAULT = FusionOptions(mode="blend", select="query", ratio=0.14, score_from=0.5)
 VARIANTS = [("T=S=1", 1.0, 1.0), ("T=0.9,S=0.9", 0.9, 0.9), ("T=0.9,S=1", 0.9, 1.0), ("T=1,S=0.9", 1.0, 0.9)]
 BASELINE = "T=S=1"
@@ -45,12 +46,8 @@ def wrap_row_attention(setting: dict) -> None:
     rows.SelectedRowsPlan.attend = attend
 
 
-def paired(records: list[dict], key: str) -> tuple[float, float, float]:
-    """Mean KL difference of `key` against BASELINE by question, with a 95% bootstrap interval (4,000 resamples)."""
-    d = [r[key] - r[BASELINE] for r in records]
-    rng = random.Random(0)
-    means = sorted(statistics.mean(rng.choice(d) for _ in d) for _ in range(4000))
-    return statistics.mean(d), means[100], means[3899]
+def first_logits(engine, segs, fusion: FusionOptions):
+    return engine.prefill(segs, fusion)[0].logits
 
 
 def main(model: str, limit: int, output: str) -> None:
@@ -63,23 +60,23 @@ def main(model: str, limit: int, output: str) -> None:
         for ex in load_dataset("nq-distractors", limit=limit):
             segs = engine.segments(ex.question, ex.passages, prompt_format=fmt)
             setting.update(on=False, P=len(segs.prefix), N=len(segs.prefix) + sum(len(b) for b in segs.blocks))
-            ref = _answer(engine, segs, FULL, 0).first_logits
+            ref = first_logits(engine, segs, FULL)
             engine.warm(segs, DEFAULT)
-            rec = {"id": ex.id, "default": first_token_kl(ref, _answer(engine, segs, DEFAULT, 0).first_logits)}
+            rec = {"id": ex.id, "default": first_token_kl(ref, first_logits(engine, segs, DEFAULT))}
             for name, T, S in VARIANTS:
                 setting.update(on=True, T=T, S=S)
-                rec[name] = first_token_kl(ref, _answer(engine, segs, DEFAULT, 0).first_logits)
+                rec[name] = first_token_kl(ref, first_logits(engine, segs, DEFAULT))
             setting["on"] = False
             forget_example(engine, segs)
             out.write(json.dumps(rec) + "\n")
             out.flush()
             records.append(rec)
             print(ex.id, {k: round(v, 4) for k, v in rec.items() if k != "id"}, file=sys.stderr, flush=True)
-    for key in ["default"] + [v[0] for v in VARIANTS]:
-        kl = [r[key] for r in records]
-        mean, lo, hi = paired(records, key)
+    for key in ["default"] + [v[0] for v in VARIANTS]:  # each against BASELINE, paired by question
+        kl, diff = [r[key] for r in records], [r[key] - r[BASELINE] for r in records]
+        lo, hi = bootstrap_ci(diff)
         print(f"{key:12s} KL mean {statistics.mean(kl):.4f} median {statistics.median(kl):.4f}  "
-              f"vs {BASELINE}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+              f"vs {BASELINE}: {statistics.mean(diff):+.4f} [{lo:+.4f}, {hi:+.4f}]")
 
 
 if __name__ == "__main__":
