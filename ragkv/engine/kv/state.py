@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ragkv.engine.kv.kvcache import KVCache
+from ragkv.models.lean_decode import lean_decode
 from ragkv.models.loop import Forward
 from ragkv.ops.attention import append_attention_many, decode_attention_many, decode_attention_parts
 
@@ -184,7 +185,22 @@ def decode_forward(model, states: list[DecodeState], tokens: list[int], rows: in
     plan = DecodePlan(states, dev, model.args.sliding_window, rows)
     if plan.pad:
         x = torch.cat([x, x.new_zeros((plan.pad,) + x.shape[1:])])  # zero rows stay zero through every layer
-    return Forward(model, x, plan)
+    return DecodeForward(model, x, plan)
+
+
+class DecodeForward(Forward):
+    """A decode step's forward. Run alone with every sequence plain (no policy, own buffer) and every product on the
+    packed kernel, it goes through the lean layers (models/lean_decode.py: the same kernels on the same tensors,
+    bitwise, with ~10% less time a step); otherwise, and run with others, through the general loop."""
+
+    def run(self) -> torch.Tensor:
+        plan = self.plan
+        lean = lean_decode(self.model) if len(plan.direct) == len(plan.states) and not plan.pad else None
+        if lean is None or not lean.takes(self.rows):
+            return super().run()
+        caches = [s.cache for s in plan.states]
+        with torch.inference_mode(self.inference):
+            return lean.run(self.x, plan.positions, caches, [c.length for c in caches])
 
 
 @torch.inference_mode()

@@ -1,0 +1,110 @@
+"""The lean decode layers (models/lean_decode.py) against the general layer loop they stand in for: the same
+kernels on the same tensors, so the same logits and the same caches, bitwise; and the general loop wherever the
+lean one does not apply. Needs ragkv's bf16 product kernel (AVX-512 BF16); skipped where it is not built."""
+
+import pytest
+import torch
+from tiny import make_segs
+
+from ragkv.engine.kv import state as kv_state
+from ragkv.engine.kv.state import decode_batch
+from ragkv.engine.options import FusionOptions
+from ragkv.models import lean_decode as lean_module
+from ragkv.models.loop import Forward
+from ragkv.ops import gemv_kernel
+from ragkv.ops.kernel_choice import ROW_CLASSES
+
+pytestmark = pytest.mark.skipif(gemv_kernel.kernel() is None, reason="the bf16 product kernel is not built here")
+
+
+@pytest.fixture(scope="module")
+def fast_engine(tiny_dirs):
+    """The tiny Qwen2 (QKV bias, tied LM head) in bf16 with the `onednn` decode copy, every product on the packed
+    kernel at every decode row count (the chooser may prefer oneDNN at these toy shapes)."""
+    from conftest import _load_tiny
+
+    from ragkv.engine.engine import Engine
+    from ragkv.models.onednn import OneDnnLinear
+
+    eng = Engine(_load_tiny(tiny_dirs["qwen2"], torch.bfloat16), decode_weights="onednn")
+    for m in eng.decode_model.modules():
+        if isinstance(m, OneDnnLinear):
+            m.kernels = None  # the packed kernel wherever it takes the rows
+    eng.decode_model.__dict__.pop("_lean_decode", None)
+    return eng
+
+
+def _decode(eng, segs, fusions, steps, general: bool, monkeypatch):
+    """Greedy steps of every prompt together: the logits of each step and every cache's rows after them."""
+    with monkeypatch.context() as m:
+        if general:
+            m.setattr(kv_state.DecodeForward, "run", Forward.run)
+        states = [eng.prefill(s, f, steps + 2)[0] for s, f in zip(segs, fusions)]
+        tokens, seen = [int(s.logits.argmax()) for s in states], []
+        for _ in range(steps):
+            logits = decode_batch(eng.decode_model, states, tokens)
+            seen.append(logits)
+            tokens = logits.argmax(-1).tolist()
+    caches = [[(st.cache.keys[i][:, :, :st.cache.length].clone(), st.cache.values[i][:, :, :st.cache.length].clone())
+               for i in range(len(st.cache.keys))] for st in states]
+    return seen, caches
+
+
+def _lean_calls(monkeypatch) -> list:
+    calls, run = [], lean_module.LeanDecode.run
+    monkeypatch.setattr(lean_module.LeanDecode, "run", lambda self, *a: calls.append(a[0].shape[0]) or run(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_lean_layers_give_the_general_loops_logits_and_caches_bitwise(batch, fast_engine, monkeypatch):
+    segs = [make_segs(seed=s) for s in range(batch)]
+    fusions = [FusionOptions(mode="reuse" if s % 2 else "full") for s in range(batch)]
+    calls = _lean_calls(monkeypatch)
+    lean_logits, lean_caches = _decode(fast_engine, segs, fusions, 4, False, monkeypatch)
+    assert calls == [batch] * 4  # every step went through the lean layers
+    calls.clear()
+    want_logits, want_caches = _decode(fast_engine, segs, fusions, 4, True, monkeypatch)
+    assert calls == []
+    for got, want in zip(lean_logits, want_logits):
+        assert torch.equal(got, want)
+    for got_seq, want_seq in zip(lean_caches, want_caches):
+        for (gk, gv), (wk, wv) in zip(got_seq, want_seq):
+            assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_a_sequence_with_an_attention_policy_sends_the_step_through_the_general_loop(fast_engine, monkeypatch):
+    """APE attends through its policy: a batch holding it runs the general loop, with the same numbers as without
+    the lean layers at all."""
+    segs = [make_segs(seed=s) for s in range(2)]
+    fusions = [FusionOptions(mode="full"), FusionOptions(mode="ape")]
+    calls = _lean_calls(monkeypatch)
+    got, _ = _decode(fast_engine, segs, fusions, 3, False, monkeypatch)
+    assert calls == []
+    want, _ = _decode(fast_engine, segs, fusions, 3, True, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_torch_decode_attention_or_another_kernel_keeps_the_general_loop(fast_engine, monkeypatch):
+    """Where the decode attention goes through torch (RAGKV_DECODE_ATTENTION=torch), or a product's chosen kernel
+    is not the packed one, the lean layers stand aside."""
+    from ragkv.ops import attention
+
+    segs, fusions = [make_segs(seed=0)], [FusionOptions(mode="full")]
+    calls = _lean_calls(monkeypatch)
+    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "torch")
+    _decode(fast_engine, segs, fusions, 2, False, monkeypatch)
+    assert calls == []
+    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "auto")
+    monkeypatch.setattr(attention, "_KERNEL_WINS", {})
+    lean = lean_module.lean_decode(fast_engine.decode_model)
+    monkeypatch.setattr(lean, "_takes", {})
+    down = fast_engine.decode_model.layers[0].mlp.down_proj
+    monkeypatch.setattr(down, "kernels", ["onednn"] * len(ROW_CLASSES))
+    _decode(fast_engine, segs, fusions, 2, False, monkeypatch)
+    assert calls == []
+
+
+def test_the_exact_copy_and_fp32_models_have_no_lean_layers(fast_engine, tiny_engine):
+    assert lean_module.lean_decode(fast_engine.model) is None  # bf16, but its linears are the model's own
+    assert lean_module.lean_decode(tiny_engine("qwen2", decode_weights="exact").model) is None
