@@ -34,6 +34,27 @@ def test_the_pass_equals_torchs_ops_bitwise(dtype, layout):
     assert torch.equal(got, torch_rope(x, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 16])
+def test_a_block_rotated_into_its_cache_slot_is_torchs_result_bitwise(dtype, D):
+    """Re-rotation (`rope_into`, from half tables, into a strided cache slot) through the pass: torch's result
+    bitwise, nothing written outside the slot (AVX-512 path at D % 32 == 0, the plain loop otherwise)."""
+    from ragkv.ops.rope import half_tables, rope_into
+
+    g = torch.Generator().manual_seed(1)
+    H, T, cap, off = 2, 45, 128, 20
+    table = RotaryTable(RopeConfig(head_dim=D, theta=1e6))
+    x = (torch.randn(1, H, T, D, generator=g) * 8).to(dtype)
+    cos, sin = table.lookup(torch.arange(300, 300 + T))
+    cache = torch.full((1, H, cap, D), 7.0, dtype=dtype)
+    rope_into(cache[:, :, off:off + T], x, *half_tables(cos, sin))
+    assert torch.equal(cache[:, :, off:off + T], torch_rope(x, cos, sin))
+    assert (cache[:, :, :off] == 7).all() and (cache[:, :, off + T:] == 7).all()
+    assert rope_kernel.rope_half_into(cache[:, :, :T], x, *half_tables(cos, sin))  # the pass took it
+    assert not rope_kernel.rope_half_into(cache[:, :, :T].float() if dtype != torch.float32 else cache[:, :, :T].half(),
+                                          x, *half_tables(cos, sin))  # dtypes differ: torch's ops (the caller's)
+
+
 def test_shapes_the_pass_does_not_take_fall_back_to_torch():
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)  # 3-d
     cos, sin = RotaryTable(RopeConfig(head_dim=64)).lookup(torch.arange(5))

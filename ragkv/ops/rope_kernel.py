@@ -24,10 +24,11 @@ _SOURCE = r"""
 #include <type_traits>
 
 """ + SCALAR_IO + r"""
-// out = x * cos + rotate_half(x) * sin per row of D, in fp32: each product rounded before the sum (as torch's ops)
+// out = x * cos + rotate_half(x) * sin per row of D, in fp32: each product rounded before the sum (as torch's ops);
+// c/s: the tables of the first half, c2/s2 of the second (the same where the caller holds half tables)
 template <typename T>
 __attribute__((optimize("fp-contract=off")))
-static void rotate(const T* x, const float* c, const float* s, T* out, int64_t D) {
+static void rotate(const T* x, const float* c, const float* s, const float* c2, const float* s2, T* out, int64_t D) {
   int64_t half = D / 2;
   float xf[512];
   for (int64_t d = 0; d < D; ++d) xf[d] = load(x + d);
@@ -35,9 +36,9 @@ static void rotate(const T* x, const float* c, const float* s, T* out, int64_t D
     float a = xf[d] * c[d], b = -xf[d + half] * s[d];
     store(out + d, a + b);
   }
-  for (int64_t d = half; d < D; ++d) {
-    float a = xf[d] * c[d], b = xf[d - half] * s[d];
-    store(out + d, a + b);
+  for (int64_t d = 0; d < half; ++d) {
+    float a = xf[d + half] * c2[d], b = xf[d] * s2[d];
+    store(out + d + half, a + b);
   }
 }
 
@@ -46,23 +47,25 @@ static void rotate(const T* x, const float* c, const float* s, T* out, int64_t D
 """ + WIDEN_BF16_AVX512 + r"""
 // bf16 rows with D % 32 == 0 on AVX-512 BF16: `rotate`'s operations 16 lanes at a time (products, then their sum: no
 // fused multiply-add), rounded by vcvtneps2bf16 (nearest even, as torch's cast)
-static inline void rotate_avx512(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* out,
-                                 int64_t D) {
+static inline void rotate_avx512(const at::BFloat16* x, const float* c, const float* s, const float* c2,
+                                 const float* s2, at::BFloat16* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; d += 16) {
     const __m512 lo = widen(x + d), hi = widen(x + d + half);
     const __m512 a = _mm512_mul_ps(lo, _mm512_loadu_ps(c + d));
     const __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), _mm512_loadu_ps(s + d));
-    const __m512 e = _mm512_mul_ps(hi, _mm512_loadu_ps(c + d + half));
-    const __m512 f = _mm512_mul_ps(lo, _mm512_loadu_ps(s + d + half));
+    const __m512 e = _mm512_mul_ps(hi, _mm512_loadu_ps(c2 + d));
+    const __m512 f = _mm512_mul_ps(lo, _mm512_loadu_ps(s2 + d));
     _mm256_storeu_si256((__m256i*)(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
     _mm256_storeu_si256((__m256i*)(out + d + half), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(e, f)));
   }
 }
 #endif
 
+// half: cos/sin hold one half of D (rows of RoPE's tables are two equal halves), read for both
 template <typename T>
-static void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+static void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out,
+                bool half) {
   int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3);
   const T* xd = x.data_ptr<T>();
   T* od = out.data_ptr<T>();
@@ -77,12 +80,14 @@ static void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::T
       const float* cr = cd + b * cs[0] + h * cs[1] + t * cs[2];
       const float* sr = sd + b * ss[0] + h * ss[1] + t * ss[2];
       T* orow = od + b * os[0] + h * os[1] + t * os[2];
+      const float* cr2 = half ? cr : cr + D / 2;
+      const float* sr2 = half ? sr : sr + D / 2;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (D % 32 == 0) { rotate_avx512(xr, cr, sr, orow, D); continue; }
+        if (D % 32 == 0) { rotate_avx512(xr, cr, sr, cr2, sr2, orow, D); continue; }
       }
 #endif
-      rotate<T>(xr, cr, sr, orow, D);
+      rotate<T>(xr, cr, sr, cr2, sr2, orow, D);
     }
   });
 }
@@ -94,18 +99,35 @@ torch::Tensor apply(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   auto c = cos.expand(x.sizes()), s = sin.expand(x.sizes());
   TORCH_CHECK(c.stride(3) == 1 && s.stride(3) == 1, "cos/sin with unit stride on D");
   auto out = torch::empty_like(x);  // x's own layout (q is a view of the fused projection's [B, T, H, D])
-  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, c, s, out);
-  else if (x.scalar_type() == at::kFloat) run<float>(x, c, s, out);
+  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, c, s, out, false);
+  else if (x.scalar_type() == at::kFloat) run<float>(x, c, s, out, false);
   else TORCH_CHECK(false, "bf16 or fp32 only");
   return out;
 }
 
+// out = rope(x) written into out (a view, e.g. a cache slot), both [B, H, T, D] of one dtype with unit stride on D;
+// cos_h / sin_h fp32 [T, D/2]: the first halves of the tables (ops/rope.py `half_tables`)
+void apply_half_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos_h, torch::Tensor sin_h) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 && x.size(3) <= 512, "x [B, H, T, D], D even");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.stride(3) == 1 && out.scalar_type() == x.scalar_type(),
+              "out: x's shape and dtype, unit stride on D");
+  TORCH_CHECK(cos_h.scalar_type() == at::kFloat && sin_h.scalar_type() == at::kFloat, "cos/sin in fp32");
+  auto half = x.sizes().vec();
+  half[3] /= 2;
+  auto c = cos_h.expand(half), s = sin_h.expand(half);
+  TORCH_CHECK(c.stride(3) == 1 && s.stride(3) == 1, "cos/sin with unit stride on D");
+  if (x.scalar_type() == at::kBFloat16) run<at::BFloat16>(x, c, s, out, true);
+  else if (x.scalar_type() == at::kFloat) run<float>(x, c, s, out, true);
+  else TORCH_CHECK(false, "bf16 or fp32 only");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply", &apply, py::call_guard<py::gil_scoped_release>());
+  m.def("apply_half_into", &apply_half_into, py::call_guard<py::gil_scoped_release>());
 }
 """
 
-kernel = LazyExtension("ragkv_rope_v2", _SOURCE, "RoPE pass")
+kernel = LazyExtension("ragkv_rope_v3", _SOURCE, "RoPE pass")
 
 
 def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -129,3 +151,22 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         return None
     with traced("ragkv::rope"):
         return k.apply(x, cos, sin)
+
+
+def rope_half_into(out: torch.Tensor, x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> bool:
+    """out = rope(x) written in place from half tables (ops/rope.py `rope_into`'s contract) in one pass; False
+    (nothing written) where the pass does not apply: the caller then runs torch's ops."""
+    if (x.device.type != "cpu" or out.device.type != "cpu" or x.dim() != 4 or out.shape != x.shape
+            or x.dtype not in (torch.bfloat16, torch.float32) or out.dtype != x.dtype
+            or cos_h.dtype != torch.float32 or sin_h.dtype != torch.float32 or x.shape[-1] % 2 or x.shape[-1] > 512
+            or x.stride(-1) != 1 or out.stride(-1) != 1 or cos_h.stride(-1) != 1 or sin_h.stride(-1) != 1
+            or x.numel() == 0 or cos_h.shape != sin_h.shape
+            or not broadcasts_to(cos_h.shape, x.shape[:-1] + (x.shape[-1] // 2,))
+            or (torch.is_grad_enabled() and (x.requires_grad or cos_h.requires_grad))):
+        return False
+    k = kernel()
+    if k is None:
+        return False
+    with traced("ragkv::rope"):
+        k.apply_half_into(out, x, cos_h, sin_h)
+    return True
