@@ -1,5 +1,6 @@
 """The one layer loop: every forward over the decoder layers (plain causal, block encoding, every fusion mode's
-prefill, batched decode, fine-tuning) is `run_layers(model, x, plan)`.
+prefill, batched decode, fine-tuning) is `run_layers(model, x, plan)`; only a plain decode step whose products all
+run on the packed bf16 kernel takes the lean layers beside it (models/lean_decode.py, bitwise these numbers).
 
 What varies between those lives in the `LayerPlan` the loop is handed (as mlx-lm keeps its variation in the
 per-layer cache object): which rows are computed (`begin`, which may load context or drop rows), at which
