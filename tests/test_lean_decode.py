@@ -85,24 +85,42 @@ def test_a_sequence_with_an_attention_policy_sends_the_step_through_the_general_
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_torch_decode_attention_or_another_kernel_keeps_the_general_loop(fast_engine, monkeypatch):
-    """Where the decode attention goes through torch (RAGKV_DECODE_ATTENTION=torch), or a product's chosen kernel
-    is not the packed one, the lean layers stand aside."""
+def test_torch_decode_attention_keeps_the_general_loop(fast_engine, monkeypatch):
+    """Where the decode attention goes through torch (RAGKV_DECODE_ATTENTION=torch) the lean layers stand aside."""
     from ragkv.ops import attention
 
     segs, fusions = [make_segs(seed=0)], [FusionOptions(mode="full")]
     calls = _lean_calls(monkeypatch)
     monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "torch")
-    _decode(fast_engine, segs, fusions, 2, False, monkeypatch)
-    assert calls == []
-    monkeypatch.setenv("RAGKV_DECODE_ATTENTION", "auto")
     monkeypatch.setattr(attention, "_KERNEL_WINS", {})
-    lean = lean_module.lean_decode(fast_engine.decode_model)
-    monkeypatch.setattr(lean, "_takes", {})
-    down = fast_engine.decode_model.layers[0].mlp.down_proj
-    monkeypatch.setattr(down, "kernels", ["onednn"] * len(ROW_CLASSES))
     _decode(fast_engine, segs, fusions, 2, False, monkeypatch)
     assert calls == []
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "stock"])
+def test_products_on_another_kernel_run_through_their_own_methods_bitwise(kernel, fast_engine, monkeypatch):
+    """Where the chooser picked another kernel for some products at these rows (a noisy timing, the AMX kernel), the
+    lean layers call those products as the general loop does (`add_to`, `swiglu`, the linear itself): the same
+    logits and caches, bitwise."""
+    from ragkv.models.onednn import OneDnnLinear
+
+    model = fast_engine.decode_model
+    layers = model.layers
+    for mod in (layers[0].mlp.down_proj, layers[0].mlp.__dict__["gate_up_proj"], layers[1].self_attn.o_proj,
+                layers[1].self_attn.__dict__["qkv_proj"]):
+        assert isinstance(mod, OneDnnLinear) and mod.takes(kernel, 3)
+        monkeypatch.setattr(mod, "kernels", [kernel] * len(ROW_CLASSES))
+    monkeypatch.setattr(lean_module.lean_decode(model), "_ops", {})
+    segs = [make_segs(seed=s) for s in range(3)]
+    fusions = [FusionOptions(mode="full")] * 3
+    calls = _lean_calls(monkeypatch)
+    got_logits, got_caches = _decode(fast_engine, segs, fusions, 3, False, monkeypatch)
+    assert calls == [3] * 3
+    want_logits, want_caches = _decode(fast_engine, segs, fusions, 3, True, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    for got_seq, want_seq in zip(got_caches, want_caches):
+        for (gk, gv), (wk, wv) in zip(got_seq, want_seq):
+            assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
 def test_the_exact_copy_and_fp32_models_have_no_lean_layers(fast_engine, tiny_engine):

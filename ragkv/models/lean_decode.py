@@ -1,12 +1,13 @@
-"""A decode step's layers as a dozen kernel calls each, for the common case of a bf16 model on the CPU whose every
-product at this step's row count runs on ragkv's packed kernel (ops/gemv_kernel) and whose every sequence attends
-plainly over its own cache.
+"""A decode step's layers as a dozen kernel calls each, for the common case of a bf16 decode copy on the CPU
+(`--decode-weights onednn`, or `auto` where bf16 is fast) whose every sequence attends plainly over its own cache.
 
 The general loop (models/loop.py `run_layers` with the decode plan) reaches the same kernels through module calls,
 the kernel choice per product, the plan's hooks and the wrappers' checks: ~100 Python and view operations a layer,
-~4 ms of a ~40 ms one-stream step of Qwen 0.5B on a Zen 4 (15% beside the kernels' time). Here the checks run once per
-model and row count, and each layer calls the kernels directly, in the general loop's order on the same tensors:
-its results are the general loop's, bitwise (tests/test_lean_decode.py).
+~4 ms of a ~40 ms one-stream step of Qwen 0.5B on a Zen 4 (15% beside the kernels' time). Here the choices are read
+once per row count and each layer calls the kernels directly, in the general loop's order on the same tensors: a
+product on the packed kernel (ops/gemv_kernel) as a direct call, any other kernel the chooser picked for these rows
+(AMX, oneDNN) through the linear's own method, as the general loop calls it. The results are the general loop's,
+bitwise (tests/test_lean_decode.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ from ragkv.ops.attention import kernel_wins
 from ragkv.ops.trace import traced
 
 
-def _packed(linear) -> tuple | None:
-    """(packed, scales, bias, out_features) of an exact decode copy's linear with a packed copy, else None."""
-    if not isinstance(linear, OneDnnLinear) or linear.gemv is None:
-        return None
-    return (*linear.gemv, linear.out_features)
-
-
 class LeanDecode:
     """The decode layers of one model (its decode copy), built by `lean_decode` where they apply."""
 
@@ -34,27 +28,29 @@ class LeanDecode:
         self.model, self.k = model, kernels
         self.heads, self.kv_heads, self.head_dim, self.eps = a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
         self.scale = 1.0 / a.head_dim ** 0.5
-        self.linears = []  # per layer: the four joined products' modules (their kernel choice, read per row count)
-        self.layers = []   # per layer: the norms' weights and the four products' packed copies
-        for layer in model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            mods = (att.__dict__["qkv_proj"], att.o_proj, mlp.__dict__["gate_up_proj"], mlp.down_proj)
-            self.linears.append(mods)
-            self.layers.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                *(_packed(m) for m in mods)))
-        self._takes: dict[int, bool] = {}
+        # per layer: the norms' weights and the four joined products (q/k/v, output, gate/up, down)
+        self.layers = [(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                        layer.self_attn.__dict__["qkv_proj"], layer.self_attn.o_proj,
+                        layer.mlp.__dict__["gate_up_proj"], layer.mlp.down_proj) for layer in model.layers]
+        self._ops: dict[int, list] = {}
         self._probe = (torch.zeros(1, a.num_heads, 1, a.head_dim, dtype=torch.bfloat16),
                        torch.zeros(1, a.num_kv_heads, 1, a.head_dim, dtype=torch.bfloat16))
 
-    def takes(self, rows: int) -> bool:
-        """Whether the general loop would run a `rows`-row step on these kernels: every product on the packed one
-        (the choice is made with the decode copy, before any step: kept per row count) and the decode attention on
-        the C++ kernel (RAGKV_DECODE_ATTENTION may say otherwise at any time: asked every step)."""
-        got = self._takes.get(rows)
-        if got is None:
-            got = self._takes[rows] = all(m.kernel_for_rows(rows) == "gemv" for mods in self.linears for m in mods)
+    def takes(self) -> bool:
+        """Whether the general loop would attend through the C++ decode kernel (RAGKV_DECODE_ATTENTION may say
+        otherwise at any time: asked every step)."""
         q, kv = self._probe
-        return got and kernel_wins(q, kv, kv)
+        return kernel_wins(q, kv, kv)
+
+    def products(self, rows: int) -> list:
+        """Per layer, the four products of a `rows`-row step as (q/k/v, residual + output, SwiGLU, residual + down)
+        callables over [rows, features] tensors. The kernel choice is made with the decode copy, before any step:
+        kept per row count."""
+        got = self._ops.get(rows)
+        if got is None:
+            got = self._ops[rows] = [(_product(qkv, rows), _add_product(o, rows), _swiglu(gate_up, rows),
+                                      _add_product(down, rows)) for _, _, qkv, o, gate_up, down in self.layers]
+        return got
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, caches: list, lengths: list[int]) -> torch.Tensor:
         """x [B, 1, H] embedded rows at positions [B, 1]; caches[b]: a KVCache with room for one more row after
@@ -62,39 +58,73 @@ class LeanDecode:
         [B, 1, H]. Writes each layer's new K/V row at lengths[b], as the general loop does."""
         B, H = x.shape[0], x.shape[-1]
         Hq, Hkv, D, eps = self.heads, self.kv_heads, self.head_dim, self.eps
-        gemv, rms, rope = self.k["gemv"].gemv, self.k["norm"].rms_norm, self.k["rope"].apply
-        attend, silu_mul = self.k["attention"].append_attention_many, self.k["silu"].silu_mul
+        rms, rope = self.k["norm"].rms_norm, self.k["rope"].apply
+        attend = self.k["attention"].append_attention_many
         cos, sin = self.model.rope_tables(positions)
         x = x.reshape(B, H)
-        q_end, k_end, half = Hq * D, (Hq + Hkv) * D, self.layers[0][4][-1] // 2
-        for i, (w_in, w_post, qkv, o, gate_up, down) in enumerate(self.layers):
+        q_end, k_end = Hq * D, (Hq + Hkv) * D
+        for i, ((w_in, w_post, *_), (qkv, o_add, swiglu, down_add)) in enumerate(zip(self.layers,
+                                                                                     self.products(B))):
             with traced("ragkv::rms_norm"):
                 h = rms(x, w_in, eps)
-            with traced("ragkv::gemv"):
-                y = gemv(h, *qkv)
+            y = qkv(h)
             with traced("ragkv::rope"):
                 q = rope(y[:, :q_end].view(B, 1, Hq, D).transpose(1, 2), cos, sin)
                 k = rope(y[:, q_end:k_end].view(B, 1, Hkv, D).transpose(1, 2), cos, sin)
             with traced("ragkv::decode_attention"):
                 a = attend(q.reshape(B, Hq, D), k[:, :, 0], y[:, k_end:].view(B, Hkv, D),
                            [c.keys[i] for c in caches], [c.values[i] for c in caches], lengths, self.scale)
-            with traced("ragkv::gemv"):
-                x = x + gemv(a.to(x.dtype).view(B, Hq * D), *o)
+            x = o_add(x, a.to(x.dtype).view(B, Hq * D))
             with traced("ragkv::rms_norm"):
                 h = rms(x, w_post, eps)
-            with traced("ragkv::gemv"):
-                y = gemv(h, *gate_up)
-            with traced("ragkv::silu_mul"):
-                s = silu_mul(y[:, :half], y[:, half:])
-            with traced("ragkv::gemv"):
-                x = x + gemv(s, *down)
+            x = down_add(x, swiglu(h))
         return x.view(B, 1, H)
+
+
+def _packed_call(linear: OneDnnLinear):
+    gemv, pack = gemv_kernel.kernel().gemv, (*linear.gemv, linear.out_features)
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        with traced("ragkv::gemv"):
+            return gemv(h, *pack)
+    return call
+
+
+def _product(linear: OneDnnLinear, rows: int):
+    """h [rows, K] -> h W^T (+ b) [rows, N]: the packed kernel directly where chosen, else the linear itself (over
+    [rows, 1, K], the shape the general loop hands it)."""
+    if linear.kernel_for_rows(rows) == "gemv":
+        return _packed_call(linear)
+    return lambda h: linear(h.unsqueeze(1)).squeeze(1)
+
+
+def _add_product(linear: OneDnnLinear, rows: int):
+    """(x, h) -> x + h W^T, as models/llama.py `add_linear` computes it (the linear's `add_to`: a kernel other than
+    the packed one may add the residual inside its product)."""
+    if linear.kernel_for_rows(rows) == "gemv":
+        product = _packed_call(linear)
+        return lambda x, h: x + product(h)
+    return lambda x, h: linear.add_to(x.unsqueeze(1), h.unsqueeze(1)).squeeze(1)
+
+
+def _swiglu(gate_up: OneDnnLinear, rows: int):
+    """h [rows, K] -> silu(gate) * up [rows, I]: the joined product on the packed kernel then one pass, or the
+    linear's own `swiglu` (the general loop's MLP calls it)."""
+    if gate_up.kernel_for_rows(rows) != "gemv":
+        return lambda h: gate_up.swiglu(h.unsqueeze(1)).squeeze(1)
+    product, silu_mul, half = _packed_call(gate_up), int8_kernel.kernel().silu_mul, gate_up.out_features // 2
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        y = product(h)
+        with traced("ragkv::silu_mul"):
+            return silu_mul(y[:, :half], y[:, half:])
+    return call
 
 
 def lean_decode(model) -> LeanDecode | None:
     """The model's lean decode layers (built once, kept on the model), or None where they cannot apply: not a bf16
-    decode copy on the CPU with every product packed, or a kernel not built here (`takes` says, step by step,
-    whether they apply)."""
+    decode copy on the CPU whose q/k/v, output, gate/up and down products are `OneDnnLinear`s (the MLP's SwiGLU
+    through the copy's own method), or a kernel not built here (`takes` says, step by step, whether they apply)."""
     got = model.__dict__.get("_lean_decode", False)
     if got is not False:
         return got
@@ -114,9 +144,9 @@ def _build(model) -> LeanDecode | None:
         return None
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = att.__dict__.get("qkv_proj"), mlp.__dict__.get("gate_up_proj")
-        if qkv is None or gate_up is None or len(getattr(gate_up, "parts", ())) != 2 \
-                or any(_packed(m) is None for m in (qkv, att.o_proj, gate_up, mlp.down_proj)) \
+        mods = (att.__dict__.get("qkv_proj"), att.o_proj, mlp.__dict__.get("gate_up_proj"), mlp.down_proj)
+        if not all(isinstance(m, OneDnnLinear) and m.weight.dtype == torch.bfloat16 for m in mods) \
+                or len(mods[2].parts) != 2 \
                 or any(n.weight.dtype != torch.bfloat16 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return None
     return LeanDecode(model, kernels)

@@ -189,14 +189,14 @@ def decode_forward(model, states: list[DecodeState], tokens: list[int], rows: in
 
 
 class DecodeForward(Forward):
-    """A decode step's forward. Run alone with every sequence plain (no policy, own buffer) and every product on the
-    packed kernel, it goes through the lean layers (models/lean_decode.py: the same kernels on the same tensors,
-    bitwise, with ~10% less time a step); otherwise, and run with others, through the general loop."""
+    """A decode step's forward. Run alone on a bf16 decode copy with every sequence plain (no policy, own buffer),
+    it goes through the lean layers (models/lean_decode.py: the same kernels on the same tensors, bitwise, with
+    ~10% less time a step); otherwise, and run with others, through the general loop."""
 
     def run(self) -> torch.Tensor:
         plan = self.plan
         lean = lean_decode(self.model) if len(plan.direct) == len(plan.states) and not plan.pad else None
-        if lean is None or not lean.takes(self.rows):
+        if lean is None or not lean.takes():
             return super().run()
         caches = [s.cache for s in plan.states]
         with torch.inference_mode(self.inference):
