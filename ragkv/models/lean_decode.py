@@ -138,10 +138,9 @@ def _build(model) -> LeanDecode | None:
     if w.device.type != "cpu" or w.dtype != torch.bfloat16 or a.num_heads % a.num_kv_heads or a.head_dim % 2 \
             or a.head_dim > 512:  # RoPE's pass takes even head sizes up to 512
         return None
-    kernels = {"gemv": gemv_kernel.kernel(), "norm": norm_kernel.kernel(), "rope": rope_kernel.kernel(),
-               "attention": decode_kernel.kernel(), "silu": int8_kernel.kernel()}
-    if any(k is None for k in kernels.values()):
-        return None
+    kernels = {"norm": norm_kernel.kernel(), "rope": rope_kernel.kernel(), "attention": decode_kernel.kernel()}
+    if any(k is None for k in kernels.values()) or gemv_kernel.kernel() is None or int8_kernel.kernel() is None:
+        return None  # the products' packed kernel and the SwiGLU pass are fetched per product (`_packed_call`)
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
         mods = (att.__dict__.get("qkv_proj"), att.o_proj, mlp.__dict__.get("gate_up_proj"), mlp.down_proj)

@@ -136,17 +136,20 @@ def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
+def _takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table_shape) -> bool:
+    """Whether the pass takes x [B, H, T, D] (CPU, bf16 or fp32, D even up to 512, unit stride on D, no gradient
+    wanted) with fp32 tables of one shape that broadcasts to `table_shape`."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float32)
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.shape[-1] % 2 == 0
+            and x.shape[-1] <= 512 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and x.numel() > 0 and cos.shape == sin.shape and broadcasts_to(cos.shape, table_shape)
+            and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)))
+
+
 def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x rotated in one pass, or None where the pass does not apply (another device or dtype, a gradient wanted,
     shapes it does not take, or no kernel here): the caller then runs torch's ops."""
-    if (x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.bfloat16, torch.float32)
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or x.shape[-1] % 2 or x.shape[-1] > 512
-            or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or x.numel() == 0
-            or (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad))):
-        return None
-    if cos.shape != sin.shape or not broadcasts_to(cos.shape, x.shape):
-        return None
-    k = kernel()
+    k = kernel() if _takes(x, cos, sin, x.shape) else None
     if k is None:
         return None
     with traced("ragkv::rope"):
@@ -156,15 +159,9 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def rope_half_into(out: torch.Tensor, x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> bool:
     """out = rope(x) written in place from half tables (ops/rope.py `rope_into`'s contract) in one pass; False
     (nothing written) where the pass does not apply: the caller then runs torch's ops."""
-    if (x.device.type != "cpu" or out.device.type != "cpu" or x.dim() != 4 or out.shape != x.shape
-            or x.dtype not in (torch.bfloat16, torch.float32) or out.dtype != x.dtype
-            or cos_h.dtype != torch.float32 or sin_h.dtype != torch.float32 or x.shape[-1] % 2 or x.shape[-1] > 512
-            or x.stride(-1) != 1 or out.stride(-1) != 1 or cos_h.stride(-1) != 1 or sin_h.stride(-1) != 1
-            or x.numel() == 0 or cos_h.shape != sin_h.shape
-            or not broadcasts_to(cos_h.shape, x.shape[:-1] + (x.shape[-1] // 2,))
-            or (torch.is_grad_enabled() and (x.requires_grad or cos_h.requires_grad))):
-        return False
-    k = kernel()
+    takes = out.device.type == "cpu" and out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1 \
+        and _takes(x, cos_h, sin_h, x.shape[:-1] + (x.shape[-1] // 2,))
+    k = kernel() if takes else None
     if k is None:
         return False
     with traced("ragkv::rope"):
