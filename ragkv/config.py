@@ -54,13 +54,36 @@ def _cpuinfo() -> tuple[str | None, frozenset[str]]:
     return field.get("model name"), frozenset(field.get("flags", "").split())
 
 
+EMULATED_ISA = "RAGKV_ISA_EMULATED"  # set by scripts/as_avx2.sh: the code paths of an older CPU, on this one
+
+
+def _flags() -> frozenset[str]:
+    """The ISA flags the code paths may use: /proc/cpuinfo's, less everything past AVX2 under scripts/as_avx2.sh."""
+    flags = _cpuinfo()[1]
+    if os.environ.get(EMULATED_ISA) == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return flags
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether ragkv's kernels may use an ISA extension (a /proc/cpuinfo flag: "avx512_bf16", "amx_tile")."""
+    return flag in _flags()
+
+
+def _isa_label(flags: frozenset[str]) -> str | None:
+    return next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
+                                           ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
+
+
 def cpu_name() -> str:
     """The CPU's model name and its widest vector extension: VMs often report only "AMD EPYC", and the extension
-    is what separates these machines' speeds (bf16 is fast only with AMX or AVX512-BF16)."""
+    is what separates these machines' speeds (bf16 is fast only with AMX or AVX512-BF16). Under scripts/as_avx2.sh
+    it names both: the paths taken and the CPU that took them."""
     name, flags = _cpuinfo()
     name = name or platform.processor() or platform.machine()
-    isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
-                                          ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
+    isa, used = _isa_label(flags), _isa_label(_flags())
+    if used != isa:
+        return f"{name} ({used} paths, emulated on {isa})"
     return f"{name} ({isa})" if isa else name
 
 
@@ -76,8 +99,7 @@ def machine() -> dict:
 
 
 def cpu_has_fast_bf16() -> bool:
-    flags = _cpuinfo()[1]
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return cpu_has("amx_bf16") or cpu_has("avx512_bf16")
 
 
 def _half_is_emulated(device: "torch.device") -> bool:

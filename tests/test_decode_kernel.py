@@ -110,6 +110,27 @@ def test_several_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, 
         assert (one.float() - ref).abs().max().item() <= 3 * rounding + 1e-6
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (12, 2, 128), (8, 1, 64), (8, 2, 48), (16, 1, 64)])
+def test_several_fp32_sequences_in_one_call_get_each_its_own_answer_bitwise(hq, hkv, d):
+    """The fp32 path (ops/decode_f32.py, AVX2 and FMA: group sizes 1-8, head dims 64 and 128; the generic path for
+    head dim 48 or a group of 16) runs B sequences of different lengths in one call; each sequence's rows equal its
+    own call's bitwise and SDPA's to fp32 rounding, with lengths around its blocks of 8 keys and its chunks."""
+    from ragkv.ops.decode_kernel import decode_attention_many_cpu
+
+    g = torch.Generator().manual_seed(d + hq)
+    lengths = [1, 7, 9, 256, 300, 2418, 17]
+    ks = [torch.randn(1, hkv, n + 5, d, generator=g)[:, :, :n] for n in lengths]
+    vs = [torch.randn(1, hkv, n + 5, d, generator=g)[:, :, :n] for n in lengths]
+    q = torch.randn(len(lengths), hq, 1, d, generator=g) * 3
+    many = decode_attention_many_cpu(q, ks, vs)
+    assert many.shape == q.shape and many.dtype == q.dtype
+    for b in range(len(lengths)):
+        one = decode_attention_cpu(q[b:b + 1], ks[b], vs[b])
+        assert torch.equal(one, many[b:b + 1])
+        ref = F.scaled_dot_product_attention(q[b:b + 1].double(), ks[b].double(), vs[b].double(), enable_gqa=True)
+        assert (one.double() - ref).abs().max().item() <= 1e-5  # as the single-call test
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (8, 2, 48)])
 def test_new_rows_written_and_attended_in_one_call_equal_a_write_then_attention(dtype, hq, hkv, d):

@@ -47,6 +47,20 @@ def test_the_chooser_picks_the_fastest_measured_kernel_per_row_class_and_caches_
     assert chooser.choose("plain 8->8", torch.float32, 64, candidates, "onednn") == choice and chooser.measured == 2
 
 
+def test_an_emulated_older_cpu_is_another_machine_with_fewer_kernels(monkeypatch):
+    """scripts/as_avx2.sh runs a command down an AVX2-only CPU's paths: what is past AVX2 is off for ragkv's kernels,
+    the records name both the paths and the CPU, and choices measured natively are not reused there."""
+    from ragkv import config
+
+    monkeypatch.setattr(config, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"})))
+    native = machine_key(torch.bfloat16)
+    assert config.cpu_has("avx512_bf16") and config.cpu_name() == "AMD EPYC (AVX-512 BF16)"
+    monkeypatch.setenv(config.EMULATED_ISA, "avx2")
+    assert not config.cpu_has("avx512_bf16") and config.cpu_has("avx2") and not config.cpu_has_fast_bf16()
+    assert config.cpu_name() == "AMD EPYC (AVX2 paths, emulated on AVX-512 BF16)"
+    assert machine_key(torch.bfloat16) != native
+
+
 def test_candidates_are_timed_in_turn_and_a_copy_must_win_by_a_margin(tmp_path):
     """A probe times every candidate once a round, the order rotating, so a machine that slows down during the
     probe slows all alike (a fake clock whose costs rise 2.5% a call: timed one kernel after the other, the 10%

@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from ragkv.config import cpu_has_fast_bf16
 from ragkv.ops import amx_kernel, gemv_kernel, int8_kernel
 from ragkv.ops.attention import choose_decode_attention, choose_prefill_attention
 from ragkv.ops.kernel_choice import PROBE_ROWS, KernelChooser, row_class
@@ -77,8 +78,7 @@ class ExactCopyLinear(nn.Module):
 def bf16_matrix_units() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where oneDNN's packed bf16 kernels pay;
     elsewhere bf16 is emulated and slow."""
-    return torch.backends.mkldnn.is_available() and (torch.cpu._is_avx512_bf16_supported()
-                                                     or torch.cpu._is_amx_tile_supported())
+    return torch.backends.mkldnn.is_available() and cpu_has_fast_bf16()
 
 
 class OneDnnLinear(ExactCopyLinear):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.config import cpu_has
 from ragkv.ops.cpp_build import AMX_TILES, SILU_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
@@ -251,7 +252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 _NAME = "ragkv_bf16_amx_product_v7"
 # the compiled module where this CPU has AMX-BF16, else None (the chooser offers only the other kernels)
-kernel = LazyExtension(_NAME, _SOURCE, "AMX bf16 product kernel", needs=torch.cpu._is_amx_tile_supported)
+kernel = LazyExtension(_NAME, _SOURCE, "AMX bf16 product kernel", needs=lambda: cpu_has("amx_tile"))
 
 
 def takes(rows: int, in_features: int) -> bool:

@@ -232,8 +232,9 @@ _KERNEL_WINS: dict = {}  # dtype -> whether the C++ decode kernel beat the torch
 
 def kernel_wins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the C++ decode kernel is the faster path here: timed once per dtype against the torch path, over
-    2,048 keys with the first call's heads. It was 1.7-2x faster than SDPA where it was written, but 3.4x slower
-    than SDPA in fp32 on a 2-core AVX2 Zen 3 (1.47 ms against 0.43 ms per layer at 2.4K keys). The choice holds
+    2,048 keys with the first call's heads. It was 1.7-2x faster than SDPA where it was written; in fp32 its generic
+    loop was 3.4x slower than SDPA on a 2-core AVX2 Zen 3 (1.47 ms against 0.43 ms per layer at 2.4K keys), its
+    AVX2 path (ops/decode_f32.py) takes a 16-sequence step's attention in about half SDPA's time. The choice holds
     for the process (every sequence decodes through the same path: batch invariance); RAGKV_DECODE_ATTENTION=kernel
     or torch fixes it (avx512 or amx: the kernel, on that path)."""
     forced = forced_decode_attention()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.config import cpu_has
 from ragkv.ops.cpp_build import AMX_TILES, EXP2_NEG_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
@@ -187,7 +188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 kernel = LazyExtension("ragkv_context_mass_v9", _SOURCE, "context attention mass pass",
-                       needs=torch.cpu._is_avx512_bf16_supported)
+                       needs=lambda: cpu_has("avx512_bf16"))
 
 
 def context_mass(q: torch.Tensor, k: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ import torch
 from ragkv.ops.cpp_build import LazyExtension
 from ragkv.ops.decode_amx import AMX_PATH
 from ragkv.ops.decode_bf16 import BF16_PATH
+from ragkv.ops.decode_f32 import F32_PATH
 from ragkv.ops.decode_parts import PARTS_PATH
 from ragkv.ops.trace import traced
 
@@ -120,7 +121,7 @@ static void merge_chunks(const float* pmax, const float* psum, const float* pout
 }
 
 static inline int64_t chunk_of(int64_t S) { return std::max<int64_t>(256, (S + 7) / 8); }
-""" + BF16_PATH + AMX_PATH + r"""
+""" + BF16_PATH + AMX_PATH + F32_PATH + r"""
 template <typename T>
 static void decode_attn_impl(const at::Tensor& q, const Rows<T>& kr_, const Rows<T>& vr_, int64_t Hkv, int64_t S,
                              at::Tensor& out, double scale) {
@@ -184,8 +185,14 @@ static at::Tensor attend(at::Tensor q, const at::Tensor& k, const at::Tensor& v,
   q = q.contiguous();
   const int64_t Hkv = k.size(0), S = k.size(1) + (k2 ? k2->size(1) : 0);
   auto out = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kFloat)
-    decode_attn_impl<float>(q, Rows<float>(k, k2), Rows<float>(v, v2), Hkv, S, out, scale);
+  if (q.scalar_type() == at::kFloat) {
+    const Rows<float> kr(k, k2), vr(v, v2);
+#if defined(__AVX2__) && defined(__FMA__)
+    const std::vector<SeqF32> one{{q.data_ptr<float>(), kr, vr, S, out.data_ptr<float>()}};
+    if (decode_f32_fast(one, q.size(0) / Hkv, Hkv, q.size(1), scale)) return out;
+#endif
+    decode_attn_impl<float>(q, kr, vr, Hkv, S, out, scale);
+  }
   else if (q.scalar_type() == at::kBFloat16) {
     const Rows<at::BFloat16> kr(k, k2), vr(v, v2);
 #ifdef __AVX512BF16__
@@ -204,7 +211,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
 }
 
 // Several sequences' decode attention in one call: q [B, Hq, D], keys[b] / values[b] [Hkv, S_b, D] -> [B, Hq, D]
-// fp32. Each sequence's numbers equal its own `decode_attention` call's (bitwise): the bf16 path's work items of
+// fp32. Each sequence's numbers equal its own `decode_attention` call's (bitwise): the bf16 and fp32 paths' work items of
 // all sequences share one parallel loop; other dtypes and shapes go sequence by sequence.
 at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, double scale) {
   TORCH_CHECK(q.dim() == 3 && (int64_t)ks.size() == q.size(0) && ks.size() == vs.size(), "q [B, Hq, D], B keys, B values");
@@ -222,6 +229,18 @@ at::Tensor decode_attention_many(at::Tensor q, std::vector<at::Tensor> ks, std::
                       out.data_ptr<float>() + b * Hq * D});
     }
     if (decode_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (q.scalar_type() == at::kFloat && B > 0) {
+    std::vector<SeqF32> seqs;
+    for (int64_t b = 0; b < B; ++b) {
+      check_kv(q, ks[b], vs[b]);
+      TORCH_CHECK(ks[b].size(0) == ks[0].size(0) && ks[b].size(1) == vs[b].size(1), "one model's caches");
+      seqs.push_back({q.data_ptr<float>() + b * Hq * D, Rows<float>(ks[b], nullptr), Rows<float>(vs[b], nullptr),
+                      ks[b].size(1), out.data_ptr<float>() + b * Hq * D});
+    }
+    if (decode_f32_fast(seqs, Hq / ks[0].size(0), ks[0].size(0), D, scale)) return out;
   }
 #endif
   for (int64_t b = 0; b < B; ++b) out.select(0, b).copy_(attend(q.select(0, b), ks[b], vs[b], nullptr, nullptr, scale));
@@ -273,6 +292,23 @@ at::Tensor append_attention_many(at::Tensor q, at::Tensor k_new, at::Tensor v_ne
     if (decode_fast(seqs, Hq / Hkv, Hkv, D, scale)) return out;
   }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (q.scalar_type() == at::kFloat && B > 0) {  // likewise
+    q = q.contiguous();
+    const int64_t Hq = q.size(1);
+    auto out = at::empty({B, Hq, D}, q.options());
+    std::vector<SeqF32> seqs;
+    seqs.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const at::Tensor &kb = kbufs[b], &vb = vbufs[b];
+      seqs.push_back({q.data_ptr<float>() + b * Hq * D,
+                      Rows<float>(kb.data_ptr<float>(), kb.stride(1), kb.stride(2), lengths[b] + 1),
+                      Rows<float>(vb.data_ptr<float>(), vb.stride(1), vb.stride(2), lengths[b] + 1),
+                      lengths[b] + 1, out.data_ptr<float>() + b * Hq * D});
+    }
+    if (decode_f32_fast(seqs, Hq / Hkv, Hkv, D, scale)) return out;
+  }
+#endif
   std::vector<at::Tensor> ks, vs;
   ks.reserve(B);
   vs.reserve(B);
@@ -300,7 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v25"
+_NAME = "ragkv_decode_attention_v26"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.config import cpu_has
 from ragkv.ops.cpp_build import LazyExtension
 from ragkv.ops.huge_pages import on_huge_pages
 from ragkv.ops.trace import traced
@@ -242,7 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 _NAME = "ragkv_bf16_gemv_v10"
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use oneDNN)
-kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=torch.cpu._is_avx512_bf16_supported)
+kernel = LazyExtension(_NAME, _SOURCE, "bf16 product kernel", needs=lambda: cpu_has("avx512_bf16"))
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None, int8: bool = False

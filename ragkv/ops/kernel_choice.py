@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ragkv.config import cache_dir, cpu_name
+from ragkv.config import cache_dir, cpu_has, cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,11 @@ def row_class(rows: int) -> int:
 
 
 def machine_key(dtype: torch.dtype) -> str:
-    """What a kernel's speed depends on besides its shape: the CPU, its ISA, torch's build, the dtype."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
-    except (OSError, IndexError):
-        flags = set()
-    isa = ",".join(f for f in ISA_FLAGS if f in flags)
-    return f"{cpu_name()}|{isa}|torch {torch.__version__}|{str(dtype).removeprefix('torch.')}"
+    """What a kernel's speed depends on besides its shape: the CPU, the ISA its code paths may use (torch's capped by
+    ATEN_CPU_CAPABILITY, ragkv's by scripts/as_avx2.sh), torch's build, the dtype."""
+    isa = ",".join(f for f in ISA_FLAGS if cpu_has(f))
+    torch_isa = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu_name()}|{isa}|torch {torch.__version__} {torch_isa}|{str(dtype).removeprefix('torch.')}"
 
 
 def interleaved_medians(calls: dict[str, Callable[[], object]], timer: Callable[[], float],

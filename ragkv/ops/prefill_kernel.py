@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.config import cpu_has
 from ragkv.ops.cpp_build import AMX_TILES, EXP2_NEG_AVX512, LazyExtension
 from ragkv.ops.trace import traced
 
@@ -418,7 +419,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 _NAME = "ragkv_bf16_prefill_attention_v8"
 HEAD_DIMS = (64, 128)
 # the compiled module where this CPU has AVX-512 BF16, else None (callers use SDPA)
-kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=torch.cpu._is_avx512_bf16_supported)
+kernel = LazyExtension(_NAME, _SOURCE, "bf16 prefill-attention kernel", needs=lambda: cpu_has("avx512_bf16"))
 
 
 def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
