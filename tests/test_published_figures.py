@@ -303,6 +303,34 @@ def test_zen5_engine_and_batched_decode():
            f"{batched['before']['onednn']} before decode attention scored 16 keys per step")
 
 
+def test_fp32_down_avx2_paths():
+    """docs/results/cpu_fp32_avx2: the engine's medians over three runs of each checkout, decode's three runs."""
+    page = "docs/results/cpu_fp32_avx2/README.md"
+    medians = {}
+    for side in ("now", "before"):
+        ratios = {n: [] for n in (1024, 2048)}
+        for i in (1, 2, 3):
+            for r in load("cpu_fp32_avx2", f"engine_{side}_{i}", "engine_vs_hf.json")["rows"]:
+                ratios[r["tokens"]].append(r["ratio"])
+        medians[side] = {n: statistics.median(v) for n, v in ratios.items()}
+        for n, v in ratios.items():
+            stated(page, ", ".join(f"{x:.3f}" for x in v) + f": median **{medians[side][n]:.3f}**")
+    stated(README, f"prefill takes {medians['now'][1024]:.3f}x transformers' time at 1,024 tokens and "
+                   f"{medians['now'][2048]:.3f}x at 2,048 ({medians['before'][1024]:.3f}x and "
+                   f"{medians['before'][2048]:.3f}x before")
+    runs = {k: {r["decode_weights"]: r for r in load("cpu_fp32_avx2", k, "decode.json")["rows"]}
+            for k in ("decode_before", "decode_sdpa_attention", "decode_now")}
+    for k, rows in runs.items():
+        one = rows["onednn"]
+        stated(page, f"({k}) | {one['tokens_per_s']} | {round(100 * one['fraction_of_bound'])}% | "
+                     f"{one['batched_tokens_per_s']['16']}")
+    now, sdpa, before = (runs[k]["onednn"] for k in ("decode_now", "decode_sdpa_attention", "decode_before"))
+    stated(README, f"one stream decodes at {now['tokens_per_s']} tok/s ({round(100 * now['fraction_of_bound'])}% of "
+                   f"the bandwidth bound) and 16 answers together at {now['batched_tokens_per_s']['16']} tok/s "
+                   f"({sdpa['batched_tokens_per_s']['16']} with decode attention through SDPA, "
+                   f"{before['batched_tokens_per_s']['16']} before)")
+
+
 def test_the_amx_xeons_engine_decode_and_serving():
     from ragkv.bench.serve.peer import peer_ratios
     from ragkv.bench.serve.run import goodput_ratios
