@@ -232,22 +232,17 @@ __attribute__((noinline)) static void amx_pv(const SeqView& sq, int64_t h, int64
 template <int D, int W>
 static void decode_amx(const std::vector<SeqView>& seqs, int64_t G, int64_t Hkv, float scale) {
   constexpr int NK = D / 32;  // 32-dim slices of a query row: its B tiles
-  const int64_t B = seqs.size();
-  std::vector<int64_t> chunk(B), nchunks(B), first(B + 1, 0);  // as decode_bf16: the same items and chunks
-  for (int64_t i = 0; i < B; ++i) {
-    chunk[i] = chunk_of(seqs[i].S);
-    nchunks[i] = (seqs[i].S + chunk[i] - 1) / chunk[i];
-    first[i + 1] = first[i] + Hkv * nchunks[i];
-  }
-  std::vector<float> pmax(first[B] * G), psum(first[B] * G), pout(first[B] * G * D);
-  at::parallel_for(0, first[B], 1, [&](int64_t begin, int64_t end) {
+  const WorkItems items(seqs, Hkv);  // as decode_bf16: the same items and chunks
+  const std::vector<int64_t> &chunk = items.chunk, &nchunks = items.nchunks, &first = items.first;
+  std::vector<float> pmax(items.total() * G), psum(items.total() * G), pout(items.total() * G * D);
+  at::parallel_for(0, items.total(), 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t qt[NK * 16 * 2 * W];  // the query rows as B tiles: [slice][dim pair][row][2]
     alignas(64) uint16_t staging[32 * D];       // key blocks that are short or span two segments, copied
     alignas(64) float ot[W * D], mx[16], sm[16];
     std::vector<float> st;                      // scores: [key][W rows]
     std::vector<uint32_t> pw, pa;               // numerator pairs: [key pair][W rows]; as A tiles [block][row][pair]
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t i = items.seq_of(item);
       const SeqView& sq = seqs[i];
       const int64_t h = (item - first[i]) / nchunks[i], c = (item - first[i]) % nchunks[i];
       const int64_t s0 = c * chunk[i], n = std::min(sq.S, s0 + chunk[i]) - s0, ld = (n + 31) / 32 * 32;
@@ -272,10 +267,7 @@ static void decode_amx(const std::vector<SeqView>& seqs, int64_t G, int64_t Hkv,
     }
     _tile_release();
   });
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t at = first[i] * G;
-    merge_chunks(pmax.data() + at, psum.data() + at, pout.data() + at * D, Hkv, nchunks[i], G, D, seqs[i].out);
-  }
+  items.merge(seqs, pmax, psum, pout, Hkv, G, D);
 }
 
 // the AMX path where it was chosen and takes the shape (a group of at most 16 rows, head dim 64 or 128), else false

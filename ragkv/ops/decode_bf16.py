@@ -81,20 +81,15 @@ struct SeqView {
 template <int G, int D>
 static void decode_bf16(const std::vector<SeqView>& seqs, int64_t Hkv, float scale) {
   constexpr int NQ = D / 32;  // bf16 registers per query row
-  const int64_t B = seqs.size();
-  std::vector<int64_t> chunk(B), nchunks(B), first(B + 1, 0);  // first[b]: sequence b's first work item
-  for (int64_t i = 0; i < B; ++i) {
-    chunk[i] = chunk_of(seqs[i].S);
-    nchunks[i] = (seqs[i].S + chunk[i] - 1) / chunk[i];
-    first[i + 1] = first[i] + Hkv * nchunks[i];
-  }
+  const WorkItems items(seqs, Hkv);
+  const std::vector<int64_t> &chunk = items.chunk, &nchunks = items.nchunks, &first = items.first;
   // partials per work item and group row: max, sum, unnormalized output
-  std::vector<float> pmax(first[B] * G), psum(first[B] * G), pout(first[B] * G * D);
-  at::parallel_for(0, first[B], 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> pmax(items.total() * G), psum(items.total() * G), pout(items.total() * G * D);
+  at::parallel_for(0, items.total(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<uint16_t> p16;  // the numerators in bf16, row g at g * ldp
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t i = items.seq_of(item);
       const SeqView& sq = seqs[i];
       const int64_t h = (item - first[i]) / nchunks[i], c = (item - first[i]) % nchunks[i];
       const int64_t s0 = c * chunk[i], n = std::min(sq.S, s0 + chunk[i]) - s0, ld = (chunk[i] + 15) / 16 * 16;
@@ -180,34 +175,14 @@ static void decode_bf16(const std::vector<SeqView>& seqs, int64_t Hkv, float sca
       }
     }
   });
-  for (int64_t i = 0; i < B; ++i) {  // item order within a sequence is (head, chunk), as merge_chunks reads it
-    const int64_t at = first[i] * G;
-    merge_chunks(pmax.data() + at, psum.data() + at, pout.data() + at * D, Hkv, nchunks[i], G, D, seqs[i].out);
-  }
+  items.merge(seqs, pmax, psum, pout, Hkv, G, D);
 }
 
 // the instantiation for (G, D), or false where there is none (the generic path takes it)
-template <int G>
-static bool decode_bf16_d(const std::vector<SeqView>& seqs, int64_t Hkv, int64_t D, float scale) {
-  if (D == 64) decode_bf16<G, 64>(seqs, Hkv, scale);
-  else if (D == 128) decode_bf16<G, 128>(seqs, Hkv, scale);
-  else return false;
-  return true;
-}
-
 static bool decode_bf16_fast(const std::vector<SeqView>& seqs, int64_t G, int64_t Hkv, int64_t D, double scale) {
-  const float sc = static_cast<float>(scale);
-  switch (G) {
-    case 1: return decode_bf16_d<1>(seqs, Hkv, D, sc);
-    case 2: return decode_bf16_d<2>(seqs, Hkv, D, sc);
-    case 3: return decode_bf16_d<3>(seqs, Hkv, D, sc);
-    case 4: return decode_bf16_d<4>(seqs, Hkv, D, sc);
-    case 5: return decode_bf16_d<5>(seqs, Hkv, D, sc);
-    case 6: return decode_bf16_d<6>(seqs, Hkv, D, sc);
-    case 7: return decode_bf16_d<7>(seqs, Hkv, D, sc);
-    case 8: return decode_bf16_d<8>(seqs, Hkv, D, sc);
-    default: return false;
-  }
+  return for_group_and_dim(G, D, [&](auto g, auto d) {
+    decode_bf16<decltype(g)::value, decltype(d)::value>(seqs, Hkv, static_cast<float>(scale));
+  });
 }
 #endif
 """

@@ -32,6 +32,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 
@@ -121,6 +122,55 @@ static void merge_chunks(const float* pmax, const float* psum, const float* pout
 }
 
 static inline int64_t chunk_of(int64_t S) { return std::max<int64_t>(256, (S + 7) / 8); }
+
+// A step's work items over several sequences, (sequence, KV head, chunk of keys) in that order: each sequence's
+// chunks are set by its own length, so its numbers are those it gets alone, whatever runs beside it.
+struct WorkItems {
+  std::vector<int64_t> chunk, nchunks, first;  // first[b]: sequence b's first item
+  template <typename Seq>
+  WorkItems(const std::vector<Seq>& seqs, int64_t Hkv)
+      : chunk(seqs.size()), nchunks(seqs.size()), first(seqs.size() + 1, 0) {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      chunk[i] = chunk_of(seqs[i].S);
+      nchunks[i] = (seqs[i].S + chunk[i] - 1) / chunk[i];
+      first[i + 1] = first[i] + Hkv * nchunks[i];
+    }
+  }
+  int64_t total() const { return first.back(); }
+  int64_t seq_of(int64_t item) const { return std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1; }
+  // each sequence's partials (item order (head, chunk) within it, as merge_chunks reads them) into its output
+  template <typename Seq>
+  void merge(const std::vector<Seq>& seqs, const std::vector<float>& pmax, const std::vector<float>& psum,
+             const std::vector<float>& pout, int64_t Hkv, int64_t G, int64_t D) const {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int64_t at = first[i] * G;
+      merge_chunks(pmax.data() + at, psum.data() + at, pout.data() + at * D, Hkv, nchunks[i], G, D, seqs[i].out);
+    }
+  }
+};
+
+// f(integral_constant G, integral_constant D) for the group sizes (1-8) and head dims (64, 128) the vector paths
+// are instantiated for; false for any other shape (the generic loop takes it)
+template <typename F>
+static bool for_group_and_dim(int64_t G, int64_t D, F&& f) {
+  auto with_dim = [&](auto g) {
+    if (D == 64) f(g, std::integral_constant<int, 64>{});
+    else if (D == 128) f(g, std::integral_constant<int, 128>{});
+    else return false;
+    return true;
+  };
+  switch (G) {
+    case 1: return with_dim(std::integral_constant<int, 1>{});
+    case 2: return with_dim(std::integral_constant<int, 2>{});
+    case 3: return with_dim(std::integral_constant<int, 3>{});
+    case 4: return with_dim(std::integral_constant<int, 4>{});
+    case 5: return with_dim(std::integral_constant<int, 5>{});
+    case 6: return with_dim(std::integral_constant<int, 6>{});
+    case 7: return with_dim(std::integral_constant<int, 7>{});
+    case 8: return with_dim(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
 """ + BF16_PATH + AMX_PATH + F32_PATH + r"""
 template <typename T>
 static void decode_attn_impl(const at::Tensor& q, const Rows<T>& kr_, const Rows<T>& vr_, int64_t Hkv, int64_t S,
@@ -336,7 +386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v26"
+_NAME = "ragkv_decode_attention_v27"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
