@@ -386,7 +386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "ragkv_decode_attention_v27"
+_NAME = "ragkv_decode_attention_v28"
 # the compiled module, or None (callers use their torch path); -ffast-math vectorizes the fp32 dot products' sums
 kernel = LazyExtension(_NAME, _SOURCE, "decode-attention kernel", fast_math=True)
 
